@@ -1,0 +1,5 @@
+import sys
+
+from groundtune.cli import main
+
+sys.exit(main())

@@ -1,0 +1,362 @@
+"""Every box convention groundtune knows, in one place.
+
+The only box stored anywhere is the canonical one: xyxy in absolute pixels of the ORIGINAL image.
+Everything a model reads or writes is computed from it here, and everything a model answers is
+mapped back to it here. Training targets, evaluation, rewards, predict and serve all call these
+functions, so a convention bug shows up everywhere at once instead of silently in one stage.
+
+The three model families and what their boxes mean:
+
+=============  ===================================  ==========================================
+family         coordinate space                     answer text
+=============  ===================================  ==========================================
+qwen2.5-vl     absolute pixels of the image AFTER   ``[{"bbox_2d": [x1, y1, x2, y2], "label": ..}]``
+               smart_resize (factor 28)
+qwen2-vl       0-1000 of the image (factor 28)      ``<|object_ref_start|>label<|object_ref_end|>``
+                                                    ``<|box_start|>(x1,y1),(x2,y2)<|box_end|>``
+qwen3-vl       0-1000 of the image (factor 32)      ``[{"bbox_2d": [x1, y1, x2, y2], "label": ..}]``
+=============  ===================================  ==========================================
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+Box = list[float]  # [x1, y1, x2, y2]
+Size = tuple[int, int]  # (width, height): PIL's order. smart_resize alone keeps qwen-vl-utils' (h, w).
+
+# qwen-vl-utils' own defaults, so that smart_resize(h, w) with no keywords matches it exactly.
+MIN_PIXELS = 4 * 28 * 28  # 3,136
+MAX_PIXELS = 16384 * 28 * 28  # 12,845,056 (the shipped preprocessor_config.json)
+MAX_RATIO = 200
+
+# groundtune's default pixel budget for a run: transformers' and Qwen's grounding notebook's value.
+# ~1,280 visual tokens: enough for RefCOCO-sized images, small enough to train on 24 GB.
+DEFAULT_MAX_PIXELS = 1280 * 28 * 28  # 1,003,520
+
+FAMILIES = ("qwen2.5-vl", "qwen2-vl", "qwen3-vl")
+FAMILY_FACTOR = {"qwen2.5-vl": 28, "qwen2-vl": 28, "qwen3-vl": 32}  # patch 14 (16 for Qwen3) x merge 2
+NORM_FAMILIES = ("qwen2-vl", "qwen3-vl")  # families whose boxes are 0-1000 of the image
+NORM_SCALE = 1000
+
+
+# --------------------------------------------------------------------------------------------
+# Resizing
+
+
+def _round_by_factor(number: float, factor: int) -> int:
+    return round(number / factor) * factor
+
+
+def _ceil_by_factor(number: float, factor: int) -> int:
+    return math.ceil(number / factor) * factor
+
+
+def _floor_by_factor(number: float, factor: int) -> int:
+    return math.floor(number / factor) * factor
+
+
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int = 28,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
+) -> tuple[int, int]:
+    """Return ``(resized_height, resized_width)`` exactly as qwen-vl-utils' ``smart_resize`` does.
+
+    Each side is rounded to a multiple of ``factor``; if the area is then above ``max_pixels`` the
+    image is scaled down (sides floored), if below ``min_pixels`` scaled up (sides ceiled). Aspect
+    ratios above 200 are refused, as the reference refuses them.
+    """
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image size must be positive, got height={height}, width={width}")
+    if max(height, width) / min(height, width) > MAX_RATIO:
+        raise ValueError(
+            f"absolute aspect ratio must be smaller than {MAX_RATIO}, "
+            f"got {max(height, width) / min(height, width)}"
+        )
+    h_bar = max(factor, _round_by_factor(height, factor))
+    w_bar = max(factor, _round_by_factor(width, factor))
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = _floor_by_factor(height / beta, factor)
+        w_bar = _floor_by_factor(width / beta, factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = _ceil_by_factor(height * beta, factor)
+        w_bar = _ceil_by_factor(width * beta, factor)
+    return h_bar, w_bar
+
+
+@dataclass(frozen=True)
+class ResizeSpec:
+    """The pixel budget of a run. Saved with every checkpoint and export, read back by eval,
+    predict and serve, so the model never sees images resized differently from training."""
+
+    factor: int = 28
+    min_pixels: int = MIN_PIXELS
+    max_pixels: int = DEFAULT_MAX_PIXELS
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0:
+            raise ValueError(f"factor must be positive, got {self.factor}")
+        if not 0 < self.min_pixels <= self.max_pixels:
+            raise ValueError(
+                f"need 0 < min_pixels <= max_pixels, got min_pixels={self.min_pixels}, "
+                f"max_pixels={self.max_pixels}"
+            )
+
+    @classmethod
+    def for_family(cls, family: str, min_pixels: int = MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS):
+        return cls(factor=FAMILY_FACTOR[check_family(family)], min_pixels=min_pixels, max_pixels=max_pixels)
+
+    def resized_size(self, size: Size) -> Size:
+        """(width, height) of the image the model sees, for an original (width, height)."""
+        width, height = size
+        rh, rw = smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
+        return rw, rh
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ResizeSpec":
+        return cls(factor=int(d["factor"]), min_pixels=int(d["min_pixels"]), max_pixels=int(d["max_pixels"]))
+
+
+def check_family(family: str) -> str:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILIES)}")
+    return family
+
+
+# --------------------------------------------------------------------------------------------
+# Plain geometry
+
+
+def xywh_to_xyxy(box: Sequence[float]) -> Box:
+    x, y, w, h = (float(v) for v in box)
+    return [x, y, x + w, y + h]
+
+
+def xyxy_to_xywh(box: Sequence[float]) -> Box:
+    x1, y1, x2, y2 = (float(v) for v in box)
+    return [x1, y1, x2 - x1, y2 - y1]
+
+
+def scale_box(box: Sequence[float], from_size: Size, to_size: Size) -> Box:
+    """Map a pixel box between two sizes of the same picture (the picture is stretched, not cropped)."""
+    sx = to_size[0] / from_size[0]
+    sy = to_size[1] / from_size[1]
+    x1, y1, x2, y2 = box
+    return [x1 * sx, y1 * sy, x2 * sx, y2 * sy]
+
+
+def original_to_resized(box: Sequence[float], original_size: Size, resized_size: Size) -> Box:
+    return scale_box(box, original_size, resized_size)
+
+
+def resized_to_original(box: Sequence[float], resized_size: Size, original_size: Size) -> Box:
+    return scale_box(box, resized_size, original_size)
+
+
+def to_norm1000(box: Sequence[float], size: Size) -> Box:
+    return scale_box(box, size, (NORM_SCALE, NORM_SCALE))
+
+
+def from_norm1000(box: Sequence[float], size: Size) -> Box:
+    return scale_box(box, (NORM_SCALE, NORM_SCALE), size)
+
+
+def clip_box(box: Sequence[float], size: Size) -> Box:
+    w, h = size
+    x1, y1, x2, y2 = box
+    return [min(max(x1, 0.0), w), min(max(y1, 0.0), h), min(max(x2, 0.0), w), min(max(y2, 0.0), h)]
+
+
+def box_area(box: Sequence[float]) -> float:
+    return max(0.0, box[2] - box[0]) * max(0.0, box[3] - box[1])
+
+
+def iou(a: Sequence[float], b: Sequence[float]) -> float:
+    """Intersection over union of two xyxy boxes; 0 when the union is empty."""
+    iw = min(a[2], b[2]) - max(a[0], b[0])
+    ih = min(a[3], b[3]) - max(a[1], b[1])
+    inter = max(0.0, iw) * max(0.0, ih)
+    union = box_area(a) + box_area(b) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def giou(a: Sequence[float], b: Sequence[float]) -> float:
+    """Generalised IoU (Rezatofighi et al. 2019), in [-1, 1]: IoU minus the share of the smallest
+    enclosing box that neither box covers, so disjoint boxes still get a distance signal."""
+    iw = min(a[2], b[2]) - max(a[0], b[0])
+    ih = min(a[3], b[3]) - max(a[1], b[1])
+    inter = max(0.0, iw) * max(0.0, ih)
+    union = box_area(a) + box_area(b) - inter
+    hull = (max(a[2], b[2]) - min(a[0], b[0])) * (max(a[3], b[3]) - min(a[1], b[1]))
+    if union <= 0 or hull <= 0:
+        return 0.0
+    return inter / union - (hull - union) / hull
+
+
+# --------------------------------------------------------------------------------------------
+# Model coordinates: original pixels <-> what a family reads and writes
+
+
+def to_model_coords(box: Sequence[float], family: str, original_size: Size, resized_size: Size) -> list[int]:
+    """Original-pixel xyxy -> the integer coordinates the family writes in its answer."""
+    check_family(family)
+    if family in NORM_FAMILIES:
+        coords = to_norm1000(box, original_size)
+        limit = (NORM_SCALE, NORM_SCALE)
+    else:
+        coords = original_to_resized(box, original_size, resized_size)
+        limit = resized_size
+    x1, y1, x2, y2 = (int(round(v)) for v in coords)
+    return [min(max(x1, 0), limit[0]), min(max(y1, 0), limit[1]), min(max(x2, 0), limit[0]), min(max(y2, 0), limit[1])]
+
+
+def from_model_coords(coords: Sequence[float], family: str, original_size: Size, resized_size: Size) -> Box:
+    """The family's answer coordinates -> original-pixel xyxy (not clipped)."""
+    check_family(family)
+    if family in NORM_FAMILIES:
+        return from_norm1000(coords, original_size)
+    return resized_to_original(coords, resized_size, original_size)
+
+
+def format_target(
+    boxes: Sequence[Sequence[float]],
+    label: str,
+    family: str,
+    original_size: Size,
+    resized_size: Size,
+) -> str:
+    """The answer text a model of ``family`` should produce for these original-pixel boxes."""
+    coords = [to_model_coords(b, family, original_size, resized_size) for b in boxes]
+    if family == "qwen2-vl":
+        spans = "".join(f"<|box_start|>({c[0]},{c[1]}),({c[2]},{c[3]})<|box_end|>" for c in coords)
+        return f"<|object_ref_start|>{label}<|object_ref_end|>{spans}"
+    return json.dumps([{"bbox_2d": c, "label": label} for c in coords], ensure_ascii=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing model output
+
+
+@dataclass
+class ParsedAnswer:
+    """What a model answered, in original pixels. ``boxes`` is empty and ``error`` says why when
+    nothing usable was found: a caller counts that as a parse failure, never as a guessed box."""
+
+    boxes: list[Box] = field(default_factory=list)
+    labels: list[str | None] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.boxes)
+
+    @property
+    def box(self) -> Box | None:
+        return self.boxes[0] if self.boxes else None
+
+
+_NUM = r"-?\d+(?:\.\d+)?"
+_SPECIAL_BOX = re.compile(
+    rf"(?:<\|box_start\|>)?\s*\(\s*({_NUM})\s*,\s*({_NUM})\s*\)\s*,\s*\(\s*({_NUM})\s*,\s*({_NUM})\s*\)\s*(?:<\|box_end\|>)?"
+)
+_REF = re.compile(r"<\|object_ref_start\|>(.*?)<\|object_ref_end\|>", re.S)
+# A bracketed list of exactly four numbers. The key "bbox_2d" holds a digit, so numbers are only
+# ever read from inside brackets, never "the first four numbers after the key".
+_BARE_LIST = re.compile(rf"\[\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*\]")
+_BOX_KEYS = ("bbox_2d", "bbox", "box", "bbox2d")
+
+
+def _json_candidates(text: str) -> list:
+    """Every JSON value that starts at a '[' or '{' in the text, outermost first."""
+    decoder = json.JSONDecoder()
+    found, i = [], 0
+    while i < len(text):
+        if text[i] in "[{":
+            try:
+                value, end = decoder.raw_decode(text, i)
+            except json.JSONDecodeError:
+                i += 1
+                continue
+            found.append(value)
+            i = end
+        else:
+            i += 1
+    return found
+
+
+def _is_four_numbers(v) -> bool:
+    return (
+        isinstance(v, (list, tuple))
+        and len(v) == 4
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+    )
+
+
+def _boxes_from_json(value) -> list[tuple[list[float], str | None]]:
+    if _is_four_numbers(value):
+        return [([float(x) for x in value], None)]
+    if isinstance(value, dict):
+        for key in _BOX_KEYS:
+            if _is_four_numbers(value.get(key)):
+                label = value.get("label")
+                return [([float(x) for x in value[key]], label if isinstance(label, str) else None)]
+        return [b for v in value.values() if isinstance(v, (list, dict)) for b in _boxes_from_json(v)]
+    if isinstance(value, list):
+        return [b for v in value for b in _boxes_from_json(v)]
+    return []
+
+
+def _raw_boxes(text: str) -> list[tuple[list[float], str | None]]:
+    """Coordinates as written, in the order they appear; tries the strictest reading first."""
+    # 1. Special-token form (Qwen2-VL), with or without the tokens around the two points.
+    if "<|box_start|>" in text or re.search(r"\(\s*" + _NUM + r"\s*,", text):
+        labels = _REF.findall(text)
+        found = [([float(g) for g in m.groups()], None) for m in _SPECIAL_BOX.finditer(text)]
+        if found:
+            if len(labels) == len(found):
+                found = [(b, lab.strip()) for (b, _), lab in zip(found, labels)]
+            elif len(labels) == 1:
+                found = [(b, labels[0].strip()) for b, _ in found]
+            return found
+    # 2. JSON anywhere in the text (code fences and chatter around it are ignored).
+    found = [b for value in _json_candidates(text) for b in _boxes_from_json(value)]
+    if found:
+        return found
+    # 3. Truncated or malformed JSON: bracketed four-number lists anywhere.
+    return [([float(g) for g in m.groups()], None) for m in _BARE_LIST.finditer(text)]
+
+
+def parse_answer(text: str, family: str, original_size: Size, resized_size: Size) -> ParsedAnswer:
+    """Read every box in a model's answer and map it to original pixels, clipped to the image.
+
+    Tolerates JSON with or without code fences, the special-token form, bare ``[x1, y1, x2, y2]``
+    lists, several boxes and extra text. Corners given in the wrong order are put in order; a box
+    that has no area once clipped to the image is dropped and, if none is left, reported.
+    """
+    check_family(family)
+    raw = _raw_boxes(text or "")
+    if not raw:
+        return ParsedAnswer(error="no box found in the answer")
+    boxes, labels = [], []
+    for coords, label in raw:
+        x1, y1, x2, y2 = coords
+        ordered = [min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)]
+        box = clip_box(from_model_coords(ordered, family, original_size, resized_size), original_size)
+        if box_area(box) > 0:
+            boxes.append(box)
+            labels.append(label)
+    if not boxes:
+        return ParsedAnswer(error="every box in the answer is empty or outside the image")
+    return ParsedAnswer(boxes=boxes, labels=labels)

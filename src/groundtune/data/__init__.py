@@ -1,0 +1,1 @@
+"""Data: sources -> canonical JSONL, checks, pictures, the synthetic set, box-true augmentation."""
