@@ -218,8 +218,21 @@ def to_model_coords(box: Sequence[float], family: str, original_size: Size, resi
     else:
         coords = original_to_resized(box, original_size, resized_size)
         limit = resized_size
-    x1, y1, x2, y2 = (int(round(v)) for v in coords)
-    return [min(max(x1, 0), limit[0]), min(max(y1, 0), limit[1]), min(max(x2, 0), limit[0]), min(max(y2, 0), limit[1])]
+    # Round half up (not Python's half-to-even) so corners one unit apart never collapse together.
+    x1, y1, x2, y2 = (math.floor(v + 0.5) for v in coords)
+    x1, x2 = _keep_one_unit(x1, x2, limit[0])
+    y1, y2 = _keep_one_unit(y1, y2, limit[1])
+    return [x1, y1, x2, y2]
+
+
+def _keep_one_unit(lo: int, hi: int, limit: int) -> tuple[int, int]:
+    """Clamp to [0, limit] and keep at least one unit between the corners: a box smaller than the
+    coordinate grid must stay a box in the target text, not become a line the parser rejects."""
+    lo, hi = min(max(lo, 0), limit), min(max(hi, 0), limit)
+    if hi <= lo:
+        hi = min(lo + 1, limit)
+        lo = hi - 1
+    return lo, hi
 
 
 def from_model_coords(coords: Sequence[float], family: str, original_size: Size, resized_size: Size) -> Box:
@@ -272,9 +285,10 @@ _SPECIAL_BOX = re.compile(
     rf"(?:<\|box_start\|>)?\s*\(\s*({_NUM})\s*,\s*({_NUM})\s*\)\s*,\s*\(\s*({_NUM})\s*,\s*({_NUM})\s*\)\s*(?:<\|box_end\|>)?"
 )
 _REF = re.compile(r"<\|object_ref_start\|>(.*?)<\|object_ref_end\|>", re.S)
-# A bracketed list of exactly four numbers. The key "bbox_2d" holds a digit, so numbers are only
-# ever read from inside brackets, never "the first four numbers after the key".
-_BARE_LIST = re.compile(rf"\[\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*\]")
+# A bracketed list of exactly four numbers (the closing bracket may be cut off at the end of a
+# truncated answer). The key "bbox_2d" holds a digit, so numbers are only ever read from inside
+# brackets, never "the first four numbers after the key".
+_BARE_LIST = re.compile(rf"\[\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*(?:\]|$)")
 _BOX_KEYS = ("bbox_2d", "bbox", "box", "bbox2d")
 
 

@@ -1,0 +1,382 @@
+"""Dataset sources -> canonical JSONL (design.md, "Canonical sample").
+
+One function per source, each called by ``groundtune data convert --from SOURCE``:
+
+==============  ============================================================================
+convert_refcoco the refer toolkit's ``refs(unc).p`` / ``refs(umd).p`` / ``refs(google).p`` +
+                its ``instances.json`` (RefCOCO, RefCOCO+, RefCOCOg)
+convert_parquet lmms-lab/RefCOCO-style parquet with the images embedded
+convert_coco    COCO ``instances_*.json``: one sample per object, phrase = category name
+convert_jsonl   canonical JSONL in, validated and normalised JSONL out
+==============  ============================================================================
+
+Every function writes through ``records.write_samples`` (a crash leaves no half-written file),
+shows a progress bar, and returns the number of samples written. Every box written is xyxy in
+pixels of the original image, converted from the source's xywh by ``boxes.xywh_to_xyxy``.
+
+Image paths are written relative to the output file's folder when the image lies inside that
+folder (the folder can then move as a whole), and absolute otherwise: a ``../`` path would break
+as soon as the JSONL alone is moved or copied.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import pickle
+from pathlib import Path
+from typing import Iterator, NoReturn
+
+import pyarrow.parquet as pq
+from PIL import Image
+
+from groundtune.boxes import xywh_to_xyxy
+from groundtune.progress import track
+
+from .records import DataError, atomic_write, image_path, iter_jsonl, write_samples
+
+
+def _sample(id, image, width, height, phrase, bbox, split, source, **extras) -> dict:
+    """A canonical record with its keys in the documented order, extras last."""
+    return {
+        "id": id,
+        "image": image,
+        "width": width,
+        "height": height,
+        "phrase": phrase,
+        "bbox": bbox,
+        "split": split,
+        "source": source,
+        **extras,
+    }
+
+
+def _image_ref(image: str | Path, out: str | Path) -> str:
+    """How the output file names an image (see the module docstring for why not always relative)."""
+    # abspath, not resolve: a symlinked dataset folder stays spelled the way the user spelled it.
+    image = Path(os.path.abspath(image))
+    folder = Path(os.path.abspath(out)).parent
+    try:
+        return image.relative_to(folder).as_posix()
+    except ValueError:
+        return str(image)
+
+
+def _load_instances(path: str | Path) -> tuple[dict, dict]:
+    """COCO instances.json -> (the whole file, images by id). COCO json has no streaming reader
+    in the standard library; pycocotools loads it whole too."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); is it COCO instances.json?") from None
+    if not isinstance(data, dict) or "images" not in data or "annotations" not in data:
+        raise DataError(f"{path}: not a COCO instances file (needs 'images' and 'annotations')")
+    return data, {im["id"]: im for im in data["images"]}
+
+
+# --------------------------------------------------------------------------------------------
+# RefCOCO / RefCOCO+ / RefCOCOg (the refer toolkit's files)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    # The refer pickles hold only lists, dicts, strings and numbers, so refusing every class
+    # costs nothing and means a tampered pickle cannot run code while being read.
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"it asks for {module}.{name}; a refs pickle holds only plain lists and dicts")
+
+
+def _load_refs(path: str | Path) -> list[dict]:
+    with open(path, "rb") as f:
+        try:
+            # The pickles were written by Python 2; its byte strings are decoded as UTF-8.
+            refs = _PlainUnpickler(f, encoding="utf-8").load()
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError) as e:
+            raise DataError(f"{path}: cannot read the refs pickle ({e}); expected refs(unc).p, refs(umd).p "
+                            "or refs(google).p from the refer toolkit") from None
+    if not isinstance(refs, list) or not all(isinstance(r, dict) for r in refs):
+        raise DataError(f"{path}: expected a list of refs (dicts), got {type(refs).__name__}")
+    for i, ref in enumerate(refs):
+        missing = [k for k in ("ref_id", "ann_id", "image_id", "split", "sentences") if k not in ref]
+        if missing:
+            raise DataError(f"{path}: ref #{i} has no {', '.join(missing)}; is this a refer toolkit pickle?")
+    return refs
+
+
+def refer_source(refs_path: str | Path) -> str:
+    """Which dataset a refs pickle belongs to. The refer toolkit keeps each in a folder named after
+    it (refcoco/, refcoco+/, refcocog/, refclef/) with overlapping file names (refcoco and refcocog
+    both have refs(google).p), so the folder decides. Failing that, only RefCOCOg has a umd split;
+    anything else is taken as RefCOCO."""
+    path = Path(refs_path)
+    folder = path.parent.name.lower()
+    if folder in ("refcoco", "refcoco+", "refcocog", "refclef"):
+        return folder
+    return "refcocog" if "umd" in path.name.lower() else "refcoco"
+
+
+def convert_refcoco(
+    refs: str | Path,
+    instances: str | Path,
+    images: str | Path,
+    out: str | Path,
+    split: str | None = None,
+) -> int:
+    """Refer toolkit files -> canonical JSONL, one line per sentence. Returns the lines written.
+
+    The image comes from instances.json's ``file_name``, never from the ref's ``file_name``, which
+    carries an ``_<ann_id>`` suffix that names no file on disk. ``split`` keeps only that split.
+    """
+    if not Path(images).is_dir():
+        raise DataError(f"{images}: images folder not found; pass the folder holding the COCO train2014 images")
+    ref_list = _load_refs(refs)
+    data, image_by_id = _load_instances(instances)
+    ann_by_id = {a["id"]: a for a in data["annotations"]}
+    source = refer_source(refs)
+    if split is not None:
+        splits = sorted({r["split"] for r in ref_list})
+        if split not in splits:
+            raise DataError(f"{refs}: no ref has split {split!r}; its splits are {', '.join(splits)}")
+        ref_list = [r for r in ref_list if r["split"] == split]
+
+    def samples() -> Iterator[dict]:
+        for ref in track(ref_list, f"{source} refs"):
+            ann = ann_by_id.get(ref["ann_id"])
+            im = image_by_id.get(ref["image_id"])
+            if ann is None or im is None:
+                what = f"ann_id {ref['ann_id']}" if ann is None else f"image_id {ref['image_id']}"
+                raise DataError(f"{instances}: ref_id {ref['ref_id']} of {refs} names {what}, which is not in "
+                                "this file; pass the instances.json that came with the refs pickle")
+            bbox = xywh_to_xyxy(ann["bbox"])
+            image = _image_ref(Path(images) / im["file_name"], out)
+            for sent in ref["sentences"]:
+                yield _sample(
+                    f"{source}-{ref['split']}-{sent['sent_id']}", image, im["width"], im["height"],
+                    (sent.get("raw") or sent["sent"]).strip(), bbox, ref["split"], source,
+                    ref_id=ref["ref_id"], ann_id=ref["ann_id"], image_id=ref["image_id"], sent_id=sent["sent_id"],
+                )
+
+    return write_samples(out, samples())
+
+
+# --------------------------------------------------------------------------------------------
+# Parquet with embedded images (lmms-lab/RefCOCO, RefCOCO+, RefCOCOg on the hub)
+
+_PARQUET_REQUIRED = ("image", "bbox", "answer")
+_PARQUET_OPTIONAL = ("question_id", "file_name", "split")
+_EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "TIFF": "tif"}  # otherwise the format's name, lower case
+
+
+def _parquet_files(path: str | Path) -> list[Path]:
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise DataError(f"{path}: no such parquet file or folder")
+    files = sorted(path.rglob("*.parquet"))
+    if not files:
+        raise DataError(f"{path}: no .parquet files in this folder")
+    return files
+
+
+def _image_bytes(value, where: str) -> bytes:
+    """HF datasets stores an Image feature as {"bytes", "path"}; plain binary columns hold bytes."""
+    data = value.get("bytes") if isinstance(value, dict) else value
+    if not isinstance(data, (bytes, bytearray)) or not data:
+        raise DataError(f"{where}: no embedded image bytes; convert a dataset saved with its images embedded")
+    return bytes(data)
+
+
+def _store_image(data: bytes, images_out: Path, seen: dict, where: str) -> tuple[Path, int, int]:
+    """Write an embedded image once, named by its content hash; returns (file, width, height).
+    RefCOCO has ~10 expressions per image, so hashing saves ~90% of the disk and the writes."""
+    digest = hashlib.sha1(data).hexdigest()
+    if digest not in seen:
+        try:
+            with Image.open(io.BytesIO(data)) as im:  # reads the header only
+                (width, height), fmt = im.size, im.format
+        except (OSError, SyntaxError, ValueError) as e:
+            raise DataError(f"{where}: cannot read the embedded image ({e})") from None
+        target = images_out / f"{digest[:16]}.{_EXTENSIONS.get(fmt, fmt.lower())}"
+        if not target.exists():  # same name means same bytes: a re-run skips what is already there
+            with atomic_write(target, "wb") as f:
+                f.write(data)
+        seen[digest] = (target, width, height)
+    return seen[digest]
+
+
+def convert_parquet(path: str | Path, images_out: str | Path, out: str | Path, split: str | None = None) -> int:
+    """Parquet rows (image, bbox as xywh, answer = phrase or list of phrases) -> canonical JSONL,
+    one line per phrase. Returns the lines written.
+
+    ``path`` is one .parquet file or a folder searched for them (sorted). Row batches are streamed,
+    so memory holds one batch, not the dataset. Each distinct image is written once to
+    ``images_out``. The split is ``split`` if given, else the row's ``split`` column, else the file
+    name before the first '-' ("val-00000-of-00002.parquet" -> "val"). The id is
+    ``<question_id>-<phrase index>``; the source is "parquet".
+    """
+    files = {f: pq.ParquetFile(f) for f in _parquet_files(path)}
+    for f, pf in files.items():
+        missing = [c for c in _PARQUET_REQUIRED if c not in pf.schema_arrow.names]
+        if missing:
+            raise DataError(f"{f}: no column {', '.join(missing)}; expected columns {', '.join(_PARQUET_REQUIRED)}")
+    images_out = Path(images_out)
+    seen: dict = {}
+
+    def rows() -> Iterator[tuple[Path, int, dict]]:
+        for f, pf in files.items():
+            columns = [c for c in _PARQUET_REQUIRED + _PARQUET_OPTIONAL if c in pf.schema_arrow.names]
+            row = 0
+            # Small batches: a row carries a whole image, so 64 rows is already several MB.
+            for batch in pf.iter_batches(batch_size=64, columns=columns):
+                for record in batch.to_pylist():
+                    yield f, row, record
+                    row += 1
+
+    def samples() -> Iterator[dict]:
+        total = sum(pf.metadata.num_rows for pf in files.values())  # from the footers, no data read
+        for f, row, record in track(rows(), "parquet rows", total=total):
+            where = f"{f}: row {row}"
+            bbox = record["bbox"]
+            if not isinstance(bbox, list) or len(bbox) != 4 or any(v is None for v in bbox):
+                raise DataError(f"{where}: bbox {bbox!r} is not 4 numbers (x, y, width, height)")
+            file, width, height = _store_image(_image_bytes(record["image"], where), images_out, seen, where)
+            answer = record["answer"]
+            phrases = [answer] if isinstance(answer, str) else list(answer or [])
+            qid = record.get("question_id")
+            if qid is None:
+                qid = f"{f.stem}-{row}"
+            extras = {k: record[k] for k in ("question_id", "file_name") if record.get(k) is not None}
+            for i, phrase in enumerate(phrases):
+                if not phrase or not phrase.strip():
+                    continue  # an empty expression cannot be grounded; the index keeps later ids stable
+                yield _sample(
+                    f"{qid}-{i}", _image_ref(file, out), width, height, phrase.strip(), xywh_to_xyxy(bbox),
+                    split or record.get("split") or f.stem.split("-")[0], "parquet", **extras,
+                )
+
+    return write_samples(out, samples())
+
+
+# --------------------------------------------------------------------------------------------
+# COCO detection annotations
+
+
+def convert_coco(instances: str | Path, images: str | Path, out: str | Path, split: str | None = None) -> int:
+    """COCO instances.json -> canonical JSONL, one line per object, phrase = category name.
+    Returns the lines written.
+
+    Crowd annotations (iscrowd=1) are skipped: their box covers a group of objects, not one
+    referent. ``split`` is recorded on every line; without it, the instances file name decides
+    ("instances_val2017.json" -> "val2017").
+    """
+    data, image_by_id = _load_instances(instances)
+    names = {c["id"]: c["name"] for c in data.get("categories", [])}
+    split = split or Path(instances).stem.removeprefix("instances_")
+
+    def samples() -> Iterator[dict]:
+        for ann in track(data["annotations"], "coco annotations"):
+            if ann.get("iscrowd"):
+                continue
+            im = image_by_id.get(ann["image_id"])
+            if im is None or ann["category_id"] not in names:
+                what = f"image_id {ann['image_id']}" if im is None else f"category_id {ann['category_id']}"
+                raise DataError(f"{instances}: annotation {ann['id']} names {what}, which this file does not define")
+            yield _sample(
+                f"coco-{split}-{ann['id']}", _image_ref(Path(images) / im["file_name"], out), im["width"],
+                im["height"], names[ann["category_id"]], xywh_to_xyxy(ann["bbox"]), split, "coco",
+                ann_id=ann["id"], image_id=ann["image_id"], category_id=ann["category_id"],
+            )
+
+    return write_samples(out, samples())
+
+
+# --------------------------------------------------------------------------------------------
+# Canonical JSONL -> validated, normalised canonical JSONL
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _box(value) -> list[float] | None:
+    """A box as four finite floats, or None when it is not one."""
+    if isinstance(value, list) and len(value) == 4 and all(_is_number(v) for v in value):
+        return [float(v) for v in value]
+    return None
+
+
+def _boxes(value) -> list[list[float]] | None:
+    """A non-empty list of boxes as floats, or None when it is not one."""
+    boxes = [_box(b) for b in value] if isinstance(value, list) else []
+    return boxes if boxes and None not in boxes else None
+
+
+def _size(value) -> int | None:
+    """A positive integral width/height (640 or 640.0) as int, or None."""
+    if _is_number(value) and value > 0 and float(value).is_integer():
+        return int(value)
+    return None
+
+
+def convert_jsonl(path: str | Path, out: str | Path) -> int:
+    """Canonical JSONL -> the same records validated and normalised. Returns the lines written.
+
+    Fills ``width``/``height`` from the image header when missing, makes boxes floats, fills a
+    missing ``id`` with ``<file stem>-<line>``, a missing ``split`` with the file stem (synth writes
+    SPLIT.jsonl) and a missing ``source`` with "jsonl". Image paths are read relative to ``path``
+    and written for ``out``. The first bad line raises, naming file and line.
+    """
+    path = Path(path)
+    with open(path, "rb") as f:
+        total = sum(1 for _ in f)  # one quick pass buys the progress bar an ETA
+
+    def fail(number: int, problem: str) -> NoReturn:
+        raise DataError(f"{path}:{number}: {problem}; run `groundtune data check {path}` to see every problem")
+
+    def samples() -> Iterator[dict]:
+        for line in track(iter_jsonl(path), "jsonl lines", total=total):
+            n, r = line.number, line.record
+            if line.error:
+                fail(n, line.error)
+            if not isinstance(r.get("phrase"), str) or not r["phrase"].strip():
+                fail(n, "no phrase")
+            if not isinstance(r.get("image"), str) or not r["image"]:
+                fail(n, "no image")
+            if ("bbox" in r) == ("bboxes" in r):
+                fail(n, "needs exactly one of bbox or bboxes")
+            key = "bbox" if "bbox" in r else "bboxes"
+            value = _box(r["bbox"]) if key == "bbox" else _boxes(r["bboxes"])
+            if value is None:
+                what = "4 numbers" if key == "bbox" else "a non-empty list of 4-number boxes"
+                fail(n, f"{key} {r[key]!r} is not {what} (x1, y1, x2, y2 in pixels)")
+            image = image_path(r, path)
+            if not image.is_file():
+                fail(n, f"image file {image} not found")
+            width, height = _size(r.get("width")), _size(r.get("height"))
+            if ("width" in r and width is None) or ("height" in r and height is None):
+                fail(n, f"width/height {r.get('width')!r}/{r.get('height')!r} are not positive integers")
+            if width is None or height is None:
+                try:
+                    with Image.open(image) as im:  # the header is enough for the size
+                        width, height = im.size
+                except (OSError, SyntaxError, ValueError) as e:
+                    fail(n, f"cannot read image {image} to fill in width/height ({e})")
+            # Written out here rather than with _sample: a multi-target sample has bboxes in bbox's place.
+            sample = {
+                "id": str(r["id"]) if "id" in r else f"{path.stem}-{n}",
+                "image": _image_ref(image, out),
+                "width": width,
+                "height": height,
+                "phrase": r["phrase"].strip(),
+                key: value,
+                "split": r.get("split", path.stem),
+                "source": r.get("source", "jsonl"),
+            }
+            sample.update((k, v) for k, v in r.items() if k not in sample)
+            yield sample
+
+    return write_samples(out, samples())

@@ -1,0 +1,1 @@
+"""Models: loading (hub, local, run folder, tiny), Qwen specifics, adaptation plans."""

@@ -1,0 +1,168 @@
+"""Everything Qwen-VL-specific: families, model classes, special tokens by name, the grounding
+prompt, the chat template, and turning (image, phrase, answer) into model inputs.
+
+Box conventions are not here: they live in groundtune.boxes, keyed by the family name this
+module reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+
+from groundtune.boxes import ResizeSpec, Size
+
+# config.model_type -> groundtune family name (the key of every box convention)
+FAMILY_BY_MODEL_TYPE = {"qwen2_5_vl": "qwen2.5-vl", "qwen2_vl": "qwen2-vl", "qwen3_vl": "qwen3-vl"}
+MODEL_CLASS_NAME = {
+    "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen2-vl": "Qwen2VLForConditionalGeneration",
+    "qwen3-vl": "Qwen3VLForConditionalGeneration",
+}
+
+# The official grounding prompt (QwenLM/Qwen3-VL issue 1721). Scores are prompt-sensitive, so the
+# prompt is part of a run's saved settings and eval/serve reuse it.
+DEFAULT_PROMPT = (
+    'Locate every object that matches the description "{phrase}" in the image. '
+    "Report bbox coordinates in JSON format."
+)
+
+IMAGE_TOKEN = "<|image_pad|>"
+IM_END = "<|im_end|>"
+IGNORE_INDEX = -100  # label value that carries no loss (PyTorch cross-entropy's default)
+
+
+def model_class(family: str):
+    import transformers
+
+    return getattr(transformers, MODEL_CLASS_NAME[family])
+
+
+def family_of(config) -> str:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILY_BY_MODEL_TYPE:
+        raise ValueError(
+            f"model type {model_type!r} is not a Qwen-VL model; groundtune supports "
+            f"{', '.join(sorted(FAMILY_BY_MODEL_TYPE))}"
+        )
+    return FAMILY_BY_MODEL_TYPE[model_type]
+
+
+@dataclass
+class Processor:
+    """The three things that turn an image and text into model inputs. We call the image processor
+    on images WE resized (do_resize=False) so the pixels the model sees and the box targets come
+    from one ResizeSpec, never from a second resize inside the library."""
+
+    tokenizer: object
+    image_processor: object
+    chat_template: str
+
+    @property
+    def merge_size(self) -> int:
+        return int(getattr(self.image_processor, "merge_size", 2))
+
+    def token_id(self, token: str) -> int:
+        tid = self.tokenizer.convert_tokens_to_ids(token)
+        if tid is None or tid == self.tokenizer.unk_token_id:
+            raise ValueError(f"the tokenizer has no {token} token; is this a Qwen-VL tokenizer?")
+        return tid
+
+    @property
+    def image_token_id(self) -> int:
+        return self.token_id(IMAGE_TOKEN)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return sorted({self.token_id(IM_END), self.tokenizer.eos_token_id} - {None})
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.tokenizer.eos_token_id
+
+
+def resize_image(image: Image.Image, resize: ResizeSpec) -> tuple[Image.Image, Size]:
+    """The image exactly as the model sees it, and its (width, height)."""
+    size = resize.resized_size(image.size)
+    if size != image.size:
+        image = image.resize(size, Image.BICUBIC)
+    return image, size
+
+
+def prompt_text(processor: Processor, phrase: str, prompt: str = DEFAULT_PROMPT) -> str:
+    """The chat-formatted user turn with one image, ending where the assistant's answer starts."""
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": prompt.format(phrase=phrase)}],
+        }
+    ]
+    return processor.tokenizer.apply_chat_template(
+        messages, chat_template=processor.chat_template, tokenize=False, add_generation_prompt=True
+    )
+
+
+def encode(
+    processor: Processor,
+    resized_image: Image.Image,
+    prompt: str,
+    answer: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """One sample -> 1-D ``input_ids`` (+ ``labels`` when an answer is given), ``mm_token_type_ids``,
+    ``pixel_values`` and ``image_grid_thw``.
+
+    Labels are IGNORE_INDEX everywhere except the answer and its closing <|im_end|>: the model
+    learns to answer, not to repeat the prompt or the image placeholders.
+    """
+    vision = processor.image_processor(images=[resized_image], do_resize=False, return_tensors="pt")
+    grid = vision["image_grid_thw"]
+    n_image_tokens = int(grid[0].prod()) // processor.merge_size**2
+    prompt = prompt.replace(IMAGE_TOKEN, IMAGE_TOKEN * n_image_tokens, 1)
+    prompt_ids = processor.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids = list(prompt_ids)
+    labels = [IGNORE_INDEX] * len(ids)
+    if answer is not None:
+        answer_ids = processor.tokenizer(answer + IM_END + "\n", add_special_tokens=False)["input_ids"]
+        ids += answer_ids
+        labels += answer_ids
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    out = {
+        "input_ids": input_ids,
+        # M-RoPE needs to know which positions are image tokens: without this tensor transformers
+        # silently falls back to 1-D positions for the image (a model that cannot see where things are).
+        "mm_token_type_ids": (input_ids == processor.image_token_id).int(),
+        "pixel_values": vision["pixel_values"],
+        "image_grid_thw": grid,
+    }
+    if answer is not None:
+        out["labels"] = torch.tensor(labels, dtype=torch.long)
+    return out
+
+
+def collate(samples: list[dict[str, torch.Tensor]], pad_token_id: int, padding_side: str = "right") -> dict:
+    """Pad a list of encoded samples into a batch. Left padding for generation, right for training."""
+    longest = max(len(s["input_ids"]) for s in samples)
+    batch = {"input_ids": [], "attention_mask": [], "mm_token_type_ids": []}
+    has_labels = "labels" in samples[0]
+    if has_labels:
+        batch["labels"] = []
+    for s in samples:
+        n = len(s["input_ids"])
+        pad = longest - n
+
+        def padded(t: torch.Tensor, value: int) -> torch.Tensor:
+            fill = torch.full((pad,), value, dtype=t.dtype)
+            return torch.cat([fill, t]) if padding_side == "left" else torch.cat([t, fill])
+
+        batch["input_ids"].append(padded(s["input_ids"], pad_token_id))
+        batch["attention_mask"].append(padded(torch.ones(n, dtype=torch.long), 0))
+        batch["mm_token_type_ids"].append(padded(s["mm_token_type_ids"], 0))
+        if has_labels:
+            batch["labels"].append(padded(s["labels"], IGNORE_INDEX))
+    out = {k: torch.stack(v) for k, v in batch.items()}
+    out["pixel_values"] = torch.cat([s["pixel_values"] for s in samples])
+    out["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in samples])
+    return out

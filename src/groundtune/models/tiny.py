@@ -1,0 +1,185 @@
+"""The built-in tiny model: the real Qwen2.5-VL architecture at a few hundred thousand parameters,
+with an offline tokenizer and image processor, shipped in groundtune/assets/tiny.
+
+Two settings decide whether such a small model can learn to ground (field-notes, "Learning from
+scratch"): a small BPE vocabulary in which every digit is its own token (Qwen's pre-tokenizer
+already splits digits), and a LOW rope_theta with mrope_section [2, 7, 7]. With Qwen's stock
+theta of 1e6 the width axis gets only the lowest rotary frequencies and a tiny model never learns
+horizontal position.
+
+The assets are made once by ``python -m groundtune.models.tiny`` and committed; the model is
+randomly initialised from the config (seeded) unless the folder holds trained weights.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+TINY_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny"
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# The Qwen2-VL chat layout, without the default system message (it would only lengthen every
+# sequence of a model that has never seen another system prompt).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Text the tokenizer is trained on: the prompt, answers, and the words of synthetic phrases
+# (present and plausible future variants), so whole words become single tokens.
+_COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "cyan", "pink", "black", "white", "gray"]
+_SHAPES = ["circle", "square", "triangle", "star", "diamond", "cross", "hexagon", "shape", "object"]
+_WORDS = (
+    "the a an of on in at to is left right top bottom above below upper lower leftmost rightmost "
+    "topmost bottommost middle center next beside between near far small big large smallest largest "
+    "one two three first second third other"
+).split()
+TEXT_CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,  # head_dim 32
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 20.0, "mrope_section": [2, 7, 7]},
+    tie_word_embeddings=True,
+)
+VISION_CONFIG = dict(
+    depth=2,
+    hidden_size=64,
+    intermediate_size=256,
+    num_heads=2,
+    out_hidden_size=128,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,
+    fullatt_block_indexes=[1],
+)
+VOCAB_SIZE = 512
+TINY_MAX_PIXELS = 224 * 224
+
+
+def _corpus() -> list[str]:
+    from groundtune.models.qwen import DEFAULT_PROMPT
+
+    lines = []
+    for colour, shape, other in itertools.product(_COLOURS, _SHAPES, _WORDS):
+        phrase = f"the {colour} {shape} {other} the {shape}"
+        lines.append(DEFAULT_PROMPT.format(phrase=phrase))
+        lines.append(f'[{{"bbox_2d": [12, 34, 56, 78], "label": "{phrase}"}}]')
+        lines.append(f"<|object_ref_start|>{phrase}<|object_ref_end|><|box_start|>(1,2),(3,4)<|box_end|>")
+    lines += ["system\nYou are a helpful assistant.\nuser\nassistant\n", "```json\n[]\n```"] * 20
+    return lines
+
+
+def build_tokenizer():
+    """Train the small byte-level BPE on the corpus above and wrap it as a Qwen2Tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE - len(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_corpus(), trainer)
+    import json
+
+    model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=merges)
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_config(tokenizer):
+    from transformers import Qwen2_5_VLConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab_size = max(len(tokenizer), VOCAB_SIZE)
+    return Qwen2_5_VLConfig(
+        text_config=dict(
+            TEXT_CONFIG,
+            vocab_size=vocab_size,
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+        ),
+        vision_config=VISION_CONFIG,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
+
+
+def build_image_processor():
+    from transformers import Qwen2VLImageProcessorPil
+
+    from groundtune.boxes import MIN_PIXELS
+
+    # groundtune resizes images itself (ResizeSpec); the budget here only matters to callers that
+    # use this processor directly, and matches the synthetic canvas.
+    return Qwen2VLImageProcessorPil(
+        patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=MIN_PIXELS, max_pixels=TINY_MAX_PIXELS
+    )
+
+
+def build_assets(out_dir: str | Path = TINY_DIR) -> Path:
+    """Write config.json, the tokenizer files and preprocessor_config.json of the tiny model."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(out_dir)
+    build_config(tokenizer).save_pretrained(out_dir)
+    build_image_processor().save_pretrained(out_dir)
+    from groundtune.boxes import MIN_PIXELS, ResizeSpec
+    from groundtune.models.loading import write_metadata
+    from groundtune.models.qwen import DEFAULT_PROMPT
+
+    # The pixel budget the tiny model is trained and served with: the 112 px synthetic canvas
+    # unchanged, larger images scaled down to about 224 x 224.
+    resize = ResizeSpec(factor=28, min_pixels=MIN_PIXELS, max_pixels=TINY_MAX_PIXELS)
+    write_metadata(out_dir, {"family": "qwen2.5-vl", "resize": resize.to_dict(), "prompt": DEFAULT_PROMPT,
+                             "base_model": "tiny"})
+    return out_dir
+
+
+if __name__ == "__main__":
+    print(build_assets())
