@@ -27,7 +27,8 @@ def load_image(path: str | Path, expected_size: tuple[int, int] | None = None) -
             image = im.copy()
     except FileNotFoundError:
         raise DataError(f"{path}: image file not found") from None
-    except (OSError, SyntaxError, ValueError) as e:
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        # DecompressionBombError is no OSError: a corrupt header claiming billions of pixels raises it.
         raise DataError(f"{path}: cannot decode image ({e})") from None
     if expected_size is not None and image.size != tuple(expected_size):
         transposed = ImageOps.exif_transpose(image)
