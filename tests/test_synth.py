@@ -1,0 +1,228 @@
+"""The synthetic set: reproducible to the byte, boxes exactly tight, every phrase naming one shape.
+
+Phrases are checked with a resolver written here from the grammar, independent of the generator's
+own check (synth.resolve), with strict geometry: "left of" means wholly to the left, "leftmost"
+the unique smallest centre x.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from groundtune.data import synth
+from groundtune.data.records import read_samples
+
+PAL = synth.DEFAULT_PALETTE
+
+
+# --------------------------------------------------------------------------------------------
+# An independent resolver
+
+
+def _grammar(palette: synth.Palette) -> dict[str, re.Pattern]:
+    c = "|".join(palette.colours)
+    k = "|".join(palette.shapes)
+    head = rf"(?:(?P<c>{c}) )?(?P<k>{k}|shape)"
+    return {
+        "attribute": re.compile(rf"the {head}"),
+        "relation": re.compile(rf"the {head} (?P<rel>left of|right of|above|below) the (?P<ac>{c}) (?P<ak>{k})"),
+        "extreme_pre": re.compile(rf"the (?P<ext>leftmost|rightmost|top|bottom) {head}"),
+        "extreme_post": re.compile(rf"the {head} (?P<ext>on the left|on the right|at the top|at the bottom)"),
+    }
+
+
+_EXT = {"leftmost": "left", "on the left": "left", "rightmost": "right", "on the right": "right",
+        "top": "top", "at the top": "top", "bottom": "bottom", "at the bottom": "bottom"}
+
+
+def _centre(box, axis):
+    return (box[axis] + box[axis + 2]) / 2
+
+
+def independent_resolve(phrase: str, shapes: list[synth.Shape], palette=PAL) -> list[int]:
+    """Indices of the shapes the phrase names, by strict geometry."""
+    for name, pattern in _grammar(palette).items():
+        m = pattern.fullmatch(phrase)
+        if m:
+            break
+    else:
+        raise AssertionError(f"phrase outside the grammar: {phrase!r}")
+    colour, kind = m.group("c"), m.group("k")
+    group = [i for i, s in enumerate(shapes)
+             if (colour is None or s.colour == colour) and (kind == "shape" or s.kind == kind)]
+    if name == "attribute":
+        return group
+    if name == "relation":
+        anchors = [i for i, s in enumerate(shapes) if s.colour == m.group("ac") and s.kind == m.group("ak")]
+        assert len(anchors) == 1, phrase
+        a = shapes[anchors[0]].box
+        side = {
+            "left of": lambda b: b[2] <= a[0],
+            "right of": lambda b: b[0] >= a[2],
+            "above": lambda b: b[3] <= a[1],
+            "below": lambda b: b[1] >= a[3],
+        }[m.group("rel")]
+        return [i for i in group if i != anchors[0] and side(shapes[i].box)]
+    ext = _EXT[m.group("ext")]
+    key = {"left": lambda i: _centre(shapes[i].box, 0), "right": lambda i: -_centre(shapes[i].box, 0),
+           "top": lambda i: _centre(shapes[i].box, 1), "bottom": lambda i: -_centre(shapes[i].box, 1)}[ext]
+    # "the red circle on the left": that shape, which must be the leftmost of all shapes
+    pool = list(range(len(shapes))) if (colour and kind != "shape") else group
+    assert len(pool) >= 2, f"{phrase!r}: nothing to compare with"
+    ranked = sorted(pool, key=key)
+    assert key(ranked[0]) < key(ranked[1]), f"{phrase!r}: a tie"
+    return [ranked[0]] if ranked[0] in group else []
+
+
+# --------------------------------------------------------------------------------------------
+# Determinism
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_same_seed_gives_identical_bytes_whatever_the_workers(tmp_path):
+    a = synth.make_synthetic_set(tmp_path / "a", n=24, seed=3, workers=1)
+    synth.make_synthetic_set(tmp_path / "a2", n=24, seed=3, workers=1)
+    synth.make_synthetic_set(tmp_path / "b", n=24, seed=3, workers=2)
+    fa, fa2, fb = _files(tmp_path / "a"), _files(tmp_path / "a2"), _files(tmp_path / "b")
+    assert a == tmp_path / "a" / "train.jsonl"
+    assert len(fa) == 25  # 24 PNGs + the JSONL, no temporary files left behind
+    assert fa == fa2
+    assert fa == fb
+
+
+def test_different_seed_or_split_differs(tmp_path):
+    synth.make_synthetic_set(tmp_path / "a", n=8, seed=3, workers=1)
+    synth.make_synthetic_set(tmp_path / "c", n=8, seed=4, workers=1)
+    synth.make_synthetic_set(tmp_path / "a", n=8, seed=3, split="val", workers=1)
+    a = read_samples(tmp_path / "a" / "train.jsonl")
+    c = read_samples(tmp_path / "c" / "train.jsonl")
+    v = read_samples(tmp_path / "a" / "val.jsonl")
+    assert [r["bbox"] for r in a] != [r["bbox"] for r in c]
+    # the same seed for val must not copy the training images
+    assert [r["bbox"] for r in a] != [r["bbox"] for r in v]
+    for i in range(8):
+        assert (tmp_path / "a" / "images" / f"train-{i:07d}.png").read_bytes() != (
+            tmp_path / "a" / "images" / f"val-{i:07d}.png"
+        ).read_bytes()
+
+
+def test_records_are_canonical_and_match_iter_samples(tmp_path):
+    path = synth.make_synthetic_set(tmp_path, n=6, seed=5, workers=1, task="full")
+    lines = path.read_text().splitlines()
+    assert len(lines) == 6
+    first = json.loads(lines[0])
+    assert list(first) == ["id", "image", "width", "height", "phrase", "bbox", "split", "source", "task"]
+    assert first["id"] == "synth-train-0" and first["image"] == "images/train-0000000.png"
+    assert (first["width"], first["height"], first["split"], first["source"]) == (112, 112, "train", "synth")
+
+    records = read_samples(path)
+    for (image, rec), disk in zip(synth.iter_samples(5, 0, 6), records):
+        assert rec == {k: v for k, v in disk.items() if k != "image"}
+        on_disk = np.asarray(Image.open(tmp_path / disk["image"]))
+        assert on_disk.shape == (112, 112, 3)
+        assert np.array_equal(on_disk, np.asarray(image))
+    # iter_samples can start anywhere: sample 4 alone is sample 4
+    image, rec = next(synth.iter_samples(5, start=4, count=1))
+    assert rec["id"] == "synth-train-4" and rec["bbox"] == records[4]["bbox"]
+
+
+def test_png_encoder_round_trips():
+    image, _ = synth.make_sample(0, 11, width=70, height=45)
+    data = synth.encode_png(image)
+    decoded = Image.open(io.BytesIO(data))
+    assert decoded.size == (70, 45) and decoded.mode == "RGB"
+    assert np.array_equal(np.asarray(decoded), np.asarray(image))
+
+
+# --------------------------------------------------------------------------------------------
+# Geometry
+
+
+def _check_tight(image: np.ndarray, shape: synth.Shape, rgb) -> None:
+    """The shape's colour touches all four box edges and no pixel of it lies in a 1 px ring
+    around the box (shapes are >= 2 px apart, so the ring belongs to this shape alone)."""
+    x1, y1, x2, y2 = shape.box
+    mask = np.all(image == np.array(rgb, np.uint8), axis=-1)
+    inside = mask[y1:y2, x1:x2]
+    assert inside[0].any() and inside[-1].any() and inside[:, 0].any() and inside[:, -1].any(), shape
+    h, w = mask.shape
+    ring = mask[max(0, y1 - 1): min(h, y2 + 1), max(0, x1 - 1): min(w, x2 + 1)].sum() - inside.sum()
+    assert ring == 0, shape
+
+
+@pytest.mark.parametrize("size", [(112, 112), (160, 96)])
+def test_layout_bounds_sizes_overlap_and_tight_boxes(size):
+    w, h = size
+    lo, hi = (14, 40) if size == (112, 112) else synth._size_range(w, h)
+    counts = set()
+    for i in range(150):
+        scene = synth.make_scene(1, i, width=w, height=h)
+        image, record = synth.make_sample(1, i, width=w, height=h)
+        pixels = np.asarray(image)
+        shapes = scene.shapes
+        counts.add(len(shapes))
+        assert record["bbox"] == scene.bbox == [float(v) for v in shapes[scene.target].box]
+        assert record["phrase"] == scene.phrase
+        assert len({(s.colour, s.kind) for s in shapes}) == len(shapes), "a (colour, shape) pair repeats"
+        for s in shapes:
+            x1, y1, x2, y2 = s.box
+            assert 0 <= x1 < x2 <= w and 0 <= y1 < y2 <= h
+            assert lo <= max(x2 - x1, y2 - y1) <= hi
+            _check_tight(pixels, s, PAL.colours[s.colour])
+        for a in range(len(shapes)):
+            for b in range(a + 1, len(shapes)):
+                p, q = shapes[a].box, shapes[b].box
+                assert p[2] <= q[0] or q[2] <= p[0] or p[3] <= q[1] or q[3] <= p[1], (p, q)
+    assert counts == {1, 2, 3}
+
+
+def test_every_phrase_names_exactly_its_target():
+    forms = {}
+    for i in range(600):
+        scene = synth.make_scene(2, i)
+        assert independent_resolve(scene.phrase, scene.shapes) == [scene.target], (i, scene.phrase, scene.shapes)
+        forms[scene.query.form] = forms.get(scene.query.form, 0) + 1
+    # relational forms are really used, not only the plain "the red circle"
+    assert set(forms) == {"attribute", "relation", "extreme", "attribute+position"}
+    assert forms["relation"] >= 60 and forms["extreme"] >= 60
+
+
+def test_single_task_is_one_shape_named_by_colour_and_shape():
+    for i in range(200):
+        scene = synth.make_scene(0, i, task="single")
+        assert len(scene.shapes) == 1 and scene.target == 0
+        s = scene.shapes[0]
+        assert scene.phrase == f"the {s.colour} {s.kind}"
+    _, record = synth.make_sample(0, 0, task="single")
+    assert record["task"] == "single"
+
+
+def test_palette_variant_is_one_argument():
+    pal = synth.Palette(colours={"purple": (120, 30, 160), "orange": (240, 120, 0)}, shapes=("diamond", "cross"))
+    for i in range(80):
+        scene = synth.make_scene(0, i, palette=pal)
+        image, record = synth.make_sample(0, i, palette=pal)
+        assert len(scene.shapes) <= 3
+        for s in scene.shapes:
+            assert s.colour in pal.colours and s.kind in pal.shapes
+            _check_tight(np.asarray(image), s, pal.colours[s.colour])
+        assert independent_resolve(scene.phrase, scene.shapes, pal) == [scene.target]
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="cannot draw"):
+        synth.Palette(shapes=("hexagon",))
+    with pytest.raises(ValueError, match="background"):
+        synth.Palette(colours={"white": (250, 250, 250)})
+    with pytest.raises(ValueError, match="task"):
+        synth.make_sample(0, 0, task="double")
