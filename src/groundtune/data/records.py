@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import IO, Iterable, Iterator
 
 REQUIRED_FIELDS = ("id", "image", "width", "height", "phrase")
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 class DataError(ValueError):
@@ -92,6 +94,7 @@ def atomic_write(path: str | Path, mode: str = "w") -> Iterator[IO]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; finished files get the usual mode
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
