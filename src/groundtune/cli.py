@@ -174,10 +174,207 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# eval and predict
+
+_MODEL_HELP = (
+    "the model: `tiny` (the built-in tiny model), a training run folder, a local Hugging Face "
+    "folder (an export included) or a hub id such as Qwen/Qwen2.5-VL-3B-Instruct"
+)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from groundtune.evaluate import run_eval
+
+    run_eval(
+        args.model,
+        args.data,
+        limit=args.limit,
+        out=args.out,
+        gallery=args.gallery,
+        compare=args.compare,
+        batch_size=args.batch_size,
+        max_pixels=args.max_pixels,
+        min_pixels=args.min_pixels,
+        device=args.device,
+    )
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    if args.jsonl is not None:
+        if args.out is None or args.image is not None or args.phrase is not None or args.draw is not None:
+            raise SystemExit("groundtune predict --jsonl: needs --out, and takes no --image/--phrase/--draw")
+    elif args.image is None or args.phrase is None or args.out is not None:
+        raise SystemExit("groundtune predict: give --image and --phrase, or --jsonl and --out")
+
+    from groundtune import infer
+    from groundtune.data.images import load_image
+    from groundtune.data.records import atomic_write
+    from groundtune.models.loading import load_model
+
+    gm = load_model(args.model, device=args.device)
+    if args.jsonl is not None:
+        n = infer.predict_jsonl(gm, args.jsonl, args.out, batch_size=args.batch_size)
+        print(f"wrote {n} predictions to {args.out}", file=sys.stderr)
+        return 0
+    image = load_image(args.image)
+    pred = infer.predict(gm, [image], [args.phrase])[0]
+    print(json.dumps(pred.to_json(), ensure_ascii=False))
+    if args.draw:
+        from groundtune.evaluate import draw_boxes
+
+        with atomic_write(args.draw, "wb") as f:
+            draw_boxes(image, [], pred.bbox).save(f, format="PNG")
+    return 0
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="score a model on a canonical JSONL file: Acc@0.5/0.75, mIoU, parse failures",
+        description="Predict a box for every sample with greedy decoding and score it against the true\n"
+        "box: Acc@0.5, Acc@0.75, Acc@0.5:0.95 (mean over IoU thresholds 0.5, 0.55, ..., 0.95), mean IoU\n"
+        "and the share of answers with no usable box (parse failures score IoU 0, never a guessed\n"
+        "box), overall and per split and source. The model's own saved resize settings and prompt\n"
+        "are used, as in training.\n\n"
+        "examples:\n"
+        "  groundtune eval --model tiny --data data/synth/val.jsonl --limit 50\n"
+        "  groundtune eval --model runs/sft --data val.jsonl --out report.json --gallery gallery/\n"
+        "  groundtune eval --model Qwen/Qwen2.5-VL-3B-Instruct --data refcoco_val.jsonl --batch-size 32\n"
+        "  groundtune eval --model runs/rl --compare runs/sft --data val.jsonl --out compare.json",
+        formatter_class=_Formatter,
+    )
+    p.add_argument("--model", required=True, help=_MODEL_HELP)
+    p.add_argument("--data", required=True, help="canonical JSONL file with true boxes")
+    p.add_argument("--limit", type=_positive_int, help="evaluate only the first N samples")
+    p.add_argument("--out", help="write the report as JSON here")
+    p.add_argument("--gallery", help="write PNGs of the worst and some of the best answers, and an "
+                   "index.html, to this folder (the --compare model's go to FOLDER/compare)")
+    p.add_argument("--compare", metavar="M2", help="a second model evaluated on the same samples; "
+                   "both reports side by side")
+    p.add_argument("--batch-size", type=_positive_int, default=16, help="samples per generate call")
+    p.add_argument("--max-pixels", type=_positive_int, help="override the model's saved pixel budget (warned: "
+                   "a budget other than training's usually costs accuracy)")
+    p.add_argument("--min-pixels", type=_positive_int, help="override the model's saved minimum pixels")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    p.set_defaults(handler=_eval)
+
+
+def _add_predict(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "predict",
+        help="ground a phrase in an image (or every line of a JSONL file)",
+        description="Ground a phrase in an image with greedy decoding and print one JSON line:\n"
+        '  {"bbox": [x1, y1, x2, y2], "label": ..., "raw": ..., "error": ...}\n'
+        "bbox is in pixels of the ORIGINAL image (rounded to 0.1), whatever the model's coordinate\n"
+        "convention; it is null and error says why when the answer holds no usable box. The model's\n"
+        "own saved resize settings and prompt are used, as in training.\n\n"
+        "With --jsonl, every line (canonical JSONL, or just image + phrase) is written to --out with a\n"
+        '"prediction" object of the same form added.\n\n'
+        "examples:\n"
+        '  groundtune predict --model tiny --image shapes.png --phrase "the red circle"\n'
+        '  groundtune predict --model Qwen/Qwen2.5-VL-3B-Instruct --image cat.jpg --phrase "the cat" \\\n'
+        "      --draw cat_box.png\n"
+        "  groundtune predict --model runs/sft --jsonl val.jsonl --out predictions.jsonl",
+        formatter_class=_Formatter,
+    )
+    p.add_argument("--model", required=True, help=_MODEL_HELP)
+    p.add_argument("--image", help="image file")
+    p.add_argument("--phrase", help="what to find, e.g. 'the man in the red shirt'")
+    p.add_argument("--draw", metavar="OUT.png", help="also save the image with the predicted box drawn")
+    p.add_argument("--jsonl", metavar="IN", help="predict every line of this JSONL file instead")
+    p.add_argument("--out", help="with --jsonl: the JSONL file to write")
+    p.add_argument("--batch-size", type=_positive_int, default=16, help="with --jsonl: samples per generate call")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    p.set_defaults(handler=_predict)
+
+
+# --------------------------------------------------------------------------------------------
 # The table
+
+# --------------------------------------------------------------------------------------------
+# train, quickstart
+
+
+def _train(args: argparse.Namespace) -> int:
+    from groundtune.config import TrainConfig, load_config
+    from groundtune.quickstart import preset_path
+    from groundtune.train.sft import train
+
+    if args.resume:
+        if args.config or args.overrides:
+            raise SystemExit("groundtune train --resume RUN takes no config or overrides: the run's saved "
+                             "config.yaml is used, so the resumed run is the same run")
+        run = train(resume=args.resume)
+    else:
+        if not args.config:
+            raise SystemExit("groundtune train: give a CONFIG.yaml (or a preset name) or --resume RUN")
+        run = train(load_config(TrainConfig, preset_path(args.config), args.overrides))
+    print(f"run folder: {run}  (model: {run / 'model'})")
+    return 0
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    from groundtune.config import TrainConfig, describe
+    from groundtune.quickstart import PRESETS
+
+    presets = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
+    p = sub.add_parser(
+        "train",
+        help="supervised fine-tuning (LoRA / QLoRA / full)",
+        description="Fine-tune a model on canonical JSONL. CONFIG is a YAML file or a shipped preset\n"
+        f"({presets}); any setting can be overridden as key=value.\n\n"
+        "examples:\n"
+        "  groundtune train quickstart max_steps=500\n"
+        "  groundtune train qwen2.5-vl-3b-lora-24gb train_data=train.jsonl eval_data=val.jsonl\n"
+        "  groundtune train my.yaml model=Qwen/Qwen2.5-VL-7B-Instruct method=qlora lr=1e-4\n"
+        "  groundtune train --resume runs/sft        # after Ctrl-C, SIGTERM, `touch runs/sft/STOP` or a crash\n\n"
+        "The run folder (out_dir) gets model/ (use it with eval/predict), checkpoints/, metrics.jsonl\n"
+        "and tb/ (TensorBoard).\n\nsettings (TrainConfig) and their defaults:\n" + describe(TrainConfig),
+        formatter_class=_Formatter,
+    )
+    p.add_argument("config", nargs="?", help="YAML file or preset name")
+    p.add_argument("overrides", nargs="*", help="key=value settings that override the file")
+    p.add_argument("--resume", metavar="RUN", help="continue the run in this folder exactly where it stopped")
+    p.set_defaults(handler=_train)
+
+
+def _quickstart(args: argparse.Namespace) -> int:
+    from groundtune.quickstart import quickstart
+
+    quickstart(args.out, n_train=args.n_train, n_eval=args.n_eval, overrides=tuple(args.overrides))
+    return 0
+
+
+def _add_quickstart(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "quickstart",
+        help="the first run: synthetic data -> train the tiny model -> eval -> gallery (CPU, minutes)",
+        description="Make the synthetic set, train the built-in tiny model on it (preset `quickstart`),\n"
+        "evaluate it and write a gallery. Re-running resumes an unfinished run.\n\n"
+        "examples:\n  groundtune quickstart\n  groundtune quickstart --out /tmp/qs max_steps=500",
+        formatter_class=_Formatter,
+    )
+    p.add_argument("overrides", nargs="*", help="key=value training settings (see groundtune train --help)")
+    p.add_argument("--out", default="quickstart", help="folder for data/, run/, report.json and gallery/")
+    p.add_argument("--n-train", type=int, default=30000, help="synthetic training samples")
+    p.add_argument("--n-eval", type=int, default=200, help="synthetic held-out samples (another seed)")
+    p.set_defaults(handler=_quickstart)
+
 
 COMMANDS = {
     "data": _add_data,
+    "train": _add_train,
+    "eval": _add_eval,
+    "predict": _add_predict,
+    "quickstart": _add_quickstart,
 }
 
 
@@ -194,12 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from groundtune.data.records import DataError
-
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (DataError, FileNotFoundError, ValueError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, ImportError, RuntimeError) as e:
+        # Bad input, a missing file or package, a run that cannot go on: one line that says what
+        # and where, not a traceback (DataError, ConfigError and TrainingError are among these).
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -20,6 +20,11 @@ from groundtune.models import qwen
 from groundtune.models.tiny import TINY_DIR
 
 METADATA_FILE = "groundtune.json"
+
+# transformers draws a bar per weight file loaded or written; ours already say what is going on
+from transformers.utils import logging as _hf_logging  # noqa: E402
+
+_hf_logging.disable_progress_bar()
 TINY_SEED = 0  # the randomly initialised tiny model is the same everywhere
 
 
@@ -104,14 +109,19 @@ def resolve(name: str) -> tuple[str, Path | None]:
     """What kind of thing ``name`` is: ("tiny" | "run" | "folder" | "hub", path or None)."""
     if name == "tiny":
         return "tiny", TINY_DIR
+    if name.startswith("random:"):
+        if name[len("random:"):] not in qwen.ARCHITECTURES:
+            raise ValueError(f"{name}: known architectures are "
+                             + ", ".join(f"random:{a}" for a in qwen.ARCHITECTURES))
+        return "random", TINY_DIR
     path = Path(name)
     if path.is_dir():
-        if (path / "model").is_dir() and (path / METADATA_FILE).exists():
+        if (path / "model" / METADATA_FILE).exists():
             return "run", path
         if (path / "config.json").exists() or (path / "adapter_config.json").exists():
             return "folder", path
         raise FileNotFoundError(
-            f"{path}: neither a training run (model/ and {METADATA_FILE}) nor a model folder (config.json)"
+            f"{path}: neither a training run (model/{METADATA_FILE}) nor a model folder (config.json)"
         )
     if path.exists():
         raise FileNotFoundError(f"{path}: a file, not a model folder")
@@ -125,6 +135,7 @@ def load_model(
     resize: ResizeSpec | None = None,
     prompt: str | None = None,
     merge_adapter: bool = False,
+    quantize_4bit: bool = False,
 ) -> GroundingModel:
     """Load ``tiny``, a run folder, a local model folder or a hub id, ready for inference.
 
@@ -134,8 +145,8 @@ def load_model(
     kind, path = resolve(name)
     dev = pick_device(device)
     torch_dtype = pick_dtype(dev, dtype)
-    folder = path / "model" if kind == "run" else (path if path is not None else None)
-    meta = read_metadata(path) if kind == "run" else (read_metadata(folder) if folder else {})
+    folder = path / "model" if kind == "run" else path
+    meta = read_metadata(folder) if folder and kind != "random" else {}
 
     if folder is not None and (folder / "adapter_config.json").exists():
         base_name = meta.get("base_model") or _adapter_base(folder)
@@ -151,11 +162,16 @@ def load_model(
     else:
         source = folder if folder is not None else name
         processor = load_processor(source)
-        model = _load_weights(source, kind, torch_dtype)
+        if kind == "random":
+            model = _random_architecture(name[len("random:"):], processor, torch_dtype)
+        else:
+            model = _load_weights(source, kind, torch_dtype, dev if quantize_4bit else None)
         family = qwen.family_of(model.config)
         base_name = meta.get("base_model") or name
         base_meta = {}
-    model.to(dev).eval()
+    if not quantize_4bit:  # a 4-bit model is placed by from_pretrained and cannot be moved
+        model.to(dev)
+    model.eval()
 
     saved_resize = meta.get("resize") or base_meta.get("resize")
     saved = ResizeSpec.from_dict(saved_resize) if saved_resize else ResizeSpec.for_family(family)
@@ -176,6 +192,29 @@ def load_model(
     )
 
 
+def _random_architecture(arch: str, processor: qwen.Processor, torch_dtype: torch.dtype):
+    """A published architecture, randomly initialised, speaking the tiny model's tokenizer (the real
+    one cannot be downloaded here); its embedding keeps the real vocabulary size, so every matrix
+    has its real shape and cost."""
+    from transformers import Qwen2_5_VLConfig
+
+    spec = qwen.ARCHITECTURES[arch]
+    tok = processor.tokenizer
+    ids = {t: processor.token_id(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                              "<|vision_end|>", "<|im_end|>")}
+    config = Qwen2_5_VLConfig(
+        text_config=dict(spec["text_config"], bos_token_id=tok.eos_token_id, eos_token_id=ids["<|im_end|>"],
+                         pad_token_id=processor.pad_token_id),
+        vision_config=spec["vision_config"],
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=spec["tie_word_embeddings"],
+    )
+    torch.manual_seed(TINY_SEED)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # init on the GPU: minutes faster
+        return qwen.model_class("qwen2.5-vl")._from_config(config, dtype=torch_dtype)
+
+
 def _adapter_base(folder: Path) -> str:
     config = json.loads((folder / "adapter_config.json").read_text())
     base = config.get("base_model_name_or_path")
@@ -184,7 +223,9 @@ def _adapter_base(folder: Path) -> str:
     return base
 
 
-def _load_weights(source, kind: str, torch_dtype: torch.dtype):
+def _load_weights(source, kind: str, torch_dtype: torch.dtype, quantize_on: torch.device | None = None):
+    """Weights from a folder or the hub; seeded random init for the tiny model without weights.
+    ``quantize_on``: load the base in 4-bit NF4 (QLoRA) on that CUDA device."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(source)
@@ -194,8 +235,25 @@ def _load_weights(source, kind: str, torch_dtype: torch.dtype):
         torch.manual_seed(TINY_SEED)
         model = cls._from_config(config, dtype=torch_dtype)
         return model
+    extra = {}
+    if quantize_on is not None:
+        try:
+            from transformers import BitsAndBytesConfig
+
+            import bitsandbytes  # noqa: F401  (fail here with a clear message, not deep in transformers)
+        except ImportError:
+            raise ImportError("method=qlora needs bitsandbytes: pip install 'groundtune[gpu]'") from None
+        extra = {
+            "quantization_config": BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                bnb_4bit_use_double_quant=True,
+                # the vision tower is small and sensitive: keep it in bf16
+                llm_int8_skip_modules=["visual", "lm_head"],
+            ),
+            "device_map": {"": quantize_on.index or 0},
+        }
     try:
-        return cls.from_pretrained(source, dtype=torch_dtype)
+        return cls.from_pretrained(source, dtype=torch_dtype, **extra)
     except OSError as e:
         raise FileNotFoundError(
             f"could not load weights for {source!r} ({e}). On a machine without network, download "

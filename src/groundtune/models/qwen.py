@@ -29,6 +29,31 @@ DEFAULT_PROMPT = (
     "Report bbox coordinates in JSON format."
 )
 
+# Published architectures, for benchmarking them randomly initialised where weights cannot be
+# downloaded (speed and memory do not depend on weight values): `--model random:qwen2.5-vl-3b`.
+ARCHITECTURES = {
+    "qwen2.5-vl-3b": dict(
+        text_config=dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=128000,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[7, 15, 23, 31]),
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-vl-7b": dict(
+        text_config=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                         num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[7, 15, 23, 31]),
+        tie_word_embeddings=False,
+    ),
+}
+
 IMAGE_TOKEN = "<|image_pad|>"
 IM_END = "<|im_end|>"
 IGNORE_INDEX = -100  # label value that carries no loss (PyTorch cross-entropy's default)

@@ -1,0 +1,185 @@
+"""Typed settings, one dataclass per stage. The dataclass IS the config: its fields, defaults and
+comments are the documentation; YAML files and ``key=value`` overrides fill it; ``__post_init__``
+refuses invalid combinations naming the setting.
+
+    cfg = load_config(TrainConfig, "configs/quickstart.yaml", ["lr=1e-3", "max_steps=50"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+MODEL_PARTS = ("vision", "merger", "llm")
+LORA_TARGETS = ("llm_attn", "llm_mlp", "merger", "vision")
+
+
+class ConfigError(ValueError):
+    """A setting that is unknown, of the wrong type, or clashes with another; names the setting."""
+
+
+@dataclass
+class TrainConfig:
+    """Supervised fine-tuning (``groundtune train``)."""
+
+    # --- what to train on
+    model: str = "tiny"  # tiny | a training run folder | a local HF folder | a hub id (Qwen/Qwen2.5-VL-3B-Instruct)
+    train_data: str = ""  # canonical JSONL (groundtune data convert / synth)
+    eval_data: str = ""  # canonical JSONL for generation eval during training; "" = none
+    out_dir: str = "runs/sft"  # the run folder: model/, checkpoints/, metrics.jsonl, tb/
+
+    # --- what to adapt
+    method: str = "lora"  # lora | qlora (4-bit base, GPU + bitsandbytes) | full
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(default_factory=lambda: ["llm_attn", "llm_mlp"])  # of LORA_TARGETS
+    lora_last_n_layers: int = 0  # adapt only the last N LLM layers; 0 = all
+    freeze_vision: bool = True  # method=full: keep the vision tower fixed
+    freeze_merger: bool = True  # method=full: keep the vision->LLM merger fixed
+    freeze_llm: bool = False  # method=full: keep the language model fixed
+
+    # --- optimisation
+    lr: float = 2e-4  # peak learning rate
+    lr_vision: float = 0.0  # per-part peak learning rates; 0 = use lr
+    lr_merger: float = 0.0
+    lr_llm: float = 0.0
+    weight_decay: float = 0.0  # never applied to norms, biases, embeddings or the LM head
+    warmup_steps: int = 0  # linear warmup, then cosine decay to min_lr_ratio * lr
+    min_lr_ratio: float = 0.1
+    max_steps: int = 1000  # optimizer steps; the data is cycled as needed
+    batch_size: int = 8  # samples per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    max_grad_norm: float = 1.0  # gradient clipping; 0 = off
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    gradient_checkpointing: int = 0  # recompute the last N LLM layers in backward (-1 = all, 0 = off)
+    seed: int = 0
+
+    # --- data
+    min_pixels: int = 0  # pixel budget; 0 = the model's saved/default value
+    max_pixels: int = 0
+    prompt: str = ""  # "" = the model's saved prompt or the official grounding prompt; must hold {phrase}
+    hflip_prob: float = 0.0  # horizontal flip that also swaps left/right in the phrase
+    scale_crop_prob: float = 0.0  # crop that keeps the target inside and moves the box
+    num_workers: int = 0  # data loader worker processes
+
+    # --- loop
+    log_every: int = 10  # steps between metrics.jsonl lines
+    eval_every: int = 0  # steps between generation evals (0 = only at the end, when eval_data is set)
+    eval_samples: int = 200  # fixed subset of eval_data used during training
+    eval_batch_size: int = 32
+    save_every: int = 200  # steps between resumable checkpoints (0 = only at the end)
+    keep_last: int = 2  # resumable checkpoints kept
+    max_bad_steps: int = 5  # stop after this many non-finite losses in a row (each one is skipped)
+    thermal_pause_c: int = 0  # wait while the GPU is above this temperature (°C); 0 = off; read only
+    thermal_resume_c: int = 75  # ... until it is back at or below this
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        if self.method not in ("lora", "qlora", "full"):
+            raise ConfigError(f"method={self.method!r}: expected lora, qlora or full")
+        bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if bad:
+            raise ConfigError(f"lora_targets: unknown {bad}; expected some of {list(LORA_TARGETS)}")
+        if self.method in ("lora", "qlora") and not self.lora_targets:
+            raise ConfigError(f"lora_targets is empty: method={self.method} would train nothing")
+        if self.method == "full" and self.freeze_vision and self.freeze_merger and self.freeze_llm:
+            raise ConfigError("method=full with freeze_vision, freeze_merger and freeze_llm all true trains nothing")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ConfigError(f"precision={self.precision!r}: expected auto, bf16 or fp32")
+        for name in ("lr", "max_steps", "batch_size", "grad_accum", "lora_r", "keep_last", "max_bad_steps"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be positive")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        for name in ("hflip_prob", "scale_crop_prob", "lora_dropout"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1]")
+        if self.max_pixels and self.min_pixels and self.min_pixels > self.max_pixels:
+            raise ConfigError(f"min_pixels={self.min_pixels} > max_pixels={self.max_pixels}")
+        if self.prompt and "{phrase}" not in self.prompt:
+            raise ConfigError("prompt must contain {phrase}, where the referring expression goes")
+        if self.thermal_pause_c and self.thermal_resume_c >= self.thermal_pause_c:
+            raise ConfigError("thermal_resume_c must be below thermal_pause_c")
+        if not self.train_data:
+            raise ConfigError("train_data is not set: give a canonical JSONL file (train_data=FILE.jsonl)")
+
+    def part_lr(self, part: str) -> float:
+        return getattr(self, f"lr_{part}") or self.lr
+
+
+# --------------------------------------------------------------------------------------------
+# YAML + key=value
+
+
+def load_config(cls, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()):
+    """Build ``cls`` from a YAML file and ``key=value`` overrides (values parsed as YAML)."""
+    values: dict = {}
+    if path:
+        text = Path(path).read_text()
+        loaded = yaml.safe_load(text) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: expected a mapping of settings, got {type(loaded).__name__}")
+        values.update(loaded)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        values[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        where = f" in {path}" if path else ""
+        raise ConfigError(f"unknown setting(s){where}: {', '.join(unknown)}; see `groundtune train --help`")
+    return cls(**values)
+
+
+def to_yaml(cfg) -> str:
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+
+
+def describe(cls) -> str:
+    """One line per setting with its default, for --help."""
+    import inspect
+
+    source = inspect.getsource(cls)
+    lines = []
+    for f in dataclasses.fields(cls):
+        comment = ""
+        for src_line in source.splitlines():
+            stripped = src_line.strip()
+            if stripped.startswith(f"{f.name}:") and "#" in stripped:
+                comment = stripped.split("#", 1)[1].strip()
+                break
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  {f.name} = {default!r}" + (f"  # {comment}" if comment else ""))
+    return "\n".join(lines)
+
+
+def _check_types(cfg) -> None:
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        expected = hints[f.name]
+        origin = typing.get_origin(expected)
+        if origin in (list, tuple):
+            if not isinstance(value, (list, tuple)):
+                raise ConfigError(f"{f.name}={value!r}: expected a list")
+            setattr(cfg, f.name, list(value))
+            continue
+        if isinstance(expected, types.UnionType) or origin is typing.Union:
+            continue
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            setattr(cfg, f.name, float(value))
+            continue
+        if expected is str and value is None:
+            setattr(cfg, f.name, "")
+            continue
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise ConfigError(f"{f.name}={value!r}: expected {expected.__name__}")

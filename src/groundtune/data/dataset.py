@@ -1,0 +1,97 @@
+"""Training samples: canonical records -> model inputs, in a resumable order.
+
+The order is a function of (seed, position) alone: position p is sample perm_e[p mod n] of epoch
+e = p div n, and the augmentation of position p draws from a generator seeded with (seed, p). So a
+run resumed at position p sees exactly the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from groundtune import boxes
+from groundtune.data import augment
+from groundtune.data.images import load_image
+from groundtune.data.records import image_path, sample_boxes
+from groundtune.models import qwen
+
+
+class GroundingDataset(torch.utils.data.Dataset):
+    """Item ``(index, position)`` -> encoded sample with the answer as its labelled target."""
+
+    def __init__(self, samples: list[dict], data_path: str | Path, processor: qwen.Processor, family: str,
+                 resize: boxes.ResizeSpec, prompt: str, hflip_prob: float = 0.0, scale_crop_prob: float = 0.0,
+                 seed: int = 0):
+        self.samples = samples
+        self.data_path = Path(data_path)
+        self.processor = processor
+        self.family = family
+        self.resize = resize
+        self.prompt = prompt
+        self.hflip_prob = hflip_prob
+        self.scale_crop_prob = scale_crop_prob
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
+        index, position = key
+        sample = self.samples[index]
+        image = load_image(image_path(sample, self.data_path), (sample["width"], sample["height"]))
+        rng = np.random.default_rng([self.seed, position])
+        if self.hflip_prob and rng.random() < self.hflip_prob:
+            image, sample = augment.hflip(image, sample)
+        # A crop keeps the target whole but may cut away the shape a phrase is relative to
+        # ("left of the red square"), so phrases about positions are never cropped.
+        if self.scale_crop_prob and rng.random() < self.scale_crop_prob and not augment.is_positional(sample["phrase"]):
+            image, sample = augment.scale_crop(image, sample, rng)
+        return encode_sample(self.processor, self.family, self.resize, self.prompt, image, sample)
+
+
+def encode_sample(processor, family, resize, prompt, image, sample) -> dict[str, torch.Tensor]:
+    """Resize the image as the model sees it and write the target in the family's convention."""
+    resized, resized_size = qwen.resize_image(image, resize)
+    answer = boxes.format_target(sample_boxes(sample), sample["phrase"], family, image.size, resized_size)
+    text = qwen.prompt_text(processor, sample["phrase"], prompt)
+    return qwen.encode(processor, resized, text, answer)
+
+
+class ResumableBatches(torch.utils.data.Sampler):
+    """Batches of (index, position) from ``start`` on, cycling through epochs forever."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, start: int = 0):
+        self.n, self.batch_size, self.seed, self.start = n, batch_size, seed, start
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+
+    def __iter__(self):
+        position = self.start
+        order, epoch = None, -1
+        while True:
+            batch = []
+            for _ in range(self.batch_size):
+                e = position // self.n
+                if e != epoch:
+                    order, epoch = self._epoch_order(e), e
+                batch.append((int(order[position % self.n]), position))
+                position += 1
+            yield batch
+
+
+def make_loader(dataset: GroundingDataset, batch_size: int, seed: int, start: int, num_workers: int,
+                pad_token_id: int, pin_memory: bool = False) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=ResumableBatches(len(dataset), batch_size, seed, start),
+        collate_fn=partial(qwen.collate, pad_token_id=pad_token_id, padding_side="right"),
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        prefetch_factor=4 if num_workers > 0 else None,
+    )

@@ -1,0 +1,126 @@
+"""What to train: LoRA adapters or full weights per model part, per-part learning rates, and
+selective gradient checkpointing.
+
+Parts are told apart by parameter name, the same for Qwen2-VL, Qwen2.5-VL and Qwen3-VL in
+transformers: ``visual.merger``/``visual.deepstack`` (merger), ``visual.`` (vision tower),
+everything else (language model and LM head).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from groundtune.config import TrainConfig
+
+
+def part_of(name: str) -> str:
+    """vision | merger | llm, from a parameter or module name."""
+    if re.search(r"(^|\.)visual\.(merger|deepstack)", name):
+        return "merger"
+    if re.search(r"(^|\.)visual\.", name):
+        return "vision"
+    return "llm"
+
+
+def _decoder_layers(model) -> torch.nn.ModuleList:
+    for name, module in model.named_modules():
+        if name.endswith("language_model.layers") and isinstance(module, torch.nn.ModuleList):
+            return module
+    raise ValueError("no language_model.layers in this model; is it a Qwen-VL model?")
+
+
+def lora_target_modules(model, targets: list[str], last_n_layers: int = 0) -> list[str]:
+    """Names of every Linear layer in the targeted parts (peft's ``target_modules``)."""
+    first = len(_decoder_layers(model)) - last_n_layers if last_n_layers else 0
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        layer = re.search(r"language_model\.layers\.(\d+)\.(self_attn|mlp)\.", name)
+        if layer:
+            target = "llm_attn" if layer.group(2) == "self_attn" else "llm_mlp"
+            wanted = target in targets and int(layer.group(1)) >= first
+        else:
+            wanted = part_of(name) in targets  # "merger" / "vision"; the LM head is never adapted
+        if wanted:
+            names.append(name)
+    return names
+
+
+def prepare_for_training(model, cfg: TrainConfig):
+    """Freeze, wrap with LoRA or unfreeze parts, per the config. Returns the model to train."""
+    if cfg.method in ("lora", "qlora"):
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=cfg.lora_r,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=cfg.lora_dropout,
+            target_modules=lora_target_modules(model, cfg.lora_targets, cfg.lora_last_n_layers),
+            bias="none",
+        )
+        model = get_peft_model(model, lora)
+    else:
+        frozen = {"vision": cfg.freeze_vision, "merger": cfg.freeze_merger, "llm": cfg.freeze_llm}
+        for name, p in model.named_parameters():
+            p.requires_grad_(not frozen[part_of(name)])
+    if cfg.gradient_checkpointing:
+        checkpoint_last_layers(model, cfg.gradient_checkpointing)
+    return model
+
+
+def checkpoint_last_layers(model, n: int) -> int:
+    """Recompute the last ``n`` decoder layers (all when n < 0) in backward instead of keeping their
+    activations. Only LLM layers: the frozen vision tower keeps no activations for backward at all,
+    so checkpointing it would only add a second forward (the naive stack's mistake)."""
+    layers = _decoder_layers(model)
+    chosen = list(layers) if n < 0 else list(layers)[-n:]
+    for layer in chosen:
+        if getattr(layer, "_groundtune_checkpointed", False):
+            continue
+        inner = layer.forward
+
+        @functools.wraps(inner)
+        def forward(*args, _inner=inner, _layer=layer, **kwargs):
+            if _layer.training and torch.is_grad_enabled():
+                return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return _inner(*args, **kwargs)
+
+        layer.forward = forward
+        layer._groundtune_checkpointed = True
+    return len(chosen)
+
+
+def _no_decay(name: str, param: torch.nn.Parameter) -> bool:
+    # Decay shrinks weights toward zero: right for matrices, wrong for norm gains, biases, the
+    # embedding table and the LM head (which is tied to it in small models).
+    return param.ndim < 2 or "norm" in name or name.endswith(".bias") or "embed" in name or "lm_head" in name
+
+
+def param_groups(model, cfg: TrainConfig) -> list[dict]:
+    """Trainable parameters grouped by (part, decay): each part has its own learning rate."""
+    groups: dict[tuple[str, bool], list] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault((part_of(name), _no_decay(name, p)), []).append(p)
+    if not groups:
+        raise ValueError("no trainable parameters: check method, lora_targets and freeze_* settings")
+    return [
+        {
+            "params": params,
+            "lr": cfg.part_lr(part),
+            "weight_decay": 0.0 if no_decay else cfg.weight_decay,
+            "part": part,
+        }
+        for (part, no_decay), params in sorted(groups.items())
+    ]
+
+
+def count_parameters(model) -> dict[str, int]:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"total": total, "trainable": trainable}

@@ -1,0 +1,1 @@
+"""Training stages: sft.py (supervised), checkpoint.py (run folders), monitor.py (logs, stop, GPU)."""

@@ -1,0 +1,119 @@
+"""The SFT loop on the tiny model: label mask, learning, exact resume, STOP file, NaN guard,
+the run folder and loading it back."""
+
+import json
+
+import pytest
+import torch
+
+from groundtune import boxes
+from groundtune.config import TrainConfig
+from groundtune.data.records import read_samples
+from groundtune.models import qwen
+from groundtune.models.loading import load_model
+from groundtune.train import checkpoint as ckpt
+from groundtune.train.sft import TrainingError, train
+
+
+def _cfg(data, out, **kw):
+    base = dict(model="tiny", train_data=str(data / "train.jsonl"), out_dir=str(out), method="full",
+                freeze_vision=False, freeze_merger=False, lr=1e-3, batch_size=4, max_steps=6, log_every=1,
+                save_every=0, warmup_steps=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _losses(run):
+    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+            and "skipped_nonfinite" not in r]
+
+
+def test_label_mask_is_exactly_the_answer():
+    gm = load_model("tiny")
+    from PIL import Image
+
+    image = Image.new("RGB", (140, 84), "white")
+    resized, size = qwen.resize_image(image, gm.resize)
+    answer = boxes.format_target([[10, 20, 50, 60]], "the red circle", gm.family, image.size, size)
+    enc = qwen.encode(gm.processor, resized, qwen.prompt_text(gm.processor, "the red circle", gm.prompt), answer)
+    labelled = enc["labels"] != qwen.IGNORE_INDEX
+    # the labelled tokens are exactly the answer and its end-of-turn, and they come last
+    tok = gm.processor.tokenizer
+    assert tok.decode(enc["input_ids"][labelled]) == answer + "<|im_end|>\n"
+    n = int(labelled.sum())
+    assert labelled[-n:].all() and not labelled[:-n].any()
+    assert torch.equal(enc["labels"][labelled], enc["input_ids"][labelled])
+    # the prompt, the image placeholders and the chat markup carry no loss
+    image_tokens = enc["input_ids"] == gm.processor.image_token_id
+    assert int(image_tokens.sum()) == int(enc["image_grid_thw"].prod()) // 4
+    assert not (labelled & image_tokens).any()
+    assert torch.equal(enc["mm_token_type_ids"].bool(), image_tokens)
+
+
+def test_loss_falls(synth_single, tmp_path):
+    run = train(_cfg(synth_single, tmp_path / "run", max_steps=25, batch_size=8))
+    losses = _losses(run)
+    assert len(losses) == 25
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:3]) / 3
+    meta = json.loads((run / "model" / "groundtune.json").read_text())
+    assert meta["family"] == "qwen2.5-vl" and meta["resize"]["max_pixels"] == 224 * 224
+    assert (run / "tb").is_dir() and any((run / "tb").iterdir())
+    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step-000025"]
+    # the run folder loads back as a model, with the training resize settings
+    gm = load_model(str(run))
+    assert gm.resize == boxes.ResizeSpec(28, boxes.MIN_PIXELS, 224 * 224)
+
+
+def test_stop_file_then_resume_equals_uninterrupted(synth_single, tmp_path):
+    straight = train(_cfg(synth_single, tmp_path / "straight"))
+
+    def stop_at_3(step, run, model):
+        if step == 3:
+            (run / "STOP").touch()
+
+    interrupted = train(_cfg(synth_single, tmp_path / "interrupted"), on_step=stop_at_3)
+    assert [p.name for p in ckpt.list_checkpoints(interrupted)] == ["step-000003"]
+    assert len(_losses(interrupted)) == 3  # it really stopped at the STOP file
+    resumed = train(resume=interrupted)
+    assert resumed == interrupted
+    assert _losses(resumed) == _losses(straight)  # same values, not just close
+    a = load_model(str(straight)).model.state_dict()
+    b = load_model(str(resumed)).model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_existing_run_is_not_overwritten(synth_single, tmp_path):
+    train(_cfg(synth_single, tmp_path / "r", max_steps=1))
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(_cfg(synth_single, tmp_path / "r", max_steps=1))
+
+
+def test_nan_guard_skips_then_stops(synth_single, tmp_path):
+    def poison(step, run, model):
+        if step == 2:  # from here on every loss is NaN
+            with torch.no_grad():
+                next(p for p in model.parameters() if p.requires_grad).fill_(float("nan"))
+
+    with pytest.raises(TrainingError, match="3 non-finite"):
+        train(_cfg(synth_single, tmp_path / "nan", max_steps=10, max_bad_steps=3), on_step=poison)
+    records = [json.loads(line) for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r for r in records if r.get("skipped_nonfinite")]
+    assert len(skipped) == 3 and all(r["step"] == 2 for r in skipped)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "nan")] == ["step-000002"]
+
+
+def test_lora_run_saves_an_adapter_that_loads(synth_single, tmp_path):
+    run = train(_cfg(synth_single, tmp_path / "lora", method="lora", lora_r=4, max_steps=3, lr=1e-2))
+    assert (run / "model" / "adapter_config.json").exists()
+    assert not (run / "model" / "model.safetensors").exists()
+    gm = load_model(str(run))
+    trained = {n: p for n, p in gm.model.named_parameters() if "lora_B" in n}
+    assert trained and any(p.abs().sum() > 0 for p in trained.values())  # lora_B starts at zero
+    samples = read_samples(synth_single / "val.jsonl")
+    assert samples  # the adapter model runs end to end through generation
+    from groundtune import infer
+    from groundtune.data.images import load_image
+
+    s = samples[0]
+    preds = infer.predict(gm, [load_image(synth_single / s["image"])], [s["phrase"]], max_new_tokens=8)
+    assert len(preds) == 1 and preds[0].raw is not None
