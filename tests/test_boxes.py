@@ -136,6 +136,13 @@ def test_target_rounds_half_up():
     assert boxes.to_model_coords([0.5, 1.5, 2.5, 3.5], "qwen2.5-vl", (10, 10), (10, 10)) == [1, 2, 3, 4]
 
 
+def test_target_without_label():
+    assert format_target([[0, 0, 10, 10]], None, "qwen2.5-vl", (100, 100), (100, 100)) == '[{"bbox_2d": [0, 0, 10, 10]}]'
+    text = format_target([[0, 0, 10, 10]], None, "qwen2-vl", (100, 100), (100, 100))
+    assert text == "<|box_start|>(0,0),(100,100)<|box_end|>"
+    assert parse_answer(text, "qwen2-vl", (100, 100), (100, 100)).boxes == [pytest.approx([0, 0, 10, 10])]
+
+
 def test_target_several_boxes():
     text = format_target([[0, 0, 10, 10], [20, 20, 30, 30]], "dots", "qwen2.5-vl", (100, 100), (100, 100))
     assert [d["bbox_2d"] for d in json.loads(text)] == [[0, 0, 10, 10], [20, 20, 30, 30]]

@@ -18,8 +18,11 @@ def test_yaml_and_overrides(tmp_path):
     assert isinstance(cfg.lr, float)
 
 
-def test_int_given_for_float_is_accepted():
+def test_numbers_given_for_float_are_accepted():
     assert load_config(TrainConfig, None, ["train_data=x", "lr=1"]).lr == 1.0
+    assert load_config(TrainConfig, None, ["train_data=x", "lr=2e-3"]).lr == 0.002  # YAML: a string
+    with pytest.raises(ConfigError, match="lr='fast'"):
+        load_config(TrainConfig, None, ["train_data=x", "lr=fast"])
 
 
 @pytest.mark.parametrize(

@@ -117,3 +117,10 @@ def test_lora_run_saves_an_adapter_that_loads(synth_single, tmp_path):
     s = samples[0]
     preds = infer.predict(gm, [load_image(synth_single / s["image"])], [s["phrase"]], max_new_tokens=8)
     assert len(preds) == 1 and preds[0].raw is not None
+
+
+def test_gradient_checkpointing_changes_memory_not_results(synth_single, tmp_path):
+    plain = train(_cfg(synth_single, tmp_path / "plain", method="lora", max_steps=3, lr=1e-2))
+    recomputed = train(_cfg(synth_single, tmp_path / "ckpt", method="lora", max_steps=3, lr=1e-2,
+                            gradient_checkpointing=-1))
+    assert _losses(recomputed) == pytest.approx(_losses(plain), rel=1e-5)

@@ -245,17 +245,20 @@ def from_model_coords(coords: Sequence[float], family: str, original_size: Size,
 
 def format_target(
     boxes: Sequence[Sequence[float]],
-    label: str,
+    label: str | None,
     family: str,
     original_size: Size,
     resized_size: Size,
 ) -> str:
-    """The answer text a model of ``family`` should produce for these original-pixel boxes."""
+    """The answer text a model of ``family`` should produce for these original-pixel boxes.
+    ``label=None`` leaves the phrase out of the answer (shorter answers, the same boxes)."""
     coords = [to_model_coords(b, family, original_size, resized_size) for b in boxes]
     if family == "qwen2-vl":
         spans = "".join(f"<|box_start|>({c[0]},{c[1]}),({c[2]},{c[3]})<|box_end|>" for c in coords)
-        return f"<|object_ref_start|>{label}<|object_ref_end|>{spans}"
-    return json.dumps([{"bbox_2d": c, "label": label} for c in coords], ensure_ascii=False)
+        ref = f"<|object_ref_start|>{label}<|object_ref_end|>" if label is not None else ""
+        return ref + spans
+    items = [{"bbox_2d": c, "label": label} if label is not None else {"bbox_2d": c} for c in coords]
+    return json.dumps(items, ensure_ascii=False)
 
 
 # --------------------------------------------------------------------------------------------

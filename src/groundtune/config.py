@@ -64,6 +64,7 @@ class TrainConfig:
     min_pixels: int = 0  # pixel budget; 0 = the model's saved/default value
     max_pixels: int = 0
     prompt: str = ""  # "" = the model's saved prompt or the official grounding prompt; must hold {phrase}
+    answer_label: bool = True  # the answer repeats the phrase as "label" (Qwen's format); false: boxes only
     hflip_prob: float = 0.0  # horizontal flip that also swaps left/right in the phrase
     scale_crop_prob: float = 0.0  # crop that keeps the target inside and moves the box
     num_workers: int = 0  # data loader worker processes
@@ -175,9 +176,12 @@ def _check_types(cfg) -> None:
             continue
         if isinstance(expected, types.UnionType) or origin is typing.Union:
             continue
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            setattr(cfg, f.name, float(value))
-            continue
+        if expected is float and not isinstance(value, bool) and isinstance(value, (int, str)):
+            try:  # YAML 1.1 reads 2e-3 (no dot) as a string
+                setattr(cfg, f.name, float(value))
+                continue
+            except ValueError:
+                raise ConfigError(f"{f.name}={value!r}: expected a number") from None
         if expected is str and value is None:
             setattr(cfg, f.name, "")
             continue

@@ -25,7 +25,7 @@ class GroundingDataset(torch.utils.data.Dataset):
 
     def __init__(self, samples: list[dict], data_path: str | Path, processor: qwen.Processor, family: str,
                  resize: boxes.ResizeSpec, prompt: str, hflip_prob: float = 0.0, scale_crop_prob: float = 0.0,
-                 seed: int = 0):
+                 seed: int = 0, answer_label: bool = True):
         self.samples = samples
         self.data_path = Path(data_path)
         self.processor = processor
@@ -35,6 +35,7 @@ class GroundingDataset(torch.utils.data.Dataset):
         self.hflip_prob = hflip_prob
         self.scale_crop_prob = scale_crop_prob
         self.seed = seed
+        self.answer_label = answer_label
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -50,13 +51,15 @@ class GroundingDataset(torch.utils.data.Dataset):
         # ("left of the red square"), so phrases about positions are never cropped.
         if self.scale_crop_prob and rng.random() < self.scale_crop_prob and not augment.is_positional(sample["phrase"]):
             image, sample = augment.scale_crop(image, sample, rng)
-        return encode_sample(self.processor, self.family, self.resize, self.prompt, image, sample)
+        return encode_sample(self.processor, self.family, self.resize, self.prompt, image, sample,
+                             self.answer_label)
 
 
-def encode_sample(processor, family, resize, prompt, image, sample) -> dict[str, torch.Tensor]:
+def encode_sample(processor, family, resize, prompt, image, sample, answer_label: bool = True) -> dict:
     """Resize the image as the model sees it and write the target in the family's convention."""
     resized, resized_size = qwen.resize_image(image, resize)
-    answer = boxes.format_target(sample_boxes(sample), sample["phrase"], family, image.size, resized_size)
+    label = sample["phrase"] if answer_label else None
+    answer = boxes.format_target(sample_boxes(sample), label, family, image.size, resized_size)
     text = qwen.prompt_text(processor, sample["phrase"], prompt)
     return qwen.encode(processor, resized, text, answer)
 

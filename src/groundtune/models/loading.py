@@ -231,7 +231,10 @@ def _load_weights(source, kind: str, torch_dtype: torch.dtype, quantize_on: torc
     config = AutoConfig.from_pretrained(source)
     cls = qwen.model_class(qwen.family_of(config))
     has_weights = any(Path(source).glob("*.safetensors")) if kind != "hub" else True
-    if kind == "tiny" and not has_weights:
+    if kind in ("tiny", "folder") and not has_weights:
+        # a folder with a config and no weights is an architecture to train from scratch
+        if kind == "folder":
+            warnings.warn(f"{source} has no weights: the model is randomly initialised", stacklevel=3)
         torch.manual_seed(TINY_SEED)
         model = cls._from_config(config, dtype=torch_dtype)
         return model

@@ -127,7 +127,8 @@ def build_tokenizer():
     return tokenizer
 
 
-def build_config(tokenizer):
+def build_config(tokenizer, text: dict | None = None, vision: dict | None = None):
+    """The tiny Qwen2.5-VL config; ``text``/``vision`` override sizes (other tiny architectures)."""
     from transformers import Qwen2_5_VLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
@@ -135,12 +136,13 @@ def build_config(tokenizer):
     return Qwen2_5_VLConfig(
         text_config=dict(
             TEXT_CONFIG,
+            **(text or {}),
             vocab_size=vocab_size,
             bos_token_id=ids["<|endoftext|>"],
             eos_token_id=ids["<|im_end|>"],
             pad_token_id=ids["<|endoftext|>"],
         ),
-        vision_config=VISION_CONFIG,
+        vision_config=dict(VISION_CONFIG, **(vision or {})),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -161,13 +163,19 @@ def build_image_processor():
     )
 
 
-def build_assets(out_dir: str | Path = TINY_DIR) -> Path:
-    """Write config.json, the tokenizer files and preprocessor_config.json of the tiny model."""
+def build_assets(out_dir: str | Path = TINY_DIR, text: dict | None = None, vision: dict | None = None) -> Path:
+    """Write config.json, the tokenizer files and preprocessor_config.json of the tiny model (or,
+    with size overrides, of another tiny architecture sharing its tokenizer)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    if out_dir.resolve() == TINY_DIR.resolve():
+        tokenizer = build_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(TINY_DIR)
     tokenizer.save_pretrained(out_dir)
-    build_config(tokenizer).save_pretrained(out_dir)
+    build_config(tokenizer, text, vision).save_pretrained(out_dir)
     build_image_processor().save_pretrained(out_dir)
     from groundtune.boxes import MIN_PIXELS, ResizeSpec
     from groundtune.models.loading import write_metadata
@@ -182,4 +190,25 @@ def build_assets(out_dir: str | Path = TINY_DIR) -> Path:
 
 
 if __name__ == "__main__":
-    print(build_assets())
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write the tiny model's assets (or another tiny architecture's).")
+    parser.add_argument("--out", default=str(TINY_DIR))
+    parser.add_argument("--hidden", type=int, help="text hidden size (head_dim stays 32)")
+    parser.add_argument("--layers", type=int, help="text layers")
+    parser.add_argument("--vision-hidden", type=int)
+    parser.add_argument("--vision-layers", type=int)
+    a = parser.parse_args()
+    text = {}
+    if a.hidden:
+        text.update(hidden_size=a.hidden, intermediate_size=4 * a.hidden, num_attention_heads=a.hidden // 32)
+    if a.layers:
+        text["num_hidden_layers"] = a.layers
+    vision = {}
+    if a.vision_hidden:
+        vision.update(hidden_size=a.vision_hidden, intermediate_size=4 * a.vision_hidden)
+    if a.vision_layers:
+        vision.update(depth=a.vision_layers, fullatt_block_indexes=[a.vision_layers - 1])
+    if text.get("hidden_size"):
+        vision["out_hidden_size"] = text["hidden_size"]
+    print(build_assets(a.out, text, vision))

@@ -53,7 +53,7 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
         state = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler)
         print(f"resumed from {resume_from} at step {state['step']}")
     dataset = GroundingDataset(samples, cfg.train_data, gm.processor, gm.family, gm.resize, gm.prompt,
-                               cfg.hflip_prob, cfg.scale_crop_prob, cfg.seed)
+                               cfg.hflip_prob, cfg.scale_crop_prob, cfg.seed, cfg.answer_label)
     batches = iter(make_loader(dataset, cfg.batch_size, cfg.seed, state["samples"], cfg.num_workers,
                                gm.processor.pad_token_id, pin_memory=device.type == "cuda"))
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if _use_bf16(cfg, device)
@@ -71,8 +71,8 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
             step_loss, finite = 0.0, True
             for _ in range(cfg.grad_accum):
                 batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-                with autocast:
-                    loss = model(**batch).loss / cfg.grad_accum
+                with autocast:  # no KV cache: nothing reuses it, and a recomputed layer would extend it twice
+                    loss = model(**batch, use_cache=False).loss / cfg.grad_accum
                 finite = finite and bool(torch.isfinite(loss))
                 if finite:
                     loss.backward()

@@ -1,0 +1,204 @@
+"""Qwen2-VL and Qwen3-VL go through the same public path as the shipped tiny Qwen2.5-VL: loading,
+training targets, LoRA training, saving, loading back and parsing answers.
+
+Only Qwen2.5-VL ships as a tiny model, so each test session builds a local Hugging Face folder per
+family: a randomly initialised config of a few hundred thousand parameters speaking the tiny
+model's tokenizer, with the family's own image processor settings (patch 14 -> resize factor 28
+for Qwen2-VL, patch 16 -> factor 32 for Qwen3-VL).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from PIL import Image
+
+from groundtune import boxes, infer
+from groundtune.config import TrainConfig
+from groundtune.data import synth
+from groundtune.data.dataset import encode_sample
+from groundtune.models import adapt, qwen
+from groundtune.models.loading import load_model
+from groundtune.models.tiny import TINY_DIR
+from groundtune.train.sft import train
+
+FAMILIES = ("qwen2-vl", "qwen3-vl")
+PATCH = {"qwen2-vl": 14, "qwen3-vl": 16}
+FACTOR = {"qwen2-vl": 28, "qwen3-vl": 32}
+
+# A non-square image and a box on it, in ORIGINAL pixels, and the same box in 0-1000.
+SIZE = (200, 100)  # (width, height)
+BOX = [20.0, 30.0, 120.0, 80.0]
+BOX_1000 = [100, 300, 600, 800]
+PHRASE = "the red circle"
+# The answer each family writes for BOX, by hand (not through groundtune.boxes).
+ANSWER = {
+    "qwen2-vl": "<|object_ref_start|>the red circle<|object_ref_end|><|box_start|>(100,300),(600,800)<|box_end|>",
+    "qwen3-vl": '[{"bbox_2d": [100, 300, 600, 800], "label": "the red circle"}]',
+}
+
+
+def _build_family_folder(family: str, out):
+    """A tiny randomly initialised model of ``family`` saved as a local HF folder."""
+    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLImageProcessorPil, Qwen3VLConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_DIR)
+    tid = tokenizer.convert_tokens_to_ids
+    specials = dict(bos_token_id=tid("<|endoftext|>"), eos_token_id=tid("<|im_end|>"),
+                    pad_token_id=tid("<|endoftext|>"))
+    top = dict(image_token_id=tid("<|image_pad|>"), video_token_id=tid("<|video_pad|>"),
+               vision_start_token_id=tid("<|vision_start|>"), vision_end_token_id=tid("<|vision_end|>"),
+               tie_word_embeddings=True)
+    text = dict(vocab_size=max(len(tokenizer), 512), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                tie_word_embeddings=True, **specials)
+    if family == "qwen2-vl":
+        # head_dim = 64 / 2 = 32: mrope_section sums to head_dim / 2
+        rope = {"rope_type": "default", "rope_theta": 20.0, "mrope_section": [4, 6, 6]}
+        config = Qwen2VLConfig(
+            text_config=dict(text, rope_parameters=rope),
+            vision_config=dict(depth=1, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2,
+                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+            **top,
+        )
+    else:
+        # Qwen3-VL: explicit head_dim, interleaved M-RoPE (like the real [24, 20, 20] of 64),
+        # learned vision position embeddings, and DeepStack features from vision layer 0.
+        rope = {"rope_type": "default", "rope_theta": 20.0, "mrope_section": [6, 5, 5], "mrope_interleaved": True}
+        config = Qwen3VLConfig(
+            text_config=dict(text, head_dim=32, rope_parameters=rope),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                               patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                               num_position_embeddings=64, deepstack_visual_indexes=[0]),
+            **top,
+        )
+    torch.manual_seed(0)
+    model = qwen.model_class(family)._from_config(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    Qwen2VLImageProcessorPil(patch_size=PATCH[family], merge_size=2, temporal_patch_size=2,
+                             min_pixels=boxes.MIN_PIXELS, max_pixels=224 * 224).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family_folder(request, tmp_path_factory):
+    family = request.param
+    return family, _build_family_folder(family, tmp_path_factory.mktemp(family))
+
+
+@pytest.fixture(scope="session")
+def synth_small(tmp_path_factory):
+    out = tmp_path_factory.mktemp("synth_families")
+    synth.make_synthetic_set(out, n=8, seed=3, task="single", workers=1)
+    return out
+
+
+def _image() -> Image.Image:
+    image = Image.new("RGB", SIZE, "white")
+    image.paste(Image.new("RGB", (100, 50), "red"), (20, 30))
+    return image
+
+
+def test_load_reports_family_and_resize(family_folder):
+    family, folder = family_folder
+    gm = load_model(str(folder), device="cpu")
+    assert gm.family == family
+    assert gm.resize == boxes.ResizeSpec(FACTOR[family], boxes.MIN_PIXELS, boxes.DEFAULT_MAX_PIXELS)
+    assert type(gm.model).__name__ == qwen.MODEL_CLASS_NAME[family]
+    assert gm.processor.image_processor.patch_size == PATCH[family]
+    assert sum(p.numel() for p in gm.model.parameters()) < 1_000_000
+
+
+def test_training_target_is_the_family_convention(family_folder):
+    family, folder = family_folder
+    gm = load_model(str(folder), device="cpu")
+    sample = {"phrase": PHRASE, "bbox": BOX, "width": SIZE[0], "height": SIZE[1]}
+    enc = encode_sample(gm.processor, gm.family, gm.resize, gm.prompt, _image(), sample)
+
+    labelled = enc["labels"] != qwen.IGNORE_INDEX
+    tok = gm.processor.tokenizer
+    answer = tok.decode(enc["input_ids"][labelled])
+    assert answer == ANSWER[family] + "<|im_end|>\n"
+    if family == "qwen2-vl":  # the markers are single special tokens, not text spelled in pieces
+        markers = ["<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>"]
+        assert [t for t in enc["labels"][labelled].tolist() if t in map(gm.processor.token_id, markers)] == [
+            gm.processor.token_id(m) for m in markers]
+    else:
+        assert json.loads(answer.removesuffix("<|im_end|>\n")) == [{"bbox_2d": BOX_1000, "label": PHRASE}]
+    # the mask covers exactly the answer: the last n tokens, nothing before them
+    n = int(labelled.sum())
+    assert labelled[-n:].all() and not labelled[:-n].any()
+    assert torch.equal(enc["labels"][labelled], enc["input_ids"][labelled])
+    # the image is cut with the family's patch: 200x100 -> 196x112 (factor 28) or 192x96 (factor 32)
+    rw, rh = gm.resize.resized_size(SIZE)
+    assert (rw % FACTOR[family], rh % FACTOR[family]) == (0, 0)
+    assert enc["image_grid_thw"].tolist() == [[1, rh // PATCH[family], rw // PATCH[family]]]
+    image_tokens = enc["input_ids"] == gm.processor.image_token_id
+    assert int(image_tokens.sum()) == int(enc["image_grid_thw"].prod()) // 4
+    assert torch.equal(enc["mm_token_type_ids"].bool(), image_tokens)
+    assert not (labelled & image_tokens).any()
+    # M-RoPE sees the image as a grid: its tokens get (row, column) positions of the merged patches
+    batch = qwen.collate([enc], gm.processor.pad_token_id)
+    positions, _ = gm.model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
+                                                 batch["image_grid_thw"], attention_mask=batch["attention_mask"])
+    rows, cols = positions[1, 0, image_tokens], positions[2, 0, image_tokens]
+    assert (len(rows.unique()), len(cols.unique())) == (rh // FACTOR[family], rw // FACTOR[family])
+    # one forward with these inputs gives a finite loss (vision tower, DeepStack, M-RoPE)
+    with torch.no_grad():
+        assert torch.isfinite(gm.model(**batch).loss)
+
+
+def test_lora_training_run_saves_and_loads_back(family_folder, synth_small, tmp_path):
+    family, folder = family_folder
+    cfg = TrainConfig(model=str(folder), train_data=str(synth_small / "train.jsonl"), out_dir=str(tmp_path / "run"),
+                      method="lora", lora_r=4, lora_targets=["llm_attn", "llm_mlp", "merger"], lr=1e-2,
+                      batch_size=4, max_steps=3, log_every=1, save_every=0, warmup_steps=0, device="cpu")
+    run = train(cfg)
+    losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(losses) == 3 and all(map(math.isfinite, losses))
+    assert (run / "model" / "adapter_config.json").exists()
+    assert not (run / "model" / "model.safetensors").exists()
+    meta = json.loads((run / "model" / "groundtune.json").read_text())
+    assert meta["family"] == family and meta["resize"]["factor"] == FACTOR[family]
+
+    gm = load_model(str(run), device="cpu")
+    assert gm.family == family and gm.resize.factor == FACTOR[family]
+    trained = {n: p for n, p in gm.model.named_parameters() if "lora_B" in n}
+    assert trained and any(p.abs().sum() > 0 for p in trained.values())  # lora_B starts at zero
+    adapted = [n for n in trained if ".visual." in n]  # the merger was adapted too, not the tower
+    assert adapted and all(adapt.part_of(n) == "merger" for n in adapted)
+    if family == "qwen3-vl":  # DeepStack's mergers count as merger
+        assert any("deepstack" in n for n in adapted)
+    preds = infer.predict(gm, [_image()], [PHRASE], max_new_tokens=8)
+    assert len(preds) == 1 and (preds[0].bbox is None) == (preds[0].error is not None)
+
+
+def test_answers_map_back_to_original_pixels(family_folder):
+    family, folder = family_folder
+    gm = load_model(str(folder), device="cpu")
+    image = _image()
+    _, resized_size = qwen.resize_image(image, gm.resize)
+    assert resized_size != image.size  # the resize really happens, so a wrong mapping would show
+    tok = gm.processor.tokenizer
+    ids = tok(ANSWER[family], add_special_tokens=False)["input_ids"]
+    ids += [gm.processor.token_id(qwen.IM_END)] + [gm.processor.pad_token_id] * 3  # a finished batch row
+    pred = infer.read_answer(ids, gm.processor, family, image.size, resized_size)
+    assert pred.error is None and pred.label == PHRASE
+    assert pred.bbox == pytest.approx(BOX)
+    # read as Qwen2.5-VL (resized pixels) the same text would be a different box: the check has teeth
+    wrong = infer.read_answer(ids, gm.processor, "qwen2.5-vl", image.size, resized_size)
+    assert wrong.bbox != pytest.approx(BOX)
+
+    # and generation runs end to end on the random model, batched, on different-size images
+    images = [image, Image.new("RGB", (90, 150), "gray")]
+    preds = infer.predict(gm, images, [PHRASE, "the blue square"], batch_size=2, max_new_tokens=12)
+    assert len(preds) == 2
+    for pred, im in zip(preds, images):
+        assert (pred.bbox is None) == (pred.error is not None)
+        if pred.bbox is not None:
+            x1, y1, x2, y2 = pred.bbox
+            assert 0 <= x1 < x2 <= im.width and 0 <= y1 < y2 <= im.height
