@@ -19,7 +19,7 @@ PRESETS = Path(__file__).resolve().parent / "configs"
 def preset_path(name_or_path: str) -> Path:
     """A YAML path as given, or the name of a preset shipped with groundtune (configs/NAME.yaml)."""
     path = Path(name_or_path)
-    if path.exists():
+    if path.is_file():  # not is_dir: `groundtune quickstart` itself makes a folder named quickstart
         return path
     shipped = PRESETS / f"{name_or_path}.yaml"
     if shipped.exists():

@@ -56,7 +56,7 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
                                cfg.hflip_prob, cfg.scale_crop_prob, cfg.seed, cfg.answer_label)
     batches = iter(make_loader(dataset, cfg.batch_size, cfg.seed, state["samples"], cfg.num_workers,
                                gm.processor.pad_token_id, pin_memory=device.type == "cuda"))
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if _use_bf16(cfg, device)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if _use_bf16(cfg, device)
                 else contextlib.nullcontext())
     log = MetricsLog(run)
     print(f"training {gm.source} ({cfg.method}; {adapt.count_parameters(model)['trainable']:,} trainable "
