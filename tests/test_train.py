@@ -124,3 +124,31 @@ def test_gradient_checkpointing_changes_memory_not_results(synth_single, tmp_pat
     recomputed = train(_cfg(synth_single, tmp_path / "ckpt", method="lora", max_steps=3, lr=1e-2,
                             gradient_checkpointing=-1))
     assert _losses(recomputed) == pytest.approx(_losses(plain), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_cleanly(synth_single, tmp_path):
+    """A real `groundtune train` process, sent SIGTERM mid-run: it saves a checkpoint, exits 0 and
+    prints the resume command whole (a log line users copy)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "sig"
+    cmd = [sys.executable, "-m", "groundtune", "train", "quickstart", f"train_data={synth_single / 'train.jsonl'}",
+           "eval_data=", f"out_dir={run}", "max_steps=100000", "log_every=1", "save_every=0", "num_workers=0",
+           "batch_size=2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() else "timeout"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "SIGTERM" in out and f"groundtune train --resume {run}" in out
+    saved = ckpt.list_checkpoints(run)
+    assert len(saved) == 1 and not ckpt.is_finished(saved[-1])
+    step = json.loads((saved[-1] / "state.json").read_text())["step"]
+    assert 1 <= step < 100000

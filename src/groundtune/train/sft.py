@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import random
 import shutil
@@ -66,6 +67,7 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
     window = {"loss": 0.0, "n": 0, "samples": 0, "tokens": 0, "t0": time.time()}
     with StopRequest(run) as stop, progress_bar() as bar:
         task = bar.add_task("train", total=cfg.max_steps, completed=state["step"], info="")
+        say = functools.partial(bar.console.print, soft_wrap=True)  # never wrap a command users copy
         while state["step"] < cfg.max_steps:
             # ---- one optimizer step: grad_accum micro-batches
             step_loss, finite = 0.0, True
@@ -119,7 +121,7 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
             if eval_samples and ((cfg.eval_every and step % cfg.eval_every == 0) or is_last):
                 metrics = _evaluate(gm, model, eval_samples, cfg)
                 log.log(step, {f"eval/{k}": v for k, v in metrics.items()})
-                bar.console.print(f"step {step}: eval Acc@0.5 {metrics['acc@0.5']:.3f} mIoU {metrics['miou']:.3f}")
+                say(f"step {step}: eval Acc@0.5 {metrics['acc@0.5']:.3f} mIoU {metrics['miou']:.3f}")
                 if metrics["acc@0.5"] > state["best_acc"]:
                     state["best_acc"] = metrics["acc@0.5"]
                     ckpt.save_model(run, gm, model, {"step": step, "eval": metrics})
@@ -130,10 +132,9 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
                 state["finished"] = is_last
                 ckpt.save_checkpoint(run, model, optimizer, scheduler, state, cfg.keep_last)
             if reason:
-                bar.console.print(f"stopping at step {step} ({reason}); resume with: "
-                                  f"groundtune train --resume {run}")
+                say(f"stopping at step {step} ({reason}); resume with: groundtune train --resume {run}")
                 break
-            waited = thermal_pause(device, cfg.thermal_pause_c, cfg.thermal_resume_c, log=bar.console.print)
+            waited = thermal_pause(device, cfg.thermal_pause_c, cfg.thermal_resume_c, log=say)
             if waited:
                 log.log(step, {"thermal_pause_s": waited})
     if not eval_samples or state["best_acc"] < 0:
