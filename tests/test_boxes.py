@@ -194,6 +194,20 @@ def test_parse_failures_are_reported_not_guessed(text):
     assert not parsed.ok and parsed.boxes == [] and parsed.error
 
 
+@pytest.mark.parametrize(
+    "value, expected",
+    [([1, 2, 3, 4], [1.0, 2.0, 3.0, 4.0]), ((1.5, 2, 3, 4), [1.5, 2.0, 3.0, 4.0]), ([1, 2, 3], None),
+     ([1, 2, 3, True], None), ([1, 2, float("nan"), 4], None), ([1, 2, float("inf"), 4], None),
+     ("1,2,3,4", None), ([1, 2, "3", 4], None), (None, None)],
+)
+def test_as_box(value, expected):
+    assert boxes.as_box(value) == expected
+
+
+def test_parse_ignores_nan_boxes():
+    assert not parse_answer('[{"bbox_2d": [NaN, 1, 2, 3]}]', "qwen2.5-vl", ORIG, RES).ok
+
+
 def test_parse_qwen2_special_tokens_with_labels():
     text = (
         "<|object_ref_start|>the cat<|object_ref_end|><|box_start|>(100,200),(500,1000)<|box_end|>"

@@ -173,6 +173,17 @@ def from_norm1000(box: Sequence[float], size: Size) -> Box:
     return scale_box(box, (NORM_SCALE, NORM_SCALE), size)
 
 
+def as_box(value) -> Box | None:
+    """``value`` as four floats when it is a list/tuple of exactly four finite numbers, else None.
+    The one test of "is this a box" for records, checks and the answer parser: a bool is not a
+    number here (``true`` in a box is a bug, not 1), and NaN/inf are not coordinates."""
+    if not isinstance(value, (list, tuple)) or len(value) != 4:
+        return None
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value):
+        return None
+    return [float(v) for v in value]
+
+
 def clip_box(box: Sequence[float], size: Size) -> Box:
     w, h = size
     x1, y1, x2, y2 = box
@@ -313,22 +324,14 @@ def _json_candidates(text: str) -> list:
     return found
 
 
-def _is_four_numbers(v) -> bool:
-    return (
-        isinstance(v, (list, tuple))
-        and len(v) == 4
-        and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
-    )
-
-
 def _boxes_from_json(value) -> list[tuple[list[float], str | None]]:
-    if _is_four_numbers(value):
-        return [([float(x) for x in value], None)]
+    if as_box(value) is not None:
+        return [(as_box(value), None)]
     if isinstance(value, dict):
         for key in _BOX_KEYS:
-            if _is_four_numbers(value.get(key)):
+            if as_box(value.get(key)) is not None:
                 label = value.get("label")
-                return [([float(x) for x in value[key]], label if isinstance(label, str) else None)]
+                return [(as_box(value[key]), label if isinstance(label, str) else None)]
         return [b for v in value.values() if isinstance(v, (list, dict)) for b in _boxes_from_json(v)]
     if isinstance(value, list):
         return [b for v in value for b in _boxes_from_json(v)]

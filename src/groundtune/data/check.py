@@ -57,7 +57,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from groundtune.boxes import MAX_RATIO, box_area, clip_box, xywh_to_xyxy
+from groundtune.boxes import MAX_RATIO, as_box, box_area, clip_box, xywh_to_xyxy
 from groundtune.data.records import DataError, image_path, iter_jsonl, write_samples
 from groundtune.progress import track
 
@@ -343,7 +343,7 @@ def check_boxes(record: dict, image: ImageInfo | None) -> list[Finding]:
 
 def _check_box(box, size: tuple[int, int] | None) -> tuple[str | None, list]:
     """(kind or None, the box to write) for one box of a record; ``size`` is the image's (w, h)."""
-    if not _is_four_numbers(box) or not all(math.isfinite(v) for v in box):
+    if not isinstance(box, list) or as_box(box) is None:
         return "bbox_nan", box
     x1, y1, x2, y2 = box
     if x2 <= x1 or y2 <= y1:
@@ -366,15 +366,6 @@ def _check_box(box, size: tuple[int, int] | None) -> tuple[str | None, list]:
 
 # --------------------------------------------------------------------------------------------
 # Small helpers
-
-
-def _is_four_numbers(box) -> bool:
-    # bool is an int in Python, but `true` in a box is a bug, not the number 1.
-    return (
-        isinstance(box, list)
-        and len(box) == 4
-        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in box)
-    )
 
 
 def _overshoot(box, size: tuple[int, int]) -> float:

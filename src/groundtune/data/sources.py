@@ -33,7 +33,7 @@ from typing import Iterator, NoReturn
 import pyarrow.parquet as pq
 from PIL import Image
 
-from groundtune.boxes import xywh_to_xyxy
+from groundtune.boxes import as_box, xywh_to_xyxy
 from groundtune.progress import track
 
 from .records import DataError, atomic_write, image_path, iter_jsonl, write_samples
@@ -303,10 +303,8 @@ def _is_number(v) -> bool:
 
 
 def _box(value) -> list[float] | None:
-    """A box as four finite floats, or None when it is not one."""
-    if isinstance(value, list) and len(value) == 4 and all(_is_number(v) for v in value):
-        return [float(v) for v in value]
-    return None
+    """A box as four finite floats, or None when it is not one (JSON lists only)."""
+    return as_box(value) if isinstance(value, list) else None
 
 
 def _boxes(value) -> list[list[float]] | None:
