@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from groundtune.boxes import DEFAULT_MAX_PIXELS, ResizeSpec
+from groundtune.boxes import ResizeSpec
 from groundtune.models import qwen
 from groundtune.models.tiny import TINY_DIR
 
@@ -39,7 +39,6 @@ class GroundingModel:
     prompt: str = qwen.DEFAULT_PROMPT
     source: str = ""  # what the user named, for reports
     base_model: str = ""  # the base weights an adapter applies to (same as source for full models)
-    extra: dict = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
@@ -132,16 +131,10 @@ def load_model(
     name: str,
     device: str = "auto",
     dtype: str = "auto",
-    resize: ResizeSpec | None = None,
-    prompt: str | None = None,
-    merge_adapter: bool = False,
     quantize_4bit: bool = False,
 ) -> GroundingModel:
-    """Load ``tiny``, a run folder, a local model folder or a hub id, ready for inference.
-
-    ``resize``/``prompt`` override what the model was saved with; a different pixel budget than
-    the one it was trained with is allowed (a user may want it) but warned about loudly.
-    """
+    """Load ``tiny``, a run folder, a local model folder or a hub id, ready for inference, with the
+    resize settings and prompt it was saved with (callers that override them say so loudly)."""
     kind, path = resolve(name)
     dev = pick_device(device)
     torch_dtype = pick_dtype(dev, dtype)
@@ -154,8 +147,6 @@ def load_model(
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(base.model, folder)
-        if merge_adapter:
-            model = model.merge_and_unload()
         processor = base.processor
         family = meta.get("family", base.family)
         base_meta = base.metadata()
@@ -174,19 +165,12 @@ def load_model(
     model.eval()
 
     saved_resize = meta.get("resize") or base_meta.get("resize")
-    saved = ResizeSpec.from_dict(saved_resize) if saved_resize else ResizeSpec.for_family(family)
-    if resize is not None and resize != saved and (saved_resize is not None):
-        warnings.warn(
-            f"{name} was trained with {saved} but is being run with {resize}: boxes stay correct "
-            "(they are mapped with the resize actually used) but accuracy may drop.",
-            stacklevel=2,
-        )
     return GroundingModel(
         model=model,
         processor=processor,
         family=family,
-        resize=resize or saved,
-        prompt=prompt or meta.get("prompt") or base_meta.get("prompt") or qwen.DEFAULT_PROMPT,
+        resize=ResizeSpec.from_dict(saved_resize) if saved_resize else ResizeSpec.for_family(family),
+        prompt=meta.get("prompt") or base_meta.get("prompt") or qwen.DEFAULT_PROMPT,
         source=name,
         base_model=base_name,
     )
@@ -265,4 +249,4 @@ def _load_weights(source, kind: str, torch_dtype: torch.dtype, quantize_on: torc
 
 
 __all__ = ["GroundingModel", "load_model", "load_processor", "resolve", "write_metadata", "read_metadata",
-           "METADATA_FILE", "DEFAULT_MAX_PIXELS"]
+           "METADATA_FILE"]
