@@ -1,25 +1,41 @@
 #!/usr/bin/env bash
-# Pre-train the tiny model on one GPU with `groundtune train tiny-pretrain`: two architectures side by
-# side (the GPU is mostly idle for one tiny model), each stopped cleanly (STOP file) after SECONDS.
-#   OUT=/tmp/out SECONDS_PER_RUN=470 bash bench/tiny_pretrain.sh
+# Pre-training runs of the tiny model, side by side on one GPU (one tiny model leaves it mostly
+# idle): each line of the plan is `groundtune train tiny-pretrain` with its own overrides, stopped
+# cleanly with a STOP file after SECONDS_PER_RUN (or at its max_steps), then broken down by phrase
+# form on 1,000 held-out full-task samples.
+#   OUT=/tmp/out SECONDS_PER_RUN=470 bash bench/tiny_pretrain.sh bench/plans/tiny_stage2_sweep.txt
+# Plan lines:
+#   arch NAME ARGS...        build a tiny architecture (python -m groundtune.models.tiny ARGS)
+#   run NAME KEY=VALUE...    a training run; model=arch:NAME uses an architecture built above
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
-gt="python -m groundtune"
+PLAN=$1
 T=${SECONDS_PER_RUN:-470}
-D=/tmp/tp/data
+W=/tmp/tp
+mkdir -p $W/arch $OUT
+python -m groundtune data synth --out $W/data --n 500 --seed 12 --task full --split val | tail -1
+runs=()
+while read -r kind name rest; do
+  case "$kind" in
+    arch) python -m groundtune.models.tiny --out $W/arch/$name $rest > /dev/null ;;
+    run)
+      args=$(echo "$rest" | sed "s#arch:#$W/arch/#g")
+      python -m groundtune train tiny-pretrain eval_data=$W/data/val.jsonl out_dir=$W/$name $args \
+        > $W/$name.log 2>&1 &
+      runs+=("$name") ;;
+  esac
+done < "$PLAN"
 t0=$(date +%s)
-$gt data synth --out $D --n 400000 --seed 11 --task full | tail -1
-$gt data synth --out $D --n 500 --seed 12 --task full --split val | tail -1
-echo "data: $(( $(date +%s) - t0 )) s" | tee $OUT/timing.txt
-python -m groundtune.models.tiny --out /tmp/tp/arch_b --hidden 192 --layers 4 --vision-layers 4
-common="train_data=$D/train.jsonl eval_data=$D/val.jsonl"
-$gt train tiny-pretrain $common out_dir=/tmp/tp/a > /tmp/tp/a.log 2>&1 &
-$gt train tiny-pretrain $common out_dir=/tmp/tp/b model=/tmp/tp/arch_b > /tmp/tp/b.log 2>&1 &
-sleep $T; touch /tmp/tp/a/STOP /tmp/tp/b/STOP
+while [ $(( $(date +%s) - t0 )) -lt "$T" ] && [ -n "$(jobs -r)" ]; do sleep 5; done
+for r in "${runs[@]}"; do touch $W/$r/STOP; done
 wait
-for r in a b; do
-  echo "== $r"; grep -a "eval Acc\|rror\|stopping" /tmp/tp/$r.log | tail -20
-  last=$(ls -d /tmp/tp/$r/checkpoints/step-* | tail -1)
-  tar czf $OUT/pre_$r.tgz -C /tmp/tp/$r model config.yaml metrics.jsonl -C /tmp/tp/$r checkpoints/$(basename $last)
-  ls -la $OUT/pre_$r.tgz
-done | tee $OUT/summary.txt
+echo "trained for $(( $(date +%s) - t0 )) s" | tee $OUT/summary.txt
+for r in "${runs[@]}"; do
+  echo "== $r" ; grep -a "eval Acc\|rror\|stopping" $W/$r.log | tail -12
+done | tee -a $OUT/summary.txt
+models=(); for r in "${runs[@]}"; do models+=("$W/$r/model"); done
+python bench/tiny_breakdown.py "${models[@]}" --n 1000 --out $OUT/breakdown.json | tee -a $OUT/summary.txt
+for r in "${runs[@]}"; do
+  tar czf $OUT/$r.tgz -C $W/$r model config.yaml metrics.jsonl
+done
+ls -la $OUT

@@ -152,6 +152,25 @@ def test_training_target_is_the_family_convention(family_folder):
         assert torch.isfinite(gm.model(**batch).loss)
 
 
+def test_positions_from_the_workers_equal_the_models_own(family_folder):
+    """Training passes the M-RoPE positions computed per sample (qwen.mrope_positions) so the
+    model skips its per-batch Python loop: they must be exactly what the model computes itself."""
+    family, folder = family_folder
+    gm = load_model(str(folder), device="cpu")
+    encoded = []
+    for i, size in enumerate([(200, 100), (90, 180), (64, 64)]):
+        sample = {"phrase": PHRASE * (i + 1), "bbox": [5, 5, 30, 30], "width": size[0], "height": size[1]}
+        encoded.append(encode_sample(gm.processor, gm.family, gm.resize, gm.prompt, _image().resize(size), sample))
+    batch = qwen.collate(encoded, gm.processor.pad_token_id)  # right-padded: lengths differ
+    theirs, _ = gm.model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
+                                              batch["image_grid_thw"], attention_mask=batch["attention_mask"])
+    real = batch["attention_mask"].bool()
+    assert torch.equal(batch["position_ids"][:, real], theirs[:, real])
+    without = {k: v for k, v in batch.items() if k != "position_ids"}
+    with torch.no_grad():  # padding's logits are noise either way and carry no loss
+        assert torch.equal(gm.model(**batch).logits[real], gm.model(**without).logits[real])
+
+
 def test_lora_training_run_saves_and_loads_back(family_folder, synth_small, tmp_path):
     family, folder = family_folder
     cfg = TrainConfig(model=str(folder), train_data=str(synth_small / "train.jsonl"), out_dir=str(tmp_path / "run"),

@@ -207,6 +207,20 @@ def test_single_task_is_one_shape_named_by_colour_and_shape():
     assert record["task"] == "single"
 
 
+@pytest.mark.parametrize("task", ["attribute", "multi"])
+def test_curriculum_tasks_always_leave_a_choice(task):
+    forms = set()
+    for i in range(300):
+        scene = synth.make_scene(3, i, task=task)
+        assert len(scene.shapes) in (2, 3)  # never a lone shape: position alone is not the answer
+        assert independent_resolve(scene.phrase, scene.shapes) == [scene.target], (i, scene.phrase)
+        forms.add(scene.query.form)
+    if task == "attribute":  # named by colour and/or kind, never by where it is
+        assert forms == {"attribute"}
+    else:
+        assert forms == {"attribute", "relation", "extreme", "attribute+position"}
+
+
 def test_palette_variant_is_one_argument():
     pal = synth.Palette(colours={"purple": (120, 30, 160), "orange": (240, 120, 0)}, shapes=("diamond", "cross"))
     for i in range(80):

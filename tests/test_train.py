@@ -82,6 +82,39 @@ def test_stop_file_then_resume_equals_uninterrupted(synth_single, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_synthetic_stream_is_the_synthetic_set_drawn_on_the_fly(synth_single):
+    """train_data=synth:TASK gives sample i of the run's seed: the same pixels and target as the
+    file `groundtune data synth --seed SEED` writes, in index order, never repeating."""
+    from groundtune.data.dataset import GroundingDataset, make_loader, open_samples
+
+    gm = load_model("tiny")
+    stream = open_samples("synth:single", 1)
+    files = open_samples(str(synth_single / "train.jsonl"), 1)  # made with seed 1, task single
+    args = (gm.processor, gm.family, gm.resize, gm.prompt)
+    from_stream, from_files = GroundingDataset(stream, *args), GroundingDataset(files, *args)
+    for i in (0, 5, 63):
+        a, b = from_stream[i, i], from_files[i, i]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    batches = iter(make_loader(from_stream, 4, seed=1, start=8, num_workers=0, pad_token_id=0))
+    first, expected = next(batches), from_stream[8, 8]["input_ids"]
+    assert torch.equal(first["input_ids"][0, : len(expected)], expected)  # resumes at its position
+    with pytest.raises(ValueError, match="synth:bogus.*synth:full"):
+        open_samples("synth:bogus", 0)
+
+
+def test_training_on_the_stream_resumes_exactly(tmp_path):
+    cfg = dict(train_data="synth:single", max_steps=4, num_workers=2)
+    straight = train(_cfg(tmp_path, tmp_path / "straight", **cfg))
+
+    def stop_at_2(step, run, model):
+        if step == 2:
+            (run / "STOP").touch()
+
+    interrupted = train(_cfg(tmp_path, tmp_path / "interrupted", **cfg), on_step=stop_at_2)
+    resumed = train(resume=interrupted)
+    assert len(_losses(straight)) == 4 and _losses(resumed) == _losses(straight)
+
+
 def test_existing_run_is_not_overwritten(synth_single, tmp_path):
     train(_cfg(synth_single, tmp_path / "r", max_steps=1))
     with pytest.raises(FileExistsError, match="--resume"):

@@ -29,7 +29,7 @@ class TrainConfig:
 
     # --- what to train on
     model: str = "tiny"  # tiny | a training run folder | a local HF folder | a hub id (Qwen/Qwen2.5-VL-3B-Instruct)
-    train_data: str = ""  # canonical JSONL (groundtune data convert / synth)
+    train_data: str = ""  # canonical JSONL (groundtune data convert / synth), or synth:full | synth:single (drawn on the fly)
     eval_data: str = ""  # canonical JSONL for generation eval during training; "" = none
     out_dir: str = "runs/sft"  # the run folder: model/, checkpoints/, metrics.jsonl, tb/
 
@@ -109,7 +109,8 @@ class TrainConfig:
         if self.thermal_pause_c and self.thermal_resume_c >= self.thermal_pause_c:
             raise ConfigError("thermal_resume_c must be below thermal_pause_c")
         if not self.train_data:
-            raise ConfigError("train_data is not set: give a canonical JSONL file (train_data=FILE.jsonl)")
+            raise ConfigError("train_data is not set: give a canonical JSONL file (train_data=FILE.jsonl) "
+                              "or a synthetic stream (train_data=synth:full)")
 
     def part_lr(self, part: str) -> float:
         return getattr(self, f"lr_{part}") or self.lr

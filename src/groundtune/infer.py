@@ -114,6 +114,8 @@ def _generate(gm, chunk: list[tuple[Image.Image, str]], max_new_tokens: int) -> 
         encoded.append(qwen.encode(gm.processor, resized, prompt))
         sizes.append((image.size, resized_size))
     batch = qwen.collate(encoded, gm.processor.pad_token_id, padding_side="left")
+    # generate derives the positions itself, with the offsets its KV cache continues from
+    batch.pop("position_ids")
     batch = {k: v.to(gm.device) for k, v in batch.items()}
     with torch.inference_mode():
         out = gm.model.generate(

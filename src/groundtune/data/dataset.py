@@ -3,6 +3,11 @@
 The order is a function of (seed, position) alone: position p is sample perm_e[p mod n] of epoch
 e = p div n, and the augmentation of position p draws from a generator seeded with (seed, p). So a
 run resumed at position p sees exactly the batches an uninterrupted run would have seen.
+
+Training data is a canonical JSONL file, or ``synth:TASK`` (``synth:full``, ``synth:single``): the
+built-in synthetic set drawn in the loader's worker processes as it is consumed, sample p of the
+stream being synthetic sample p of the run's seed. Nothing is written to disk and no sample repeats,
+so pre-training is never bounded by how many PNGs were made beforehand.
 """
 
 from __future__ import annotations
@@ -12,22 +17,65 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 from groundtune import boxes
-from groundtune.data import augment
+from groundtune.data import augment, synth
 from groundtune.data.images import load_image
-from groundtune.data.records import image_path, sample_boxes
+from groundtune.data.records import image_path, read_samples, sample_boxes
 from groundtune.models import qwen
+
+
+SYNTH_PREFIX = "synth:"
+SYNTH_STREAM_LENGTH = 2**62  # "endless": a run stops at max_steps long before
+
+
+class FileSamples:
+    """Records of a canonical JSONL file; images are read from disk as they are needed."""
+
+    def __init__(self, samples: list[dict], data_path: str | Path):
+        self.samples, self.data_path = samples, Path(data_path)
+        self.shuffle = True  # each epoch in a new order
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[Image.Image, dict]:
+        sample = self.samples[index]
+        return load_image(image_path(sample, self.data_path), (sample["width"], sample["height"])), sample
+
+
+class SyntheticStream:
+    """``synth:TASK``: synthetic sample i of (seed, "train"), drawn when it is asked for."""
+
+    def __init__(self, task: str, seed: int):
+        if task not in synth.TASKS:
+            raise ValueError(f"train_data=synth:{task}: unknown task; expected one of "
+                             f"{', '.join(SYNTH_PREFIX + t for t in synth.TASKS)}")
+        self.task, self.seed = task, seed
+        self.shuffle = False  # fresh samples in index order: nothing to shuffle, nothing repeats
+
+    def __len__(self) -> int:
+        return SYNTH_STREAM_LENGTH
+
+    def __getitem__(self, index: int) -> tuple[Image.Image, dict]:
+        return synth.make_sample(self.seed, index, task=self.task)
+
+
+def open_samples(train_data: str, seed: int) -> FileSamples | SyntheticStream:
+    """The training samples named by the ``train_data`` setting."""
+    if train_data.startswith(SYNTH_PREFIX):
+        return SyntheticStream(train_data[len(SYNTH_PREFIX):], seed)
+    return FileSamples(read_samples(train_data), train_data)
 
 
 class GroundingDataset(torch.utils.data.Dataset):
     """Item ``(index, position)`` -> encoded sample with the answer as its labelled target."""
 
-    def __init__(self, samples: list[dict], data_path: str | Path, processor: qwen.Processor, family: str,
+    def __init__(self, samples: FileSamples | SyntheticStream, processor: qwen.Processor, family: str,
                  resize: boxes.ResizeSpec, prompt: str, hflip_prob: float = 0.0, scale_crop_prob: float = 0.0,
                  seed: int = 0, answer_label: bool = True):
         self.samples = samples
-        self.data_path = Path(data_path)
         self.processor = processor
         self.family = family
         self.resize = resize
@@ -42,8 +90,7 @@ class GroundingDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
         index, position = key
-        sample = self.samples[index]
-        image = load_image(image_path(sample, self.data_path), (sample["width"], sample["height"]))
+        image, sample = self.samples[index]
         rng = np.random.default_rng([self.seed, position])
         if self.hflip_prob and rng.random() < self.hflip_prob:
             image, sample = augment.hflip(image, sample)
@@ -65,12 +112,15 @@ def encode_sample(processor, family, resize, prompt, image, sample, answer_label
 
 
 class ResumableBatches(torch.utils.data.Sampler):
-    """Batches of (index, position) from ``start`` on, cycling through epochs forever."""
+    """Batches of (index, position) from ``start`` on, cycling through epochs forever (in a new
+    order each epoch when ``shuffle``, else in index order)."""
 
-    def __init__(self, n: int, batch_size: int, seed: int, start: int = 0):
-        self.n, self.batch_size, self.seed, self.start = n, batch_size, seed, start
+    def __init__(self, n: int, batch_size: int, seed: int, start: int = 0, shuffle: bool = True):
+        self.n, self.batch_size, self.seed, self.start, self.shuffle = n, batch_size, seed, start, shuffle
 
-    def _epoch_order(self, epoch: int) -> torch.Tensor:
+    def _epoch_order(self, epoch: int):
+        if not self.shuffle:
+            return range(self.n)
         return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
 
     def __iter__(self):
@@ -91,7 +141,7 @@ def make_loader(dataset: GroundingDataset, batch_size: int, seed: int, start: in
                 pad_token_id: int, pin_memory: bool = False) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(
         dataset,
-        batch_sampler=ResumableBatches(len(dataset), batch_size, seed, start),
+        batch_sampler=ResumableBatches(len(dataset), batch_size, seed, start, dataset.samples.shuffle),
         collate_fn=partial(qwen.collate, pad_token_id=pad_token_id, padding_side="right"),
         num_workers=num_workers,
         pin_memory=pin_memory,

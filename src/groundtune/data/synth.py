@@ -33,7 +33,14 @@ from PIL import Image, ImageDraw
 from groundtune.data.records import write_samples
 from groundtune.progress import progress_bar
 
-TASKS = ("full", "single")
+# What a sample asks, from easiest to the full task (curriculum stages of the tiny model's pre-training):
+#   single     one shape, "the {colour} {shape}"
+#   attribute  2-3 shapes, the target named by colour and/or kind only ("the red circle", "the circle",
+#              "the red shape"): position alone never tells which shape is meant
+#   multi      2-3 shapes, every phrase form
+#   full       1-3 shapes, every phrase form
+TASKS = ("full", "single", "attribute", "multi")
+SHAPE_COUNTS = {"single": (1, 1), "attribute": (2, 3), "multi": (2, 3), "full": (1, 3)}
 # Shapes _shape_mask can draw. A Palette may use any of them: a variant with new shapes is a
 # different Palette, not new code.
 SHAPE_KINDS = ("circle", "square", "triangle", "diamond", "cross")
@@ -312,9 +319,10 @@ def _choose_query(rng: np.random.Generator, shapes: list[Shape], target: int, ta
     # The first form, in a random order, that can name the target: a form uniformly among those
     # that can, so relational forms get used even where "the red circle" would do and the model
     # has to read them. "attribute" always can, so the loop always returns.
-    for f in rng.permutation(len(FORMS)):
+    forms = ("attribute",) if task == "attribute" else FORMS
+    for f in rng.permutation(len(forms)):
         valid = []
-        for q in _candidates(FORMS[f], shapes, target):
+        for q in _candidates(forms[f], shapes, target):
             sure, unclear = resolve(q, shapes, margin)
             if sure == {target} and not unclear:
                 valid.append(q)
@@ -337,11 +345,18 @@ def _scene(rng: np.random.Generator, width: int, height: int, task: str, palette
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
     n_pairs = len(palette.colours) * len(palette.shapes)
-    k = 1 if task == "single" else int(rng.integers(1, 4))
+    lo, hi = SHAPE_COUNTS[task]
+    k = lo if lo == hi else int(rng.integers(lo, hi + 1))
     k = min(k, n_pairs)
     # distinct (colour, shape) pairs, so "the {colour} {shape}" always names one shape
     pairs = rng.choice(n_pairs, size=k, replace=False)
     placements = _place(rng, k, width, height)
+    for _attempt in range(100):  # a dropped shape would leave no choice to make: lay out again
+        if len(placements) >= min(lo, k):
+            break
+        placements = _place(rng, k, width, height)
+    else:
+        raise ValueError(f"a {width}x{height} canvas has no room for {lo} shapes (task {task!r})")
     colours = list(palette.colours)
     shapes = []
     for pair, (x0, y0, size) in zip(pairs, placements):

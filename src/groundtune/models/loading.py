@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from groundtune.boxes import ResizeSpec
-from groundtune.models import qwen
+from groundtune.models import qwen, vision_attention
 from groundtune.models.tiny import TINY_DIR
 
 METADATA_FILE = "groundtune.json"
@@ -163,6 +163,7 @@ def load_model(
     if not quantize_4bit:  # a 4-bit model is placed by from_pretrained and cannot be moved
         model.to(dev)
     model.eval()
+    vision_attention.install(model)  # one attention call per window length, not per window
 
     saved_resize = meta.get("resize") or base_meta.get("resize")
     return GroundingModel(

@@ -154,11 +154,13 @@ def encode(
         ids += answer_ids
         labels += answer_ids
     input_ids = torch.tensor(ids, dtype=torch.long)
+    image_tokens = input_ids == processor.image_token_id
     out = {
         "input_ids": input_ids,
         # M-RoPE needs to know which positions are image tokens: without this tensor transformers
         # silently falls back to 1-D positions for the image (a model that cannot see where things are).
-        "mm_token_type_ids": (input_ids == processor.image_token_id).int(),
+        "mm_token_type_ids": image_tokens.int(),
+        "position_ids": mrope_positions(image_tokens, grid[0], processor.merge_size),
         "pixel_values": vision["pixel_values"],
         "image_grid_thw": grid,
     }
@@ -167,10 +169,35 @@ def encode(
     return out
 
 
+def mrope_positions(image_tokens: torch.Tensor, grid_thw: torch.Tensor, merge_size: int) -> torch.Tensor:
+    """The (3, length) M-RoPE positions (temporal, height, width) of a sequence holding one image:
+    text counts up on all three axes; the image's tokens share the temporal position where it
+    starts and count rows/columns of its merged grid from there; text after it resumes past the
+    largest position used. The same numbers as transformers' ``get_rope_index`` (a test checks
+    it), computed here, once per sample in the data workers, because the model computes them
+    with a Python loop over the batch on every training step."""
+    length = len(image_tokens)
+    where = image_tokens.nonzero().flatten()
+    if len(where) == 0:
+        return torch.arange(length).expand(3, length).clone()
+    start, n = int(where[0]), len(where)
+    rows, cols = int(grid_thw[1]) // merge_size, int(grid_thw[2]) // merge_size
+    if n != rows * cols or int(where[-1]) != start + n - 1:
+        raise ValueError(f"expected {rows * cols} consecutive image tokens, found {n}")
+    positions = torch.empty(3, length, dtype=torch.long)
+    positions[:, :start] = torch.arange(start)
+    positions[0, start : start + n] = start
+    positions[1, start : start + n] = start + torch.arange(rows).repeat_interleave(cols)
+    positions[2, start : start + n] = start + torch.arange(cols).repeat(rows)
+    after = start + max(rows, cols)
+    positions[:, start + n :] = after + torch.arange(length - start - n)
+    return positions
+
+
 def collate(samples: list[dict[str, torch.Tensor]], pad_token_id: int, padding_side: str = "right") -> dict:
     """Pad a list of encoded samples into a batch. Left padding for generation, right for training."""
     longest = max(len(s["input_ids"]) for s in samples)
-    batch = {"input_ids": [], "attention_mask": [], "mm_token_type_ids": []}
+    batch = {"input_ids": [], "attention_mask": [], "mm_token_type_ids": [], "position_ids": []}
     has_labels = "labels" in samples[0]
     if has_labels:
         batch["labels"] = []
@@ -185,9 +212,11 @@ def collate(samples: list[dict[str, torch.Tensor]], pad_token_id: int, padding_s
         batch["input_ids"].append(padded(s["input_ids"], pad_token_id))
         batch["attention_mask"].append(padded(torch.ones(n, dtype=torch.long), 0))
         batch["mm_token_type_ids"].append(padded(s["mm_token_type_ids"], 0))
+        batch["position_ids"].append(torch.stack([padded(axis, 0) for axis in s["position_ids"]]))
         if has_labels:
             batch["labels"].append(padded(s["labels"], IGNORE_INDEX))
     out = {k: torch.stack(v) for k, v in batch.items()}
+    out["position_ids"] = out["position_ids"].transpose(0, 1)  # (3, batch, length), as the model takes it
     out["pixel_values"] = torch.cat([s["pixel_values"] for s in samples])
     out["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in samples])
     return out

@@ -194,21 +194,36 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description="Write the tiny model's assets (or another tiny architecture's).")
     parser.add_argument("--out", default=str(TINY_DIR))
-    parser.add_argument("--hidden", type=int, help="text hidden size (head_dim stays 32)")
+    parser.add_argument("--hidden", type=int, help="text hidden size")
     parser.add_argument("--layers", type=int, help="text layers")
+    parser.add_argument("--head-dim", type=int, default=32, help="text attention head size")
+    parser.add_argument("--mrope", help="M-RoPE sections t,h,w (sum = head_dim / 2), e.g. 2,7,7")
+    parser.add_argument("--rope-theta", type=float)
     parser.add_argument("--vision-hidden", type=int)
     parser.add_argument("--vision-layers", type=int)
+    parser.add_argument("--vision-heads", type=int)
     a = parser.parse_args()
     text = {}
     if a.hidden:
-        text.update(hidden_size=a.hidden, intermediate_size=4 * a.hidden, num_attention_heads=a.hidden // 32)
+        heads = a.hidden // a.head_dim
+        text.update(hidden_size=a.hidden, intermediate_size=4 * a.hidden, num_attention_heads=heads,
+                    num_key_value_heads=2 if heads % 2 == 0 else 1, head_dim=a.head_dim)
     if a.layers:
         text["num_hidden_layers"] = a.layers
+    if a.mrope or a.rope_theta:
+        rope = dict(TEXT_CONFIG["rope_parameters"])
+        if a.mrope:
+            rope["mrope_section"] = [int(v) for v in a.mrope.split(",")]
+        if a.rope_theta:
+            rope["rope_theta"] = a.rope_theta
+        text["rope_parameters"] = rope
     vision = {}
     if a.vision_hidden:
         vision.update(hidden_size=a.vision_hidden, intermediate_size=4 * a.vision_hidden)
     if a.vision_layers:
         vision.update(depth=a.vision_layers, fullatt_block_indexes=[a.vision_layers - 1])
+    if a.vision_heads:
+        vision["num_heads"] = a.vision_heads
     if text.get("hidden_size"):
         vision["out_hidden_size"] = text["hidden_size"]
     print(build_assets(a.out, text, vision))

@@ -24,7 +24,7 @@ import torch
 
 from groundtune.boxes import ResizeSpec
 from groundtune.config import TrainConfig, load_config, to_yaml
-from groundtune.data.dataset import GroundingDataset, make_loader
+from groundtune.data.dataset import GroundingDataset, make_loader, open_samples
 from groundtune.data.records import read_samples
 from groundtune.models import adapt
 from groundtune.models.loading import GroundingModel, load_model, pick_device
@@ -44,7 +44,7 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
     _seed_everything(cfg.seed)
     gm, model = _setup_model(cfg)
     device = gm.device
-    samples = read_samples(cfg.train_data)
+    samples = open_samples(cfg.train_data, cfg.seed)
     eval_samples = read_samples(cfg.eval_data)[: cfg.eval_samples] if cfg.eval_data else []
     optimizer = torch.optim.AdamW(adapt.param_groups(model, cfg), betas=(0.9, 0.95),
                                   fused=device.type == "cuda")
@@ -53,7 +53,7 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
     if resume_from is not None:
         state = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler)
         print(f"resumed from {resume_from} at step {state['step']}")
-    dataset = GroundingDataset(samples, cfg.train_data, gm.processor, gm.family, gm.resize, gm.prompt,
+    dataset = GroundingDataset(samples, gm.processor, gm.family, gm.resize, gm.prompt,
                                cfg.hflip_prob, cfg.scale_crop_prob, cfg.seed, cfg.answer_label)
     batches = iter(make_loader(dataset, cfg.batch_size, cfg.seed, state["samples"], cfg.num_workers,
                                gm.processor.pad_token_id, pin_memory=device.type == "cuda"))
@@ -61,7 +61,7 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
                 else contextlib.nullcontext())
     log = MetricsLog(run)
     print(f"training {gm.source} ({cfg.method}; {adapt.count_parameters(model)['trainable']:,} trainable "
-          f"parameters) on {len(samples):,} samples -> {run}")
+          f"parameters) on {_describe(samples, cfg.train_data)} -> {run}")
 
     model.train()
     window = {"loss": 0.0, "n": 0, "samples": 0, "tokens": 0, "t0": time.time()}
@@ -179,6 +179,10 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def _describe(samples, train_data: str) -> str:
+    return f"{len(samples):,} samples" if samples.shuffle else f"fresh samples of {train_data}"
 
 
 def _use_bf16(cfg: TrainConfig, device: torch.device) -> bool:

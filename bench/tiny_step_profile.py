@@ -1,0 +1,110 @@
+"""Where a pre-training step of the tiny model spends its time: the data loader alone (synthetic
+stream, several worker counts), the model step alone on a fixed batch, and a profile of that step.
+
+    python bench/tiny_step_profile.py --model MODEL --batch 128 --out profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from groundtune.config import TrainConfig
+from groundtune.data.dataset import GroundingDataset, make_loader, open_samples
+from groundtune.models import adapt
+from groundtune.models.loading import load_model
+
+
+def loader_rate(gm, batch: int, workers: int, seconds: float) -> float:
+    ds = GroundingDataset(open_samples("synth:full", 0), gm.processor, gm.family, gm.resize, gm.prompt)
+    it = iter(make_loader(ds, batch, 0, 0, workers, gm.processor.pad_token_id, pin_memory=True))
+    next(it)  # workers started
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        n += len(next(it)["input_ids"])
+    return n / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--workers", default="1,4,12")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    gm = load_model(args.model, device="cuda", dtype="bf16")
+    out = {"batch": args.batch, "loader_samples_per_s": {}}
+    for w in [int(v) for v in args.workers.split(",")]:
+        out["loader_samples_per_s"][w] = round(loader_rate(gm, args.batch, w, 8.0), 1)
+        print(f"loader, {w} workers: {out['loader_samples_per_s'][w]:.0f} samples/s", flush=True)
+
+    cfg = TrainConfig(train_data="synth:full", method="full", freeze_vision=False, freeze_merger=False)
+    model = adapt.prepare_for_training(gm.model, cfg).float()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ds = GroundingDataset(open_samples("synth:full", 0), gm.processor, gm.family, gm.resize, gm.prompt)
+    batch = next(iter(make_loader(ds, args.batch, 0, 0, 0, gm.processor.pad_token_id)))
+    batch = {k: v.cuda() for k, v in batch.items()}
+
+    def step(inputs=batch):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**inputs, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    def time_steps(inputs, n_steps=20):
+        for _ in range(5):
+            step(inputs)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n_steps):
+            step(inputs)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n_steps
+
+    # baseline in the same run: the model computing M-RoPE positions itself (a loop over the batch)
+    own_positions = {k: v for k, v in batch.items() if k != "position_ids"}
+    for name, inputs in [("model computes positions", own_positions), ("positions from the loader", batch)]:
+        dt = time_steps(inputs)
+        out[f"step_s ({name})"] = round(dt, 4)
+        print(f"model step alone, {name}: {dt * 1000:.1f} ms = {args.batch / dt:.0f} samples/s", flush=True)
+    out["step_s"] = round(dt, 4)
+    out["model_samples_per_s"] = round(args.batch / dt, 1)
+
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        for name, fn in [("vision forward", lambda: model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"])),
+                         ("full forward", lambda: model(**batch, use_cache=False))]:
+            fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+            out[f"{name} ms"] = round((time.perf_counter() - t0) * 100, 2)
+            print(f"{name}: {out[f'{name} ms']:.1f} ms", flush=True)
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    cuda_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    out["cuda_kernels_per_step"] = kernels
+    out["gpu_busy_ms"] = round(cuda_us / 1000, 2)
+    print(f"kernels per step: {kernels}; GPU busy {cuda_us / 1000:.1f} ms of a {dt * 1000:.1f} ms step")
+    table = events.table(sort_by="self_cpu_time_total", row_limit=18)
+    print(table)
+    out["top_ops"] = table
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
