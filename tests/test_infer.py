@@ -30,8 +30,10 @@ def _image(size: tuple[int, int], colour: str) -> Image.Image:
 
 @pytest.fixture(scope="module")
 def gm():
-    """The tiny model with larger random weights. At its default init (std 0.02) it answers the
-    same token for every input, and identical garbage everywhere would prove nothing."""
+    """The tiny model's architecture with large random weights: answers that differ wildly from one
+    input to the next, so any mix-up between the rows of a batch shows. (The trained tiny model
+    answers these plain pictures with near-identical boxes; tests/test_tiny_model.py checks its
+    answers against the truth.)"""
     gm = load_model("tiny", device="cpu")
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():

@@ -66,9 +66,15 @@ def test_quickstart_command_runs(tmp_path, monkeypatch, capsys):
                  "save_every=2", "log_every=1", "num_workers=0"])
     assert code == 0
     out = capsys.readouterr().out
-    assert "Acc@.5" in out and "gallery:" in out
+    assert "Acc@.5" in out and "gallery:" in out and "before ->" in out
     report = json.loads(Path("quickstart/report.json").read_text())
-    assert report["n"] == 8 and {"acc@0.5", "acc@0.75", "miou", "parse_fail_rate"} <= set(report)
+    before, after = report["before"], report["after"]
+    assert before["model"] == "tiny" and after["model"] == "quickstart/run"
+    assert before["n"] == after["n"] == 8 and {"acc@0.5", "acc@0.75", "miou", "parse_fail_rate"} <= set(after)
+    assert report["gain"] == pytest.approx(after["acc@0.5"] - before["acc@0.5"])
+    # the variant: canvases the tiny model was not trained on
+    record = json.loads(Path("quickstart/data/val.jsonl").read_text().splitlines()[0])
+    assert (record["width"], record["height"]) == (168, 168)
     assert Path("quickstart/gallery/index.html").exists()
     assert (Path("quickstart/run/model") / "groundtune.json").exists()
     # running it again resumes nothing (finished) and only re-evaluates

@@ -357,15 +357,16 @@ def _quickstart(args: argparse.Namespace) -> int:
 def _add_quickstart(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "quickstart",
-        help="the first run: synthetic data -> train the tiny model -> eval -> gallery (CPU, minutes)",
-        description="Make the synthetic set, train the built-in tiny model on it (preset `quickstart`),\n"
-        "evaluate it and write a gallery. Re-running resumes an unfinished run.\n\n"
-        "examples:\n  groundtune quickstart\n  groundtune quickstart --out /tmp/qs max_steps=500",
+        help="the first run: the pre-trained tiny model, LoRA-tuned to a new task variant (CPU, minutes)",
+        description="Make a synthetic set of a variant the built-in tiny model was not trained on (168 px\n"
+        "canvases), evaluate the tiny model on it, fine-tune it with LoRA (preset `quickstart`), evaluate\n"
+        "again and print both, with a gallery. Re-running resumes an unfinished run.\n\n"
+        "examples:\n  groundtune quickstart\n  groundtune quickstart --out /tmp/qs max_steps=300",
         formatter_class=_Formatter,
     )
     p.add_argument("overrides", nargs="*", help="key=value training settings (see groundtune train --help)")
     p.add_argument("--out", default="quickstart", help="folder for data/, run/, report.json and gallery/")
-    p.add_argument("--n-train", type=int, default=30000, help="synthetic training samples")
+    p.add_argument("--n-train", type=int, default=8000, help="synthetic training samples of the variant")
     p.add_argument("--n-eval", type=int, default=200, help="synthetic held-out samples (another seed)")
     p.set_defaults(handler=_quickstart)
 

@@ -1,5 +1,7 @@
-"""The built-in tiny model: the real Qwen2.5-VL architecture at a few hundred thousand parameters,
-with an offline tokenizer and image processor, shipped in groundtune/assets/tiny.
+"""The built-in tiny model: the real Qwen2.5-VL architecture at 2.7 M parameters, with an offline
+tokenizer and image processor, PRE-TRAINED by groundtune itself on the synthetic shapes task and
+shipped in groundtune/assets/tiny (weights in bf16, its training log and the commands that made it
+in TRAINING.md there). A demonstration model for coloured shapes, not a general grounding model.
 
 Two settings decide whether such a small model can learn to ground (field-notes, "Learning from
 scratch"): a small BPE vocabulary in which every digit is its own token (Qwen's pre-tokenizer
@@ -7,8 +9,8 @@ already splits digits), and a LOW rope_theta with mrope_section [2, 7, 7]. With 
 theta of 1e6 the width axis gets only the lowest rotary frequencies and a tiny model never learns
 horizontal position.
 
-The assets are made once by ``python -m groundtune.models.tiny`` and committed; the model is
-randomly initialised from the config (seeded) unless the folder holds trained weights.
+    python -m groundtune.models.tiny --out DIR [--hidden 256 ...]    # another tiny architecture (config only)
+    python -m groundtune.models.tiny --install-weights RUN/model     # ship a pre-trained model as `tiny`
 """
 
 from __future__ import annotations
@@ -57,10 +59,10 @@ _WORDS = (
     "one two three first second third other"
 ).split()
 TEXT_CONFIG = dict(
-    hidden_size=128,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,  # head_dim 32
+    hidden_size=192,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=6,  # head_dim 32
     num_key_value_heads=2,
     max_position_embeddings=2048,
     rms_norm_eps=1e-6,
@@ -68,16 +70,16 @@ TEXT_CONFIG = dict(
     tie_word_embeddings=True,
 )
 VISION_CONFIG = dict(
-    depth=2,
+    depth=4,
     hidden_size=64,
     intermediate_size=256,
     num_heads=2,
-    out_hidden_size=128,
+    out_hidden_size=192,
     patch_size=14,
     spatial_merge_size=2,
     temporal_patch_size=2,
     window_size=112,
-    fullatt_block_indexes=[1],
+    fullatt_block_indexes=[3],
 )
 VOCAB_SIZE = 512
 TINY_MAX_PIXELS = 224 * 224
@@ -189,6 +191,19 @@ def build_assets(out_dir: str | Path = TINY_DIR, text: dict | None = None, visio
     return out_dir
 
 
+def install_weights(model_folder: str | Path, out_dir: str | Path = TINY_DIR) -> Path:
+    """Ship a trained model of the tiny architecture as `tiny`: its weights in bf16 (half the
+    size; the tiny model trains and serves in fp32 on CPU, bf16 on GPU) next to the tokenizer,
+    image processor and metadata already in ``out_dir``."""
+    import torch
+
+    from groundtune.models.loading import load_model
+
+    gm = load_model(str(model_folder), device="cpu", dtype="fp32")
+    gm.model.to(torch.bfloat16).save_pretrained(out_dir)
+    return Path(out_dir) / "model.safetensors"
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -202,7 +217,12 @@ if __name__ == "__main__":
     parser.add_argument("--vision-hidden", type=int)
     parser.add_argument("--vision-layers", type=int)
     parser.add_argument("--vision-heads", type=int)
+    parser.add_argument("--install-weights", metavar="MODEL_FOLDER",
+                        help="write this trained model's weights (bf16) into --out as the tiny model's")
     a = parser.parse_args()
+    if a.install_weights:
+        print(install_weights(a.install_weights, a.out))
+        raise SystemExit(0)
     text = {}
     if a.hidden:
         heads = a.hidden // a.head_dim

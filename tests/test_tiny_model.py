@@ -1,0 +1,80 @@
+"""The shipped tiny model gives meaningful answers: it was pre-trained by groundtune, so predict,
+eval and a merged LoRA adapter are checked against the truth, not only for their shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from groundtune.boxes import iou
+from groundtune.cli import main
+from groundtune.data import synth
+from groundtune.infer import predict
+from groundtune.models.loading import load_model
+from groundtune.models.tiny import TINY_DIR
+
+
+def test_shipped_weights_log_and_commands():
+    weights = TINY_DIR / "model.safetensors"
+    assert weights.stat().st_size <= 10 * 2**20
+    log = [json.loads(line) for line in (TINY_DIR / "training_log.jsonl").read_text().splitlines()]
+    assert any("eval/acc@0.5" in r for r in log) and any("loss" in r for r in log)
+    assert "groundtune train" in (TINY_DIR / "TRAINING.md").read_text()
+    gm = load_model("tiny", device="cpu")
+    assert 2_000_000 < sum(p.numel() for p in gm.model.parameters()) < 5_000_000
+
+
+def test_predict_cli_finds_the_named_shape(tmp_path, capsys):
+    image, record = synth.make_sample(2027, 3, task="single", split="test")
+    path = tmp_path / "scene.png"
+    image.save(path)
+    assert main(["predict", "--model", "tiny", "--image", str(path), "--phrase", record["phrase"],
+                 "--device", "cpu"]) == 0
+    answer = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert answer["error"] is None and iou(answer["bbox"], record["bbox"]) >= 0.5, (answer, record)
+
+
+def test_predict_finds_shapes_named_by_position():
+    """Scenes of 2-3 shapes where the phrase says where ("the leftmost shape", "the circle above
+    the red square"): what the tiny model was pre-trained to do."""
+    samples = []
+    for i in range(200):
+        scene = synth.make_scene(2027, i, task="multi", split="test")
+        if scene.query.form in ("extreme", "relation", "attribute+position") and len(samples) < 24:
+            samples.append(synth.make_sample(2027, i, task="multi", split="test"))
+    gm = load_model("tiny", device="cpu")
+    answers = predict(gm, [im for im, _ in samples], [r["phrase"] for _, r in samples], batch_size=24)
+    hits = [a.bbox is not None and iou(a.bbox, r["bbox"]) >= 0.5 for a, (_, r) in zip(answers, samples)]
+    assert sum(hits) >= 0.75 * len(hits), [a.raw for a in answers]
+
+
+def test_eval_on_held_out_full_task_scores_high(tmp_path):
+    synth.make_synthetic_set(tmp_path, n=100, seed=2027, task="full", split="test", workers=1)
+    out = tmp_path / "report.json"
+    assert main(["eval", "--model", "tiny", "--data", str(tmp_path / "test.jsonl"), "--out", str(out),
+                 "--device", "cpu"]) == 0
+    report = json.loads(out.read_text())
+    assert report["n"] == 100 and report["acc@0.5"] >= 0.75 and report["parse_fail_rate"] == 0
+
+
+@pytest.mark.slow
+def test_lora_merge_keeps_predictions_identical(tmp_path):
+    from groundtune.config import TrainConfig
+    from groundtune.train.sft import train
+
+    synth.make_synthetic_set(tmp_path / "data", n=64, seed=1, width=168, height=168, workers=1)
+    run = train(TrainConfig(model="tiny", train_data=str(tmp_path / "data" / "train.jsonl"),
+                            out_dir=str(tmp_path / "run"), method="lora", lr=5e-3, max_steps=8, batch_size=8,
+                            save_every=0, log_every=4))
+    samples = [synth.make_sample(3, i, width=168, height=168, split="val") for i in range(12)]
+    images, phrases = [im for im, _ in samples], [r["phrase"] for _, r in samples]
+    gm = load_model(str(run), device="cpu")
+    tuned = predict(gm, images, phrases, batch_size=12)
+    base = load_model("tiny", device="cpu")
+    assert [a.raw for a in predict(base, images, phrases, batch_size=12)] != [a.raw for a in tuned]  # it learned
+    gm.model = gm.model.merge_and_unload()
+    assert not any("lora" in name for name, _ in gm.model.named_parameters())
+    merged = predict(gm, images, phrases, batch_size=12)
+    assert [a.raw for a in merged] == [a.raw for a in tuned]
+    assert [a.bbox for a in merged] == [a.bbox for a in tuned]
