@@ -7,6 +7,9 @@
 # Plan lines:
 #   arch NAME ARGS...        build a tiny architecture (python -m groundtune.models.tiny ARGS)
 #   run NAME KEY=VALUE...    a training run; model=arch:NAME uses an architecture built above
+#   resume NAME DIR          continue run NAME from DIR/NAME.tgz.* (a previous call's output,
+#                            carried back to the machine): `groundtune train --resume`
+# Every run folder comes back as OUT/NAME.tgz.aa, .ab, ... (15 MB pieces: checkpoint, model, log).
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 PLAN=$1
@@ -23,6 +26,10 @@ while read -r kind name rest; do
       python -m groundtune train tiny-pretrain eval_data=$W/data/val.jsonl out_dir=$W/$name $args \
         > $W/$name.log 2>&1 &
       runs+=("$name") ;;
+    resume)
+      cat $rest/$name.tgz.* | tar xzf - -C $W
+      python -m groundtune train --resume $W/$name > $W/$name.log 2>&1 &
+      runs+=("$name") ;;
   esac
 done < "$PLAN"
 t0=$(date +%s)
@@ -36,6 +43,6 @@ done | tee -a $OUT/summary.txt
 models=(); for r in "${runs[@]}"; do models+=("$W/$r/model"); done
 python bench/tiny_breakdown.py "${models[@]}" --n 1000 --out $OUT/breakdown.json | tee -a $OUT/summary.txt
 for r in "${runs[@]}"; do
-  tar czf $OUT/$r.tgz -C $W/$r model config.yaml metrics.jsonl
+  tar czf - -C $W --exclude=tb $r | split -b 15M - $OUT/$r.tgz.
 done
 ls -la $OUT
