@@ -115,6 +115,21 @@ def test_training_on_the_stream_resumes_exactly(tmp_path):
     assert len(_losses(straight)) == 4 and _losses(resumed) == _losses(straight)
 
 
+def test_lora_init_is_a_function_of_the_seed():
+    """The adapters start the same for the same seed whatever drew random numbers before (so a
+    benchmark's baseline and groundtune's run start from identical weights)."""
+    from groundtune.models import adapt
+
+    def lora_a(seed, noise):
+        torch.rand(noise)  # some earlier use of the global generator
+        model = adapt.prepare_for_training(load_model("tiny").model, TrainConfig(train_data="x", seed=seed))
+        return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n}
+
+    a, b, c = lora_a(0, 3), lora_a(0, 100), lora_a(1, 3)
+    assert a and all(torch.equal(a[n], b[n]) for n in a)
+    assert not all(torch.equal(a[n], c[n]) for n in a)
+
+
 def test_existing_run_is_not_overwritten(synth_single, tmp_path):
     train(_cfg(synth_single, tmp_path / "r", max_steps=1))
     with pytest.raises(FileExistsError, match="--resume"):

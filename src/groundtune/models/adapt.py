@@ -54,6 +54,7 @@ def lora_target_modules(model, targets: list[str], last_n_layers: int = 0) -> li
 def prepare_for_training(model, cfg: TrainConfig):
     """Freeze, wrap with LoRA or unfreeze parts, per the config. Returns the model to train."""
     if cfg.method in ("lora", "qlora"):
+        torch.manual_seed(cfg.seed)  # the adapters' initial weights: a function of the seed alone
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(
