@@ -31,6 +31,7 @@ from groundtune.models.loading import GroundingModel, load_model, pick_device
 from groundtune.progress import progress_bar
 from groundtune.train import checkpoint as ckpt
 from groundtune.train.monitor import MetricsLog, StopRequest, gpu_stats, thermal_pause
+from groundtune.train.objective import answer_loss
 
 
 class TrainingError(RuntimeError):
@@ -73,8 +74,8 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
             step_loss, finite = 0.0, True
             for _ in range(cfg.grad_accum):
                 batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-                with autocast:  # no KV cache: nothing reuses it, and a recomputed layer would extend it twice
-                    loss = model(**batch, use_cache=False).loss / cfg.grad_accum
+                with autocast:  # the LM head runs on the answer tokens only (train/objective.py)
+                    loss = answer_loss(model, batch) / cfg.grad_accum
                 finite = finite and bool(torch.isfinite(loss))
                 if finite:
                     loss.backward()

@@ -1,0 +1,52 @@
+"""answer_loss is transformers' loss (mean cross-entropy over the labelled tokens) with the LM head
+run on the answer positions only: same value, same gradients, on every family and through LoRA."""
+
+import pytest
+import torch
+from test_families import FAMILIES, _build_family_folder
+
+from groundtune.config import TrainConfig
+from groundtune.data import synth
+from groundtune.data.dataset import encode_sample
+from groundtune.models import adapt, qwen
+from groundtune.models.loading import load_model
+from groundtune.train.objective import answer_loss
+
+
+@pytest.fixture(params=("qwen2.5-vl",) + FAMILIES)
+def model_name(request, tmp_path_factory):
+    if request.param == "qwen2.5-vl":
+        return "tiny"
+    folder = tmp_path_factory.mktemp(request.param)
+    _build_family_folder(request.param, folder)
+    return str(folder)
+
+
+def _batch(gm):
+    encoded = []
+    for i, size in enumerate([(112, 112), (168, 84), (84, 140)]):  # different lengths: right padding
+        image, record = synth.make_sample(4, i, width=size[0], height=size[1])
+        encoded.append(encode_sample(gm.processor, gm.family, gm.resize, gm.prompt, image, record))
+    return qwen.collate(encoded, gm.processor.pad_token_id)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_answer_loss_equals_the_full_head_loss(model_name, method):
+    gm = load_model(model_name, device="cpu", dtype="fp32")
+    cfg = TrainConfig(train_data="x", method=method, freeze_vision=False, freeze_merger=False)
+    model = adapt.prepare_for_training(gm.model, cfg)
+    model.train()
+    batch = _batch(gm)
+
+    def loss_and_grads(loss_fn):
+        model.zero_grad()
+        loss = loss_fn()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ours, our_grads = loss_and_grads(lambda: answer_loss(model, batch))
+    theirs, their_grads = loss_and_grads(lambda: model(**batch, use_cache=False).loss)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert our_grads.keys() == their_grads.keys() and our_grads
+    for name in their_grads:
+        torch.testing.assert_close(our_grads[name], their_grads[name], rtol=1e-4, atol=1e-7)
