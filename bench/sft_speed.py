@@ -44,10 +44,12 @@ PEAK_FLOPS = 790e12
 MODELS = {"3b": "random:qwen2.5-vl-3b", "7b": "random:qwen2.5-vl-7b", "tiny": "tiny"}
 # name -> TrainConfig settings; the fastest that fit, and the ones that show each change
 GT_VARIANTS = {
-    "gt-b4-ckpt-all": dict(batch_size=4, gradient_checkpointing=-1),
+    "gt-b4-ckpt-all": dict(batch_size=4, gradient_checkpointing=-1),  # the naive stack's settings
     "gt-b8-ckpt-all": dict(batch_size=8, gradient_checkpointing=-1),
+    "gt-b16-ckpt-all": dict(batch_size=16, gradient_checkpointing=-1),
     "gt-b8-ckpt-half": dict(batch_size=8, gradient_checkpointing=18),
     "gt-b4-no-ckpt": dict(batch_size=4, gradient_checkpointing=0),
+    "gt-b8-no-ckpt": dict(batch_size=8, gradient_checkpointing=0),
 }
 LR = 1e-4
 WORDS = ("man woman dog cat car bus chair table person bike umbrella horse cup bottle tree sign "
