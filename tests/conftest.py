@@ -1,6 +1,7 @@
 """Shared fixtures: small synthetic data sets made once per test session."""
 
 import pytest
+from family_models import FAMILIES, build_family_folder
 
 from groundtune.data import synth
 
@@ -12,3 +13,18 @@ def synth_single(tmp_path_factory):
     synth.make_synthetic_set(out, n=64, seed=1, task="single", workers=1)
     synth.make_synthetic_set(out, n=16, seed=2, task="single", split="val", workers=1)
     return out
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family_folder(request, tmp_path_factory):
+    """(family, folder) of a tiny random Qwen2-VL / Qwen3-VL model."""
+    family = request.param
+    return family, build_family_folder(family, tmp_path_factory.mktemp(family))
+
+
+@pytest.fixture(scope="session", params=("qwen2.5-vl",) + FAMILIES)
+def any_family_model(request, tmp_path_factory):
+    """A model name for each family: the shipped tiny Qwen2.5-VL, tiny random Qwen2-VL / Qwen3-VL."""
+    if request.param == "qwen2.5-vl":
+        return "tiny"
+    return str(build_family_folder(request.param, tmp_path_factory.mktemp(request.param)))

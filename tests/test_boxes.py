@@ -1,7 +1,6 @@
 """The box conventions, both ways: table-driven cases and round-trip properties."""
 
 import json
-import math
 
 import pytest
 from hypothesis import given, settings

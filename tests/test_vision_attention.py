@@ -2,9 +2,7 @@
 outputs and same gradients, for windows of several lengths in one batch (Qwen2.5-VL windows,
 Qwen2-VL and Qwen3-VL whole images)."""
 
-import pytest
 import torch
-from test_families import FAMILIES, _build_family_folder
 
 from groundtune.models import qwen, vision_attention
 from groundtune.models.loading import load_model
@@ -34,18 +32,9 @@ def _vision_output_and_grads(gm, pixels, grid):
     return out.detach(), {n: p.grad.clone() for n, p in visual.named_parameters() if p.grad is not None}
 
 
-@pytest.fixture(params=("qwen2.5-vl",) + FAMILIES)
-def model_name(request, tmp_path_factory):
-    if request.param == "qwen2.5-vl":
-        return "tiny"
-    folder = tmp_path_factory.mktemp(request.param)
-    _build_family_folder(request.param, folder)
-    return str(folder)
-
-
-def test_grouped_attention_equals_the_per_window_loop(model_name):
+def test_grouped_attention_equals_the_per_window_loop(any_family_model):
     torch.manual_seed(0)
-    gm = load_model(model_name, device="cpu", dtype="fp32")  # load_model installs the grouped attention
+    gm = load_model(any_family_model, device="cpu", dtype="fp32")  # load_model installs the grouped attention
     layers = [m for m in gm.model.modules() if type(m).__name__ in vision_attention.ATTENTION_CLASSES]
     assert layers and all("forward" in vars(m) for m in layers)  # installed on every vision layer
     pixels, grid = _vision_inputs(gm)
