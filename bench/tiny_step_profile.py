@@ -33,47 +33,73 @@ def main() -> None:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--workers", default="1,4,12")
+    parser.add_argument("--ladder-only", action="store_true", help="skip the forward timings and the profile")
     parser.add_argument("--out")
     args = parser.parse_args()
-    gm = load_model(args.model, device="cuda", dtype="bf16")
+    cuda = torch.cuda.is_available()  # CPU: a smoke test of this script
+    gm = load_model(args.model, device="cuda" if cuda else "cpu", dtype="bf16" if cuda else "fp32")
     out = {"batch": args.batch, "loader_samples_per_s": {}}
-    for w in [int(v) for v in args.workers.split(",")]:
+    for w in [int(v) for v in args.workers.split(",") if v]:
         out["loader_samples_per_s"][w] = round(loader_rate(gm, args.batch, w, 8.0), 1)
         print(f"loader, {w} workers: {out['loader_samples_per_s'][w]:.0f} samples/s", flush=True)
 
     cfg = TrainConfig(train_data="synth:full", method="full", freeze_vision=False, freeze_merger=False)
     model = adapt.prepare_for_training(gm.model, cfg).float()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     ds = GroundingDataset(open_samples("synth:full", 0), gm.processor, gm.family, gm.resize, gm.prompt)
     batch = next(iter(make_loader(ds, args.batch, 0, 0, 0, gm.processor.pad_token_id)))
-    batch = {k: v.cuda() for k, v in batch.items()}
+    batch = {k: v.to(model.device) for k, v in batch.items()}
 
-    def step(inputs=batch):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(**inputs, use_cache=False).loss
+    from groundtune.models import vision_attention
+    from groundtune.train.objective import answer_loss
+
+    def full_head_loss(inputs):
+        return model(**inputs, use_cache=False).loss
+
+    def step(inputs, loss_fn):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            loss = loss_fn(model, inputs) if loss_fn is answer_loss else loss_fn(inputs)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
-    def time_steps(inputs, n_steps=20):
+    def time_steps(inputs, loss_fn, n_steps=20):
         for _ in range(5):
-            step(inputs)
-        torch.cuda.synchronize()
+            step(inputs, loss_fn)
+        _sync()
         t0 = time.perf_counter()
         for _ in range(n_steps):
-            step(inputs)
-        torch.cuda.synchronize()
+            step(inputs, loss_fn)
+        _sync()
         return (time.perf_counter() - t0) / n_steps
 
-    # baseline in the same run: the model computing M-RoPE positions itself (a loop over the batch)
+    def vision_loop(on: bool):
+        for m in model.modules():
+            if type(m).__name__ in vision_attention.ATTENTION_CLASSES:
+                m.__dict__.pop("forward", None)
+        if not on:
+            vision_attention.install(model)
+
+    # One change at a time, in the same run, from transformers' own paths to groundtune's step.
     own_positions = {k: v for k, v in batch.items() if k != "position_ids"}
-    for name, inputs in [("model computes positions", own_positions), ("positions from the loader", batch)]:
-        dt = time_steps(inputs)
-        out[f"step_s ({name})"] = round(dt, 4)
-        print(f"model step alone, {name}: {dt * 1000:.1f} ms = {args.batch / dt:.0f} samples/s", flush=True)
+    ladder = [
+        ("transformers: per-window vision attention, positions per step, full LM head", True, own_positions, full_head_loss),
+        ("+ positions computed in the loader", True, batch, full_head_loss),
+        ("+ LM head on answer tokens only", True, batch, answer_loss),
+        ("+ vision attention grouped by window length (groundtune)", False, batch, answer_loss),
+    ]
+    out["ladder"] = []
+    for name, loop, inputs, loss_fn in ladder:
+        vision_loop(loop)
+        dt = time_steps(inputs, loss_fn)
+        out["ladder"].append({"change": name, "step_s": round(dt, 4), "samples_per_s": round(args.batch / dt, 1)})
+        print(f"{dt * 1000:7.1f} ms  {args.batch / dt:6.0f} samples/s  {name}", flush=True)
     out["step_s"] = round(dt, 4)
     out["model_samples_per_s"] = round(args.batch / dt, 1)
+    if args.ladder_only:
+        _write(out, args.out)
+        return
 
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         for name, fn in [("vision forward", lambda: model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"])),
@@ -90,7 +116,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
+        step(batch, answer_loss)
         torch.cuda.synchronize()
     events = prof.key_averages()
     kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -101,8 +127,17 @@ def main() -> None:
     table = events.table(sort_by="self_cpu_time_total", row_limit=18)
     print(table)
     out["top_ops"] = table
-    if args.out:
-        with open(args.out, "w") as f:
+    _write(out, args.out)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _write(out: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(out, f, indent=1)
 
 
