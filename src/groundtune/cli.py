@@ -167,7 +167,9 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--width", type=int, default=112, help="canvas width in pixels")
     p.add_argument("--height", type=int, default=112, help="canvas height in pixels")
     p.add_argument("--split", default="train", help="split name: the file is OUT/SPLIT.jsonl")
-    p.add_argument("--task", default="full", choices=["full", "single", "attribute", "multi"],
+    from groundtune.data.synth import TASKS  # numpy and Pillow only: --help stays quick
+
+    p.add_argument("--task", default="full", choices=TASKS,
                    help="full: 1-3 shapes and relational phrases; single: one shape, 'the {colour} {shape}'; "
                         "attribute: 2-3 shapes named by colour and/or kind; multi: like full with 2-3 shapes")
     p.add_argument("--workers", type=int, default=0, help="worker processes (0: one per CPU core)")

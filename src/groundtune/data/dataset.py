@@ -4,10 +4,10 @@ The order is a function of (seed, position) alone: position p is sample perm_e[p
 e = p div n, and the augmentation of position p draws from a generator seeded with (seed, p). So a
 run resumed at position p sees exactly the batches an uninterrupted run would have seen.
 
-Training data is a canonical JSONL file, or ``synth:TASK`` (``synth:full``, ``synth:single``): the
-built-in synthetic set drawn in the loader's worker processes as it is consumed, sample p of the
-stream being synthetic sample p of the run's seed. Nothing is written to disk and no sample repeats,
-so pre-training is never bounded by how many PNGs were made beforehand.
+Training data is a canonical JSONL file, or ``synth:TASK`` (a task of ``synth.TASKS``: ``synth:full``,
+``synth:multi``, ...): the built-in synthetic set drawn in the loader's worker processes as it is
+consumed, sample p of the stream being synthetic sample p of the run's seed. Nothing is written to
+disk and no sample repeats, so pre-training is never bounded by how many PNGs were made beforehand.
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ from groundtune.progress import progress_bar
 #              "the red shape"): position alone never tells which shape is meant
 #   multi      2-3 shapes, every phrase form
 #   full       1-3 shapes, every phrase form
-TASKS = ("full", "single", "attribute", "multi")
-SHAPE_COUNTS = {"single": (1, 1), "attribute": (2, 3), "multi": (2, 3), "full": (1, 3)}
+SHAPE_COUNTS = {"full": (1, 3), "single": (1, 1), "attribute": (2, 3), "multi": (2, 3)}  # task -> (fewest, most)
+TASKS = tuple(SHAPE_COUNTS)
 # Shapes _shape_mask can draw. A Palette may use any of them: a variant with new shapes is a
 # different Palette, not new code.
 SHAPE_KINDS = ("circle", "square", "triangle", "diamond", "cross")
