@@ -50,6 +50,8 @@ GT_VARIANTS = {
     "gt-b8-ckpt-half": dict(batch_size=8, gradient_checkpointing=18),
     "gt-b4-no-ckpt": dict(batch_size=4, gradient_checkpointing=0),
     "gt-b8-no-ckpt": dict(batch_size=8, gradient_checkpointing=0),
+    "gt-b4-packed-ckpt-all": dict(batch_size=4, gradient_checkpointing=-1, packing=True),
+    "gt-b8-packed-ckpt-half": dict(batch_size=8, gradient_checkpointing=18, packing=True),
 }
 LR = 1e-4
 WORDS = ("man woman dog cat car bus chair table person bike umbrella horse cup bottle tree sign "

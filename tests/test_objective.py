@@ -40,3 +40,33 @@ def test_answer_loss_equals_the_full_head_loss(any_family_model, method):
     assert our_grads.keys() == their_grads.keys() and our_grads
     for name in their_grads:
         torch.testing.assert_close(our_grads[name], their_grads[name], rtol=1e-4, atol=1e-7)
+
+
+def test_packed_batch_gives_the_padded_batch_loss(any_family_model):
+    """Samples packed into one row without padding: the same loss and gradients as the padded
+    batch, so attention does not cross from one sample into the next."""
+    gm = load_model(any_family_model, device="cpu", dtype="fp32")
+    model = adapt.prepare_for_training(gm.model, TrainConfig(train_data="x", method="lora"))
+    model.train()
+    encoded = []
+    for i, size in enumerate([(112, 112), (168, 84), (84, 140)]):
+        image, record = synth.make_sample(4, i, width=size[0], height=size[1])
+        encoded.append(encode_sample(gm.processor, gm.family, gm.resize, gm.prompt, image, record))
+    padded, packed = qwen.collate(encoded, gm.processor.pad_token_id), qwen.collate_packed(encoded)
+    assert packed["input_ids"].shape == (1, sum(len(e["input_ids"]) for e in encoded))  # no padding
+    assert "attention_mask" not in packed
+
+    def loss_and_grads(batch):
+        model.zero_grad()
+        loss = answer_loss(model, batch)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    (a, a_grads), (b, b_grads) = loss_and_grads(padded), loss_and_grads(packed)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    for name in a_grads:
+        torch.testing.assert_close(b_grads[name], a_grads[name], rtol=1e-4, atol=1e-7)
+    # and the loss really depends on the boundaries: one sequence (no restarts) gives another loss
+    joined = dict(packed, position_ids=packed["position_ids"].clone())
+    joined["position_ids"][0, 0] = torch.arange(packed["input_ids"].shape[1])
+    assert not torch.allclose(answer_loss(model, joined).detach(), a)

@@ -130,6 +130,14 @@ def test_lora_init_is_a_function_of_the_seed():
     assert not all(torch.equal(a[n], c[n]) for n in a)
 
 
+def test_packed_training_follows_the_padded_run(synth_single, tmp_path):
+    padded = train(_cfg(synth_single, tmp_path / "padded", max_steps=3, method="lora", lr=5e-3))
+    packed = train(_cfg(synth_single, tmp_path / "packed", max_steps=3, method="lora", lr=5e-3, packing=True))
+    assert _losses(packed) == pytest.approx(_losses(padded), rel=1e-4)
+    rows = [json.loads(line) for line in (packed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["samples"] for r in rows if "samples" in r] == [4, 8, 12]  # samples, not rows, are counted
+
+
 def test_existing_run_is_not_overwritten(synth_single, tmp_path):
     train(_cfg(synth_single, tmp_path / "r", max_steps=1))
     with pytest.raises(FileExistsError, match="--resume"):

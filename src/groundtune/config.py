@@ -58,6 +58,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # gradient clipping; 0 = off
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     gradient_checkpointing: int = 0  # recompute the last N LLM layers in backward (-1 = all, 0 = off)
+    packing: bool = False  # a micro-batch in one row, no padding, attention masked per sample (for few long samples)
     seed: int = 0
 
     # --- data

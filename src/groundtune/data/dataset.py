@@ -138,11 +138,12 @@ class ResumableBatches(torch.utils.data.Sampler):
 
 
 def make_loader(dataset: GroundingDataset, batch_size: int, seed: int, start: int, num_workers: int,
-                pad_token_id: int, pin_memory: bool = False) -> torch.utils.data.DataLoader:
+                pad_token_id: int, pin_memory: bool = False, packing: bool = False) -> torch.utils.data.DataLoader:
+    collate = qwen.collate_packed if packing else partial(qwen.collate, pad_token_id=pad_token_id, padding_side="right")
     return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=ResumableBatches(len(dataset), batch_size, seed, start, dataset.samples.shuffle),
-        collate_fn=partial(qwen.collate, pad_token_id=pad_token_id, padding_side="right"),
+        collate_fn=collate,
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,

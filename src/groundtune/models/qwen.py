@@ -220,3 +220,23 @@ def collate(samples: list[dict[str, torch.Tensor]], pad_token_id: int, padding_s
     out["pixel_values"] = torch.cat([s["pixel_values"] for s in samples])
     out["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in samples])
     return out
+
+
+def collate_packed(samples: list[dict[str, torch.Tensor]]) -> dict:
+    """All samples in ONE row without padding (training only): their tokens one after another, the
+    M-RoPE positions of each as computed for it alone, and a fourth row of plain text positions
+    that starts again at 0 with every sample. transformers reads those restarts as the samples'
+    boundaries and keeps attention within each (tests/test_objective.py: packed loss == padded)."""
+    positions = torch.cat([s["position_ids"] for s in samples], dim=1)  # (3, total)
+    text_positions = torch.cat([torch.arange(len(s["input_ids"])) for s in samples])
+    out = {
+        "input_ids": torch.cat([s["input_ids"] for s in samples])[None],
+        "mm_token_type_ids": torch.cat([s["mm_token_type_ids"] for s in samples])[None],
+        "position_ids": torch.cat([text_positions[None], positions])[:, None],  # (4, 1, total)
+        "pixel_values": torch.cat([s["pixel_values"] for s in samples]),
+        "image_grid_thw": torch.cat([s["image_grid_thw"] for s in samples]),
+    }
+    if "labels" in samples[0]:
+        # a sample's first token is never labelled, so nothing learns to predict across a boundary
+        out["labels"] = torch.cat([s["labels"] for s in samples])[None]
+    return out

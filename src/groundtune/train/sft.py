@@ -57,7 +57,7 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
     dataset = GroundingDataset(samples, gm.processor, gm.family, gm.resize, gm.prompt,
                                cfg.hflip_prob, cfg.scale_crop_prob, cfg.seed, cfg.answer_label)
     batches = iter(make_loader(dataset, cfg.batch_size, cfg.seed, state["samples"], cfg.num_workers,
-                               gm.processor.pad_token_id, pin_memory=device.type == "cuda"))
+                               gm.processor.pad_token_id, pin_memory=device.type == "cuda", packing=cfg.packing))
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if _use_bf16(cfg, device)
                 else contextlib.nullcontext())
     log = MetricsLog(run)
@@ -80,9 +80,11 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
                 if finite:
                     loss.backward()
                 step_loss += loss.item()
-                state["samples"] += len(batch["input_ids"])
-                window["samples"] += len(batch["input_ids"])
-                window["tokens"] += int(batch["attention_mask"].sum())
+                samples_in_batch = len(batch["image_grid_thw"])  # one image per sample, packed or not
+                state["samples"] += samples_in_batch
+                window["samples"] += samples_in_batch
+                mask = batch.get("attention_mask")  # a packed batch has no padding and no mask
+                window["tokens"] += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
             grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                          if finite and cfg.max_grad_norm else torch.tensor(0.0))
             if not finite or not torch.isfinite(grad_norm):
