@@ -100,6 +100,9 @@ def test_synthetic_stream_is_the_synthetic_set_drawn_on_the_fly(synth_single):
     assert torch.equal(first["input_ids"][0, : len(expected)], expected)  # resumes at its position
     with pytest.raises(ValueError, match="synth:bogus.*synth:full"):
         open_samples("synth:bogus", 0)
+    mixture = open_samples("synth:single+attribute", 1)  # a curriculum mixture: tasks alternate
+    assert [mixture[i][1]["task"] for i in range(4)] == ["single", "attribute", "single", "attribute"]
+    assert mixture[2][1] == stream[2][1]  # sample 2 of the mixture is sample 2 of its task
 
 
 def test_training_on_the_stream_resumes_exactly(tmp_path):

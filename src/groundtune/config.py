@@ -29,7 +29,7 @@ class TrainConfig:
 
     # --- what to train on
     model: str = "tiny"  # tiny | a training run folder | a local HF folder | a hub id (Qwen/Qwen2.5-VL-3B-Instruct)
-    train_data: str = ""  # canonical JSONL (groundtune data convert / synth), or synth:TASK drawn on the fly (full, single, attribute, multi)
+    train_data: str = ""  # canonical JSONL (groundtune data convert / synth), or synth:TASK drawn on the fly (full, single, attribute, multi; TASK+TASK alternates)
     eval_data: str = ""  # canonical JSONL for generation eval during training; "" = none
     out_dir: str = "runs/sft"  # the run folder: model/, checkpoints/, metrics.jsonl, tb/
 

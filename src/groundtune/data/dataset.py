@@ -46,20 +46,24 @@ class FileSamples:
 
 
 class SyntheticStream:
-    """``synth:TASK``: synthetic sample i of (seed, "train"), drawn when it is asked for."""
+    """``synth:TASK``: synthetic sample i of (seed, "train"), drawn when it is asked for.
+    ``synth:TASK1+TASK2``: a mixture, sample i of task i mod 2 (a curriculum that keeps a harder
+    task in every batch, e.g. ``synth:full+attribute``)."""
 
-    def __init__(self, task: str, seed: int):
-        if task not in synth.TASKS:
-            raise ValueError(f"train_data=synth:{task}: unknown task; expected one of "
-                             f"{', '.join(SYNTH_PREFIX + t for t in synth.TASKS)}")
-        self.task, self.seed = task, seed
+    def __init__(self, tasks: str, seed: int):
+        self.tasks = tasks.split("+")
+        for task in self.tasks:
+            if task not in synth.TASKS:
+                raise ValueError(f"train_data=synth:{tasks}: unknown task {task!r}; expected one of "
+                                 f"{', '.join(SYNTH_PREFIX + t for t in synth.TASKS)}, or several joined by +")
+        self.seed = seed
         self.shuffle = False  # fresh samples in index order: nothing to shuffle, nothing repeats
 
     def __len__(self) -> int:
         return SYNTH_STREAM_LENGTH
 
     def __getitem__(self, index: int) -> tuple[Image.Image, dict]:
-        return synth.make_sample(self.seed, index, task=self.task)
+        return synth.make_sample(self.seed, index, task=self.tasks[index % len(self.tasks)])
 
 
 def open_samples(train_data: str, seed: int) -> FileSamples | SyntheticStream:
