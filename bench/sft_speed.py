@@ -206,6 +206,15 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         data = make_refcoco_like(Path(tmp), args.samples)
+        # the data path must not be the bottleneck: what the loader alone delivers (JPEG decode, resize, encode)
+        from tiny_step_profile import loader_rate
+
+        gm = load_model(MODELS[args.models.split(",")[0]], device="cpu")  # the processor is all it needs
+        for workers in (1, 8):
+            rate = loader_rate(gm, 4, workers, 5.0, str(data))
+            results.append({"variant": f"loader-{workers}-workers", "model": "-", "samples_per_s": round(rate, 1)})
+            print(f"loader alone, {workers} worker(s): {rate:.0f} samples/s", flush=True)
+        del gm
         for key in args.models.split(","):
             for variant in args.variants.split(","):
                 print(f"== {key} {variant}", flush=True)
@@ -223,6 +232,8 @@ def main() -> None:
     base = {r["model"]: r for r in results if r["variant"] == "naive" and "samples_per_s" in r}
     print(f"\n{'model':6s}{'variant':20s}{'samples/s':>11s}{'x naive':>9s}{'tokens/s':>10s}{'peak GiB':>10s}{'MFU':>8s}  first losses")
     for r in results:
+        if r["variant"].startswith("loader"):
+            continue
         if r.get("oom"):
             print(f"{r['model']:6s}{r['variant']:20s}   out of memory at {args.cap_gib:g} GiB")
             continue

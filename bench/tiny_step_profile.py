@@ -18,9 +18,10 @@ from groundtune.models import adapt
 from groundtune.models.loading import load_model
 
 
-def loader_rate(gm, batch: int, workers: int, seconds: float) -> float:
-    ds = GroundingDataset(open_samples("synth:full", 0), gm.processor, gm.family, gm.resize, gm.prompt)
-    it = iter(make_loader(ds, batch, 0, 0, workers, gm.processor.pad_token_id, pin_memory=True))
+def loader_rate(gm, batch: int, workers: int, seconds: float, train_data: str = "synth:full") -> float:
+    """Samples/s the training data loader alone delivers (decode or draw, resize, encode, collate)."""
+    ds = GroundingDataset(open_samples(train_data, 0), gm.processor, gm.family, gm.resize, gm.prompt)
+    it = iter(make_loader(ds, batch, 0, 0, workers, gm.processor.pad_token_id, pin_memory=torch.cuda.is_available()))
     next(it)  # workers started
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
