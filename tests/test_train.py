@@ -185,6 +185,27 @@ def test_gradient_checkpointing_changes_memory_not_results(synth_single, tmp_pat
     assert _losses(recomputed) == pytest.approx(_losses(plain), rel=1e-5)
 
 
+def test_frozen_vision_tower_is_never_back_propagated():
+    """LoRA on the language model with the vision tower and merger frozen: their outputs carry no
+    autograd graph, so backward stops at the image embeddings and checkpointing never recomputes
+    the tower (what the plain PEFT recipe's enable_input_require_grads does)."""
+    from groundtune.data.dataset import GroundingDataset, open_samples
+    from groundtune.models import adapt
+    from groundtune.train.objective import answer_loss
+
+    gm = load_model("tiny")
+    model = adapt.prepare_for_training(gm.model, TrainConfig(train_data="x", method="lora", gradient_checkpointing=-1))
+    model.train()
+    seen = []
+    merger = model.get_base_model().model.visual.merger
+    merger.register_forward_hook(lambda module, args, out: seen.append(out.requires_grad))
+    dataset = GroundingDataset(open_samples("synth:full", 0), gm.processor, gm.family, gm.resize, gm.prompt)
+    answer_loss(model, qwen.collate([dataset[i, i] for i in range(2)], gm.processor.pad_token_id)).backward()
+    assert seen == [False]  # one vision forward, no graph behind it
+    assert all(p.grad is None for n, p in model.named_parameters() if "visual" in n)
+    assert any(p.grad is not None for n, p in model.named_parameters() if "lora_B" in n)
+
+
 @pytest.mark.slow
 def test_sigterm_saves_and_exits_cleanly(synth_single, tmp_path):
     """A real `groundtune train` process, sent SIGTERM mid-run: it saves a checkpoint, exits 0 and
