@@ -164,6 +164,26 @@ def groundtune_step(name: str, model_name: str, data: Path, steps: int, settings
     return result
 
 
+def step_ladder(model_name: str, data: Path, batch_size: int = 4) -> list[dict]:
+    """groundtune's LoRA step (all LLM layers recomputed) timed one change at a time (step_ladder.py)."""
+    from step_ladder import ladder
+
+    from groundtune.models import adapt
+
+    gm = load_model(model_name)
+    cfg = TrainConfig(train_data=str(data), method="lora", gradient_checkpointing=-1)
+    model = adapt.prepare_for_training(gm.model, cfg)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    model.train()
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in _batches(gm, data, batch_size, 1)[0].items()}
+    rows = ladder(model, batch, steps=8)
+    del model, gm
+    return [dict(r, variant="ladder: " + r["change"]) for r in rows]
+
+
 def _result(variant: str, model, batches, batch_size: int, step_s: float, losses: list[float],
             settings: dict | None = None) -> dict:
     samples_per_s = batch_size / step_s
@@ -198,6 +218,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--samples", type=int, default=256, help="RefCOCO-like samples to make")
     parser.add_argument("--cap-gib", type=float, default=24.0, help="GPU memory cap (a 24 GB card)")
+    parser.add_argument("--ladder", action="store_true", help="also time the step one change at a time")
     parser.add_argument("--out")
     args = parser.parse_args()
     if torch.cuda.is_available():
@@ -216,6 +237,8 @@ def main() -> None:
             print(f"loader alone, {workers} worker(s): {rate:.0f} samples/s", flush=True)
         del gm
         for key in args.models.split(","):
+            if args.ladder:
+                results += [dict(r, model=key) for r in step_ladder(MODELS[key], data)]
             for variant in args.variants.split(","):
                 print(f"== {key} {variant}", flush=True)
                 try:
@@ -232,7 +255,7 @@ def main() -> None:
     base = {r["model"]: r for r in results if r["variant"] == "naive" and "samples_per_s" in r}
     print(f"\n{'model':6s}{'variant':20s}{'samples/s':>11s}{'x naive':>9s}{'tokens/s':>10s}{'peak GiB':>10s}{'MFU':>8s}  first losses")
     for r in results:
-        if r["variant"].startswith("loader"):
+        if r["variant"].startswith(("loader", "ladder")):
             continue
         if r.get("oom"):
             print(f"{r['model']:6s}{r['variant']:20s}   out of memory at {args.cap_gib:g} GiB")

@@ -16,6 +16,8 @@ from groundtune.config import TrainConfig
 from groundtune.data.dataset import GroundingDataset, make_loader, open_samples
 from groundtune.models import adapt
 from groundtune.models.loading import load_model
+from groundtune.train.objective import answer_loss
+from step_ladder import ladder
 
 
 def loader_rate(gm, batch: int, workers: int, seconds: float, train_data: str = "synth:full") -> float:
@@ -46,56 +48,13 @@ def main() -> None:
 
     cfg = TrainConfig(train_data="synth:full", method="full", freeze_vision=False, freeze_merger=False)
     model = adapt.prepare_for_training(gm.model, cfg).float()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     ds = GroundingDataset(open_samples("synth:full", 0), gm.processor, gm.family, gm.resize, gm.prompt)
     batch = next(iter(make_loader(ds, args.batch, 0, 0, 0, gm.processor.pad_token_id)))
     batch = {k: v.to(model.device) for k, v in batch.items()}
 
-    from groundtune.models import vision_attention
-    from groundtune.train.objective import answer_loss
-
-    def full_head_loss(inputs):
-        return model(**inputs, use_cache=False).loss
-
-    def step(inputs, loss_fn):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            loss = loss_fn(model, inputs) if loss_fn is answer_loss else loss_fn(inputs)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    def time_steps(inputs, loss_fn, n_steps=20):
-        for _ in range(5):
-            step(inputs, loss_fn)
-        _sync()
-        t0 = time.perf_counter()
-        for _ in range(n_steps):
-            step(inputs, loss_fn)
-        _sync()
-        return (time.perf_counter() - t0) / n_steps
-
-    def vision_loop(on: bool):
-        for m in model.modules():
-            if type(m).__name__ in vision_attention.ATTENTION_CLASSES:
-                m.__dict__.pop("forward", None)
-        if not on:
-            vision_attention.install(model)
-
-    # One change at a time, in the same run, from transformers' own paths to groundtune's step.
-    own_positions = {k: v for k, v in batch.items() if k != "position_ids"}
-    ladder = [
-        ("transformers: per-window vision attention, positions per step, full LM head", True, own_positions, full_head_loss),
-        ("+ positions computed in the loader", True, batch, full_head_loss),
-        ("+ LM head on answer tokens only", True, batch, answer_loss),
-        ("+ vision attention grouped by window length (groundtune)", False, batch, answer_loss),
-    ]
-    out["ladder"] = []
-    for name, loop, inputs, loss_fn in ladder:
-        vision_loop(loop)
-        dt = time_steps(inputs, loss_fn)
-        out["ladder"].append({"change": name, "step_s": round(dt, 4), "samples_per_s": round(args.batch / dt, 1)})
-        print(f"{dt * 1000:7.1f} ms  {args.batch / dt:6.0f} samples/s  {name}", flush=True)
+    # one change at a time, in the same run, from transformers' own paths to groundtune's step
+    out["ladder"] = ladder(model, batch, steps=20)
+    dt = out["ladder"][-1]["step_s"]
     out["step_s"] = round(dt, 4)
     out["model_samples_per_s"] = round(args.batch / dt, 1)
     if args.ladder_only:
@@ -117,7 +76,8 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step(batch, answer_loss)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            answer_loss(model, batch).backward()  # groundtune's step (the ladder's last rung)
         torch.cuda.synchronize()
     events = prof.key_averages()
     kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -129,11 +89,6 @@ def main() -> None:
     print(table)
     out["top_ops"] = table
     _write(out, args.out)
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _write(out: dict, path: str | None) -> None:

@@ -1,0 +1,78 @@
+"""A training step timed one change at a time, in one run, from transformers' own code paths to
+groundtune's step: the table BENCHMARKS.md keeps of what each change gave.
+
+    from step_ladder import ladder
+    rows = ladder(model, batch, steps=20)   # model: prepared for training; batch: from groundtune's loader
+
+Rungs: (1) transformers' paths: the vision attention one call per window, M-RoPE positions
+computed by the model's loop over the batch, the LM head over every position; (2) + positions
+from the loader; (3) + the LM head on answer tokens only; (4) + vision attention grouped by window
+length: groundtune's step. The optimizer is AdamW at a tiny learning rate: the weights barely move
+between rungs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from groundtune.models import vision_attention
+from groundtune.train.objective import answer_loss
+
+
+def _full_head_loss(model, batch):
+    return model(**batch, use_cache=False).loss
+
+
+def _vision_attention(model, grouped: bool) -> None:
+    for m in model.modules():
+        if type(m).__name__ in vision_attention.ATTENTION_CLASSES:
+            m.__dict__.pop("forward", None)  # transformers' own forward
+    if grouped:
+        vision_attention.install(model)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def ladder(model, batch: dict, steps: int = 20, warmup: int = 3) -> list[dict]:
+    cuda = torch.cuda.is_available()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-7, fused=cuda)
+    own_positions = {k: v for k, v in batch.items() if k != "position_ids"}
+    rungs = [
+        ("transformers: per-window vision attention, positions per step, full LM head", False, own_positions,
+         _full_head_loss),
+        ("+ positions computed in the loader", False, batch, _full_head_loss),
+        ("+ LM head on answer tokens only", False, batch, answer_loss),
+        ("+ vision attention grouped by window length (groundtune)", True, batch, answer_loss),
+    ]
+    n = len(batch["image_grid_thw"])
+    rows = []
+    for name, grouped, inputs, loss_fn in rungs:
+        _vision_attention(model, grouped)
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                loss = loss_fn(model, inputs)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        for _ in range(warmup):
+            step()
+        _sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync()
+        dt = (time.perf_counter() - t0) / steps
+        peak = round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None
+        rows.append({"change": name, "step_s": round(dt, 4), "samples_per_s": round(n / dt, 2), "peak_gib": peak})
+        print(f"{dt * 1000:8.1f} ms  {n / dt:7.1f} samples/s  peak {peak} GiB  {name}", flush=True)
+    return rows
