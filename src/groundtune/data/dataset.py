@@ -33,9 +33,10 @@ SYNTH_STREAM_LENGTH = 2**62  # "endless": a run stops at max_steps long before
 class FileSamples:
     """Records of a canonical JSONL file; images are read from disk as they are needed."""
 
+    shuffle = True  # each epoch in a new order
+
     def __init__(self, samples: list[dict], data_path: str | Path):
         self.samples, self.data_path = samples, Path(data_path)
-        self.shuffle = True  # each epoch in a new order
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -50,6 +51,8 @@ class SyntheticStream:
     ``synth:TASK1+TASK2``: a mixture, sample i of task i mod 2 (a curriculum that keeps a harder
     task in every batch, e.g. ``synth:full+attribute``)."""
 
+    shuffle = False  # fresh samples in index order: nothing to shuffle, nothing repeats
+
     def __init__(self, tasks: str, seed: int):
         self.tasks = tasks.split("+")
         for task in self.tasks:
@@ -57,7 +60,6 @@ class SyntheticStream:
                 raise ValueError(f"train_data=synth:{tasks}: unknown task {task!r}; expected one of "
                                  f"{', '.join(SYNTH_PREFIX + t for t in synth.TASKS)}, or several joined by +")
         self.seed = seed
-        self.shuffle = False  # fresh samples in index order: nothing to shuffle, nothing repeats
 
     def __len__(self) -> int:
         return SYNTH_STREAM_LENGTH

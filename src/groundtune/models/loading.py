@@ -157,13 +157,13 @@ def load_model(
             model = _random_architecture(name[len("random:"):], processor, torch_dtype)
         else:
             model = _load_weights(source, kind, torch_dtype, dev if quantize_4bit else None)
+        vision_attention.install(model)  # one attention call per window length, not per window
         family = qwen.family_of(model.config)
         base_name = meta.get("base_model") or name
         base_meta = {}
     if not quantize_4bit:  # a 4-bit model is placed by from_pretrained and cannot be moved
         model.to(dev)
     model.eval()
-    vision_attention.install(model)  # one attention call per window length, not per window
 
     saved_resize = meta.get("resize") or base_meta.get("resize")
     return GroundingModel(

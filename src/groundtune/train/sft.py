@@ -24,7 +24,7 @@ import torch
 
 from groundtune.boxes import ResizeSpec
 from groundtune.config import TrainConfig, load_config, to_yaml
-from groundtune.data.dataset import GroundingDataset, make_loader, open_samples
+from groundtune.data.dataset import GroundingDataset, SyntheticStream, make_loader, open_samples
 from groundtune.data.records import read_samples
 from groundtune.models import adapt
 from groundtune.models.loading import GroundingModel, load_model, pick_device
@@ -185,7 +185,7 @@ def _seed_everything(seed: int) -> None:
 
 
 def _describe(samples, train_data: str) -> str:
-    return f"{len(samples):,} samples" if samples.shuffle else f"fresh samples of {train_data}"
+    return f"fresh samples of {train_data}" if isinstance(samples, SyntheticStream) else f"{len(samples):,} samples"
 
 
 def _use_bf16(cfg: TrainConfig, device: torch.device) -> bool:
