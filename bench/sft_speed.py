@@ -52,6 +52,8 @@ GT_VARIANTS = {
     "gt-b8-no-ckpt": dict(batch_size=8, gradient_checkpointing=0),
     "gt-b4-packed-ckpt-all": dict(batch_size=4, gradient_checkpointing=-1, packing=True),
     "gt-b8-packed-ckpt-half": dict(batch_size=8, gradient_checkpointing=18, packing=True),
+    "gt-b8-ckpt-half-liger": dict(batch_size=8, gradient_checkpointing=18, kernels="liger"),
+    "gt-b8-ckpt-half-compile": dict(batch_size=8, gradient_checkpointing=18, compile=True),
 }
 LR = 1e-4
 WORDS = ("man woman dog cat car bus chair table person bike umbrella horse cup bottle tree sign "
@@ -248,6 +250,8 @@ def main() -> None:
                         r = groundtune_step(variant, MODELS[key], data, args.steps, GT_VARIANTS[variant])
                 except torch.OutOfMemoryError:
                     r = {"variant": variant, "settings": GT_VARIANTS.get(variant), "oom": True}
+                except Exception as e:  # an optional kernel that fails here must not cost the other variants
+                    r = {"variant": variant, "settings": GT_VARIANTS.get(variant), "error": repr(e)[:500]}
                 r["model"] = key
                 results.append(r)
                 print(json.dumps(r), flush=True)
@@ -259,6 +263,9 @@ def main() -> None:
             continue
         if r.get("oom"):
             print(f"{r['model']:6s}{r['variant']:20s}   out of memory at {args.cap_gib:g} GiB")
+            continue
+        if "error" in r:
+            print(f"{r['model']:6s}{r['variant']:20s}   failed: {r['error'][:80]}")
             continue
         ratio = r["samples_per_s"] / base[r["model"]]["samples_per_s"] if r["model"] in base else float("nan")
         print(f"{r['model']:6s}{r['variant']:20s}{r['samples_per_s']:11.2f}{ratio:9.2f}{r['llm_tokens_per_s']:10.0f}"

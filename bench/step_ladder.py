@@ -7,7 +7,9 @@ groundtune's step: the table BENCHMARKS.md keeps of what each change gave.
 Rungs: (1) transformers' paths: the vision attention one call per window, M-RoPE positions
 computed by the model's loop over the batch, the LM head over every position; (2) + positions
 from the loader; (3) + the LM head on answer tokens only; (4) + vision attention grouped by window
-length: groundtune's step. The optimizer is AdamW at a tiny learning rate: the weights barely move
+length: groundtune's step; then the optional kernels, each kept for the rungs after it: (5) +
+liger-kernel's fused RMSNorm/SwiGLU/M-RoPE (`kernels=liger`; skipped where liger-kernel or a GPU is
+missing), (6) + torch.compile of the decoder layers (`compile=true`). The optimizer is AdamW at a tiny learning rate: the weights barely move
 between rungs.
 """
 
@@ -17,7 +19,7 @@ import time
 
 import torch
 
-from groundtune.models import vision_attention
+from groundtune.models import kernels, vision_attention
 from groundtune.train.objective import answer_loss
 
 
@@ -49,11 +51,16 @@ def ladder(model, batch: dict, steps: int = 20, warmup: int = 3) -> list[dict]:
         ("+ positions computed in the loader", False, batch, _full_head_loss),
         ("+ LM head on answer tokens only", False, batch, answer_loss),
         ("+ vision attention grouped by window length (groundtune)", True, batch, answer_loss),
+        ("+ liger-kernel RMSNorm, SwiGLU, M-RoPE (kernels=liger)", True, batch, answer_loss),
+        ("+ compiled decoder layers (compile=true)", True, batch, answer_loss),
     ]
     n = len(batch["image_grid_thw"])
     rows = []
     for name, grouped, inputs, loss_fn in rungs:
         _vision_attention(model, grouped)
+        if "kernels=liger" in name and not kernels.liger_usable(model):
+            print(f"   skipped (no liger-kernel or no GPU)  {name}", flush=True)
+            continue
 
         def step():
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
@@ -62,8 +69,17 @@ def ladder(model, batch: dict, steps: int = 20, warmup: int = 3) -> list[dict]:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        for _ in range(warmup):
-            step()
+        try:  # an optional kernel that fails must not cost the rungs measured so far
+            if "kernels=liger" in name:
+                kernels.apply_fused_kernels(model, "liger")  # stays applied for the rungs after it
+            if "compile=true" in name:
+                kernels.compile_decoder_layers(model)
+            for _ in range(warmup):  # compiles, where compiled
+                step()
+        except Exception as e:
+            rows.append({"change": name, "error": repr(e)[:300]})
+            print(f"   failed: {e!r:.200}  {name}", flush=True)
+            continue
         _sync()
         if cuda:
             torch.cuda.reset_peak_memory_stats()

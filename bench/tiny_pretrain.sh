@@ -9,7 +9,8 @@
 #   run NAME KEY=VALUE...    a training run; model=arch:NAME uses an architecture built above
 #   resume NAME DIR          continue run NAME from DIR/NAME.tgz.* (a previous call's output,
 #                            carried back to the machine): `groundtune train --resume`
-# Every run folder comes back as OUT/NAME.tgz.aa, .ab, ... (15 MB pieces: checkpoint, model, log).
+# Every run folder comes back as OUT/NAME.tgz.aa, .ab, ... (15 MB pieces: checkpoint, model, log);
+# KEEP=N brings back only the N best by the breakdown's overall Acc@0.5 (a run folder is ~40 MB).
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 PLAN=$1
@@ -42,7 +43,10 @@ for r in "${runs[@]}"; do
 done | tee -a $OUT/summary.txt
 models=(); for r in "${runs[@]}"; do models+=("$W/$r/model"); done
 python bench/tiny_breakdown.py "${models[@]}" --n 1000 --out $OUT/breakdown.json | tee -a $OUT/summary.txt
-for r in "${runs[@]}"; do
+keep=$(python -c "import json,sys; b=json.load(open('$OUT/breakdown.json'))
+best=sorted(b, key=lambda m: -b[m]['all']['acc@0.5'])[:int(sys.argv[1])]
+print(' '.join(m.split('/')[-2] for m in best))" "${KEEP:-${#runs[@]}}")
+for r in $keep; do
   tar czf - -C $W --exclude=tb $r | split -b 15M - $OUT/$r.tgz.
 done
 ls -la $OUT

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from groundtune.config import ConfigError, TrainConfig, load_config
+from groundtune.config import ConfigError, RLConfig, TrainConfig, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 
@@ -58,7 +58,8 @@ def test_yaml_must_be_a_mapping(tmp_path):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_is_valid(path):
-    cfg = load_config(TrainConfig, path, ["train_data=x.jsonl"])
+    cls = RLConfig if path.stem.endswith("-rl") else TrainConfig  # groundtune rl's presets end in -rl
+    cfg = load_config(cls, path, ["train_data=x.jsonl"])
     assert cfg.max_steps > 0
 
 

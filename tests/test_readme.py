@@ -79,6 +79,10 @@ def test_quickstart_command_runs(tmp_path, monkeypatch, capsys):
     assert (Path("quickstart/run/model") / "groundtune.json").exists()
     # running it again resumes nothing (finished) and only re-evaluates
     assert main(["quickstart", "--n-train", "64", "--n-eval", "8"]) == 0
+    # the README's RL command goes on from the quickstart's run
+    rl = next(c for c in _commands() if c.startswith("groundtune rl quickstart-rl"))
+    assert _run(rl + " max_steps=2 batch_size=2 group_size=2 eval_samples=4 eval_every=0 save_every=0") == 0
+    assert (Path("quickstart/rl/model") / "adapter_config.json").exists()
 
 
 def test_presets_named_in_the_readme_exist():
@@ -87,7 +91,7 @@ def test_presets_named_in_the_readme_exist():
     for name in re.findall(r"`([a-z0-9.\-]+)` \((?:tiny|the tiny)", README) + ["qwen2.5-vl-3b-lora-24gb"]:
         assert preset_path(name).exists()
     for command in _commands():
-        if command.startswith("groundtune train ") and "--" not in command.split()[2]:
+        if command.startswith(("groundtune train ", "groundtune rl ")) and "--" not in command.split()[2]:
             preset = command.split()[2]
             if not preset.endswith(".yaml"):
                 assert preset_path(preset).exists(), preset

@@ -8,6 +8,7 @@ import torch
 
 from groundtune import boxes
 from groundtune.config import TrainConfig
+from groundtune.data import synth
 from groundtune.data.records import read_samples
 from groundtune.models import qwen
 from groundtune.models.loading import load_model
@@ -50,8 +51,17 @@ def test_label_mask_is_exactly_the_answer():
     assert torch.equal(enc["mm_token_type_ids"].bool(), image_tokens)
 
 
-def test_loss_falls(synth_single, tmp_path):
-    run = train(_cfg(synth_single, tmp_path / "run", max_steps=25, batch_size=8))
+@pytest.fixture(scope="module")
+def synth_wide(tmp_path_factory):
+    """One-shape scenes on 168 px canvases: coordinates the pre-trained tiny model never wrote,
+    so its loss starts high (on its own 112 px scenes there is little left to fall)."""
+    out = tmp_path_factory.mktemp("synth_wide")
+    synth.make_synthetic_set(out, n=64, seed=1, task="single", width=168, height=168, workers=1)
+    return out
+
+
+def test_loss_falls(synth_wide, tmp_path):
+    run = train(_cfg(synth_wide, tmp_path / "run", max_steps=25, batch_size=8))
     losses = _losses(run)
     assert len(losses) == 25
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:3]) / 3
@@ -232,3 +242,16 @@ def test_sigterm_saves_and_exits_cleanly(synth_single, tmp_path):
     assert len(saved) == 1 and not ckpt.is_finished(saved[-1])
     step = json.loads((saved[-1] / "state.json").read_text())["step"]
     assert 1 <= step < 100000
+
+
+def test_lora_on_a_full_fine_tuning_run_applies_to_that_run(synth_single, tmp_path):
+    """The adapter's base is the full run's weights, not the model the full run started from."""
+    full = train(_cfg(synth_single, tmp_path / "full", max_steps=2, lr=1e-2))
+    lora = train(_cfg(synth_single, tmp_path / "lora", model=str(full), method="lora", max_steps=2))
+    meta = json.loads((lora / "model" / "groundtune.json").read_text())
+    assert meta["base_model"] == str(full.resolve())
+    loaded = load_model(str(lora)).model.get_base_model().state_dict()
+    trained = load_model(str(full)).model.state_dict()
+    shipped = load_model("tiny").model.state_dict()
+    name = next(k for k in trained if k.endswith("language_model.norm.weight"))  # no adapter on it
+    assert torch.equal(loaded[name], trained[name]) and not torch.equal(trained[name], shipped[name])

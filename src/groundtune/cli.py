@@ -307,46 +307,64 @@ def _add_predict(sub: argparse._SubParsersAction) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from groundtune.config import TrainConfig, load_config
+    """`groundtune train` and `groundtune rl`: the same command line, each with its settings class."""
+    from groundtune.config import RLConfig, TrainConfig, load_config
     from groundtune.quickstart import preset_path
-    from groundtune.train.sft import train
 
+    if args.command == "rl":
+        from groundtune.train.rl import rl as run_fn
+
+        cls = RLConfig
+    else:
+        from groundtune.train.sft import train as run_fn
+
+        cls = TrainConfig
     if args.resume:
         if args.config or args.overrides:
-            raise SystemExit("groundtune train --resume RUN takes no config or overrides: the run's saved "
-                             "config.yaml is used, so the resumed run is the same run")
-        run = train(resume=args.resume)
+            raise SystemExit(f"groundtune {args.command} --resume RUN takes no config or overrides: the run's "
+                             "saved config.yaml is used, so the resumed run is the same run")
+        run = run_fn(resume=args.resume)
     else:
         if not args.config:
-            raise SystemExit("groundtune train: give a CONFIG.yaml (or a preset name) or --resume RUN")
-        run = train(load_config(TrainConfig, preset_path(args.config), args.overrides))
+            raise SystemExit(f"groundtune {args.command}: give a CONFIG.yaml (or a preset name) or --resume RUN")
+        run = run_fn(load_config(cls, preset_path(args.config), args.overrides))
     print(f"run folder: {run}  (model: {run / 'model'})")
     return 0
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from groundtune.config import TrainConfig, describe
+    from groundtune.config import RLConfig, TrainConfig, describe
     from groundtune.quickstart import PRESETS
 
     presets = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
-    p = sub.add_parser(
-        "train",
-        help="supervised fine-tuning (LoRA / QLoRA / full)",
-        description="Fine-tune a model on canonical JSONL. CONFIG is a YAML file or a shipped preset\n"
-        f"({presets}); any setting can be overridden as key=value.\n\n"
-        "examples:\n"
-        "  groundtune train quickstart max_steps=500\n"
-        "  groundtune train qwen2.5-vl-3b-lora-24gb train_data=train.jsonl eval_data=val.jsonl\n"
-        "  groundtune train my.yaml model=Qwen/Qwen2.5-VL-7B-Instruct method=qlora lr=1e-4\n"
-        "  groundtune train --resume runs/sft        # after Ctrl-C, SIGTERM, `touch runs/sft/STOP` or a crash\n\n"
-        "The run folder (out_dir) gets model/ (use it with eval/predict), checkpoints/, metrics.jsonl\n"
-        "and tb/ (TensorBoard).\n\nsettings (TrainConfig) and their defaults:\n" + describe(TrainConfig),
-        formatter_class=_Formatter,
-    )
-    p.add_argument("config", nargs="?", help="YAML file or preset name")
-    p.add_argument("overrides", nargs="*", help="key=value settings that override the file")
-    p.add_argument("--resume", metavar="RUN", help="continue the run in this folder exactly where it stopped")
-    p.set_defaults(handler=_train)
+    commands = {
+        "train": (TrainConfig, "supervised fine-tuning (LoRA / QLoRA / full)",
+                  "Fine-tune a model on canonical JSONL.",
+                  "  groundtune train quickstart max_steps=500\n"
+                  "  groundtune train qwen2.5-vl-3b-lora-24gb train_data=train.jsonl eval_data=val.jsonl\n"
+                  "  groundtune train my.yaml model=Qwen/Qwen2.5-VL-7B-Instruct method=qlora lr=1e-4\n"
+                  "  groundtune train --resume runs/sft        # after Ctrl-C, SIGTERM, `touch runs/sft/STOP` or a crash\n"),
+        "rl": (RLConfig, "reinforcement learning with the box's IoU as reward (GRPO / REINFORCE)",
+               "Improve a model (an SFT run's LoRA adapter, or a new one) by sampling answers to\n"
+               "prompts and rewarding each by its box's IoU with the truth.",
+               "  groundtune rl quickstart-rl model=quickstart/run\n"
+               "  groundtune rl my.yaml model=runs/sft train_data=train.jsonl eval_data=val.jsonl kl_coef=0.04\n"
+               "  groundtune rl --resume runs/rl\n"),
+    }
+    for name, (cls, help_text, what, examples) in commands.items():
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=f"{what} CONFIG is a YAML file or a shipped preset\n({presets}); any setting can be "
+            "overridden as key=value.\n\nexamples:\n" + examples + "\n"
+            "The run folder (out_dir) gets model/ (use it with eval/predict), checkpoints/, metrics.jsonl\n"
+            f"and tb/ (TensorBoard).\n\nsettings ({cls.__name__}) and their defaults:\n" + describe(cls),
+            formatter_class=_Formatter,
+        )
+        p.add_argument("config", nargs="?", help="YAML file or preset name")
+        p.add_argument("overrides", nargs="*", help="key=value settings that override the file")
+        p.add_argument("--resume", metavar="RUN", help="continue the run in this folder exactly where it stopped")
+        p.set_defaults(handler=_train)
 
 
 def _quickstart(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ import yaml
 
 MODEL_PARTS = ("vision", "merger", "llm")
 LORA_TARGETS = ("llm_attn", "llm_mlp", "merger", "vision")
+KERNEL_MODES = ("auto", "liger", "none")
 
 
 class ConfigError(ValueError):
@@ -26,6 +27,8 @@ class ConfigError(ValueError):
 @dataclass
 class TrainConfig:
     """Supervised fine-tuning (``groundtune train``)."""
+
+    command: typing.ClassVar[str] = "train"  # the CLI command these settings belong to
 
     # --- what to train on
     model: str = "tiny"  # tiny | a training run folder | a local HF folder | a hub id (Qwen/Qwen2.5-VL-3B-Instruct)
@@ -59,6 +62,8 @@ class TrainConfig:
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     gradient_checkpointing: int = 0  # recompute the last N LLM layers in backward (-1 = all, 0 = off)
     packing: bool = False  # a micro-batch in one row, no padding, attention masked per sample (for few long samples)
+    kernels: str = "none"  # fused RMSNorm/SwiGLU/M-RoPE: none | liger (GPU, liger-kernel) | auto (liger where it can)
+    compile: bool = False  # torch.compile the LLM decoder layers: fewer kernel launches, slower first steps
     seed: int = 0
 
     # --- data
@@ -93,6 +98,8 @@ class TrainConfig:
             raise ConfigError(f"lora_targets is empty: method={self.method} would train nothing")
         if self.method == "full" and self.freeze_vision and self.freeze_merger and self.freeze_llm:
             raise ConfigError("method=full with freeze_vision, freeze_merger and freeze_llm all true trains nothing")
+        if self.kernels not in KERNEL_MODES:
+            raise ConfigError(f"kernels={self.kernels!r}: expected one of {', '.join(KERNEL_MODES)}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ConfigError(f"precision={self.precision!r}: expected auto, bf16 or fp32")
         for name in ("lr", "max_steps", "batch_size", "grad_accum", "lora_r", "keep_last", "max_bad_steps"):
@@ -117,6 +124,69 @@ class TrainConfig:
         return getattr(self, f"lr_{part}") or self.lr
 
 
+ADVANTAGES = ("grpo", "ema")
+
+
+@dataclass
+class RLConfig(TrainConfig):
+    """Reinforcement learning with the box's IoU as reward (``groundtune rl``). The training
+    settings above apply as in SFT; these differ or are new."""
+
+    command: typing.ClassVar[str] = "rl"
+
+    model: str = "tiny"  # an SFT run folder (its LoRA adapter trains on), or a model as for train (a new LoRA)
+    train_data: str = ""  # the prompts: canonical JSONL (boxes are the truth rewards are scored on) or synth:TASK
+    out_dir: str = "runs/rl"
+    lr: float = 2e-4
+    warmup_steps: int = 0
+    max_steps: int = 200  # policy updates (each on batch_size x group_size fresh answers)
+    batch_size: int = 8  # prompts per step
+    micro_batch: int = 16  # answers per forward/backward pass of the update (memory, not results)
+
+    # --- rollouts
+    group_size: int = 8  # sampled answers per prompt (GRPO's G)
+    temperature: float = 1.0  # sampling temperature of the answers
+    top_p: float = 1.0
+    max_new_tokens: int = 48  # longer answers are cut (and usually unparsable: reward 0)
+
+    # --- reward (train/rewards.py)
+    reward_box: float = 1.0  # weight of IoU with the true box
+    reward_format: float = 0.1  # weight of "a box was parsed and lies inside the image"
+    reward_giou: bool = False  # GIoU instead of IoU: disjoint boxes still get a signal
+
+    # --- policy update
+    advantage: str = "grpo"  # grpo: (reward - group mean) / group std | ema: reward - moving-average baseline per prompt
+    ema_decay: float = 0.9  # advantage=ema: weight of a prompt's previous baseline
+    inner_updates: int = 1  # gradient steps per batch of answers; the clipped ratio acts from the second on
+    clip: float = 0.2  # policy-ratio clip range, PPO's epsilon
+    kl_coef: float = 0.0  # KL penalty to the starting policy (the SFT model); 0 = none, no reference pass
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.method != "lora":
+            raise ConfigError(f"method={self.method}: groundtune rl trains a LoRA adapter (method=lora); the "
+                              "reference policy for kl_coef is the same weights with the adapter switched off")
+        for name in ("group_size", "micro_batch", "inner_updates", "max_new_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be positive")
+        if self.group_size < 2 and self.advantage == "grpo":
+            raise ConfigError("group_size=1 with advantage=grpo: a group of one answer has no spread to learn from")
+        if self.advantage not in ADVANTAGES:
+            raise ConfigError(f"advantage={self.advantage!r}: expected one of {', '.join(ADVANTAGES)}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"temperature={self.temperature}, top_p={self.top_p}: need temperature >= 0 "
+                              "and 0 < top_p <= 1")
+        if self.kl_coef < 0 or self.clip <= 0 or not 0 <= self.ema_decay < 1:
+            raise ConfigError("need kl_coef >= 0, clip > 0 and 0 <= ema_decay < 1")
+        unsupported = {"grad_accum": self.grad_accum != 1, "packing": self.packing, "compile": self.compile,
+                       "hflip_prob": self.hflip_prob > 0, "scale_crop_prob": self.scale_crop_prob > 0}
+        bad = [name for name, is_set in unsupported.items() if is_set]
+        if bad:
+            raise ConfigError(f"{', '.join(bad)}: not available in groundtune rl (micro_batch bounds memory; "
+                              "augmentations would change the truth rewards are scored on; generation "
+                              "with compiled layers is not measured yet)")
+
+
 # --------------------------------------------------------------------------------------------
 # YAML + key=value
 
@@ -139,7 +209,8 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] | tupl
     unknown = sorted(set(values) - known)
     if unknown:
         where = f" in {path}" if path else ""
-        raise ConfigError(f"unknown setting(s){where}: {', '.join(unknown)}; see `groundtune train --help`")
+        command = getattr(cls, "command", "train")
+        raise ConfigError(f"unknown setting(s){where}: {', '.join(unknown)}; see `groundtune {command} --help`")
     return cls(**values)
 
 
@@ -151,11 +222,13 @@ def describe(cls) -> str:
     """One line per setting with its default, for --help."""
     import inspect
 
-    source = inspect.getsource(cls)
+    # a subclass's settings first, then those it inherits (a redefined setting keeps its own comment)
+    source = [line for klass in cls.__mro__ if dataclasses.is_dataclass(klass)
+              for line in inspect.getsource(klass).splitlines()]
     lines = []
     for f in dataclasses.fields(cls):
         comment = ""
-        for src_line in source.splitlines():
+        for src_line in source:
             stripped = src_line.strip()
             if stripped.startswith(f"{f.name}:") and "#" in stripped:
                 comment = stripped.split("#", 1)[1].strip()

@@ -1,7 +1,8 @@
-"""Batched greedy generation: image + phrase -> box in ORIGINAL pixels.
+"""Batched generation: image + phrase -> box in ORIGINAL pixels.
 
-This is the one generation path: eval, predict, training-time eval, serve and RL rollouts all call
-``predict``, so the prompt, the resize and the box parsing can never drift apart between stages.
+This is the one generation path: eval, predict, training-time eval and serve call ``predict``
+(greedy), RL rollouts call ``encode_prompts`` + ``generate`` (sampled), so the prompt, the resize
+and the box parsing can never drift apart between stages.
 
     groundtune predict --model tiny --image cat.jpg --phrase "the cat on the left"
     groundtune predict --model runs/sft --jsonl val.jsonl --out predictions.jsonl
@@ -106,6 +107,13 @@ def predict(
 
 
 def _generate(gm, chunk: list[tuple[Image.Image, str]], max_new_tokens: int) -> list[Prediction]:
+    encoded, sizes = encode_prompts(gm, chunk)
+    return [prediction for _, prediction in generate(gm, encoded, sizes, max_new_tokens)]
+
+
+def encode_prompts(gm, chunk: list[tuple[Image.Image, str]]) -> tuple[list[dict], list[tuple]]:
+    """(image, phrase) pairs -> the encoded prompts (image resized with the model's ResizeSpec, the
+    model's prompt) and each image's (original size, resized size) for reading the answers back."""
     sizes, encoded = [], []
     for image, phrase in chunk:
         image = to_rgb(image)
@@ -113,25 +121,39 @@ def _generate(gm, chunk: list[tuple[Image.Image, str]], max_new_tokens: int) -> 
         prompt = qwen.prompt_text(gm.processor, phrase, gm.prompt)
         encoded.append(qwen.encode(gm.processor, resized, prompt))
         sizes.append((image.size, resized_size))
+    return encoded, sizes
+
+
+def generate(gm, encoded: list[dict], sizes: list[tuple], max_new_tokens: int, num_samples: int = 1,
+             temperature: float = 0.0, top_p: float = 1.0) -> list[tuple[list[int], Prediction]]:
+    """Answer encoded prompts in one batch: greedy (temperature 0), or ``num_samples`` sampled
+    answers per prompt (RL rollouts). Returns, prompt by prompt and sample by sample, the answer's
+    token ids (up to and including its end-of-turn token, exactly as generated) and what they say."""
     batch = qwen.collate(encoded, gm.processor.pad_token_id, padding_side="left")
     # generate derives the positions itself, with the offsets its KV cache continues from
     batch.pop("position_ids")
     batch = {k: v.to(gm.device) for k, v in batch.items()}
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
     with torch.inference_mode():
         out = gm.model.generate(
             **batch,
-            do_sample=False,
+            **sampling,
+            num_return_sequences=num_samples,
             max_new_tokens=max_new_tokens,
             eos_token_id=gm.processor.eos_token_ids,
             pad_token_id=gm.processor.pad_token_id,
             use_cache=True,
         )
     # generate returns prompt + answer; with left padding every prompt ends at the same column.
+    # The rows come prompt by prompt, num_samples rows each.
     answers = out[:, batch["input_ids"].shape[1] :].tolist()
-    return [
-        read_answer(ids, gm.processor, gm.family, original, resized)
-        for ids, (original, resized) in zip(answers, sizes)
-    ]
+    stop = set(gm.processor.eos_token_ids) | {gm.processor.pad_token_id}
+    results = []
+    for row, ids in enumerate(answers):
+        original, resized = sizes[row // num_samples]
+        end = next((i + 1 for i, t in enumerate(ids) if t in stop), len(ids))  # keep the stop token
+        results.append((ids[:end], read_answer(ids, gm.processor, gm.family, original, resized)))
+    return results
 
 
 def predict_jsonl(gm, in_path: str | Path, out_path: str | Path, batch_size: int = 16, progress: bool = True) -> int:

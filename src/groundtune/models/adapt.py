@@ -26,7 +26,7 @@ def part_of(name: str) -> str:
     return "llm"
 
 
-def _decoder_layers(model) -> torch.nn.ModuleList:
+def decoder_layers(model) -> torch.nn.ModuleList:
     for name, module in model.named_modules():
         if name.endswith("language_model.layers") and isinstance(module, torch.nn.ModuleList):
             return module
@@ -35,7 +35,7 @@ def _decoder_layers(model) -> torch.nn.ModuleList:
 
 def lora_target_modules(model, targets: list[str], last_n_layers: int = 0) -> list[str]:
     """Names of every Linear layer in the targeted parts (peft's ``target_modules``)."""
-    first = len(_decoder_layers(model)) - last_n_layers if last_n_layers else 0
+    first = len(decoder_layers(model)) - last_n_layers if last_n_layers else 0
     names = []
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
@@ -78,7 +78,7 @@ def checkpoint_last_layers(model, n: int) -> int:
     """Recompute the last ``n`` decoder layers (all when n < 0) in backward instead of keeping their
     activations. Only LLM layers: the frozen vision tower keeps no activations for backward at all,
     so checkpointing it would only add a second forward (the naive stack's mistake)."""
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     chosen = list(layers) if n < 0 else list(layers)[-n:]
     for layer in chosen:
         if getattr(layer, "_groundtune_checkpointed", False):

@@ -159,7 +159,9 @@ def load_model(
             model = _load_weights(source, kind, torch_dtype, dev if quantize_4bit else None)
         vision_attention.install(model)  # one attention call per window length, not per window
         family = qwen.family_of(model.config)
-        base_name = meta.get("base_model") or name
+        # an adapter trained on these weights applies to THESE weights (for a full fine-tuning run,
+        # not the model that run started from), named so that it loads from any working directory
+        base_name = str(path.resolve()) if kind in ("run", "folder") else name
         base_meta = {}
     if not quantize_4bit:  # a 4-bit model is placed by from_pretrained and cannot be moved
         model.to(dev)

@@ -169,6 +169,25 @@ def encode(
     return out
 
 
+def with_answer_ids(processor: Processor, encoded_prompt: dict[str, torch.Tensor], answer_ids: list[int]) -> dict:
+    """An encoded prompt followed by an answer given as token ids (a sampled RL completion, kept
+    exactly as generated: re-tokenising its text could give other ids) -> a sample whose labels
+    are those ids, as ``encode`` makes for a text answer."""
+    input_ids = torch.cat([encoded_prompt["input_ids"], torch.tensor(answer_ids, dtype=torch.long)])
+    image_tokens = input_ids == processor.image_token_id
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    labels[len(encoded_prompt["input_ids"]):] = input_ids[len(encoded_prompt["input_ids"]):]
+    grid = encoded_prompt["image_grid_thw"]
+    return {
+        "input_ids": input_ids,
+        "mm_token_type_ids": image_tokens.int(),
+        "position_ids": mrope_positions(image_tokens, grid[0], processor.merge_size),
+        "pixel_values": encoded_prompt["pixel_values"],
+        "image_grid_thw": grid,
+        "labels": labels,
+    }
+
+
 def mrope_positions(image_tokens: torch.Tensor, grid_thw: torch.Tensor, merge_size: int) -> torch.Tensor:
     """The (3, length) M-RoPE positions (temporal, height, width) of a sequence holding one image:
     text counts up on all three axes; the image's tokens share the temporal position where it

@@ -5,9 +5,15 @@ in TRAINING.md there). A demonstration model for coloured shapes, not a general 
 
 Two settings decide whether such a small model can learn to ground (field-notes, "Learning from
 scratch"): a small BPE vocabulary in which every digit is its own token (Qwen's pre-tokenizer
-already splits digits), and a LOW rope_theta with mrope_section [2, 7, 7]. With Qwen's stock
-theta of 1e6 the width axis gets only the lowest rotary frequencies and a tiny model never learns
-horizontal position.
+already splits digits), and the rotary frequencies. Qwen2.5-VL's M-RoPE gives the temporal, height
+and width axes consecutive blocks of frequencies, highest first, so the width axis always gets the
+lowest. With Qwen's stock theta of 1e6 those are too low for a tiny model to learn horizontal
+position. With theta 20 and head_dim 32 every frequency is high: position is read well, but no
+dimension stays nearly unrotated across the image, and a phrase's colour or kind word cannot find
+its shape by content (the model stalled at 0.83, picking at chance among shapes named by colour).
+The shipped setting, head_dim 64, theta 300 and mrope_section [2, 10, 20], keeps width frequencies
+from 0.12 down to 0.004 radians per position: the high ones read position, the low ones match
+content (BENCHMARKS.md, "groundtune-tiny").
 
     python -m groundtune.models.tiny --out DIR [--hidden 256 ...]    # another tiny architecture (config only)
     python -m groundtune.models.tiny --install-weights RUN/model     # ship a pre-trained model as `tiny`
@@ -62,11 +68,11 @@ TEXT_CONFIG = dict(
     hidden_size=192,
     intermediate_size=768,
     num_hidden_layers=4,
-    num_attention_heads=6,  # head_dim 32
-    num_key_value_heads=2,
+    num_attention_heads=3,  # head_dim 64 (Qwen2.5-VL's rotary needs head_dim = hidden / heads)
+    num_key_value_heads=1,
     max_position_embeddings=2048,
     rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 20.0, "mrope_section": [2, 7, 7]},
+    rope_parameters={"rope_type": "default", "rope_theta": 300.0, "mrope_section": [2, 10, 20]},
     tie_word_embeddings=True,
 )
 VISION_CONFIG = dict(
@@ -211,8 +217,8 @@ if __name__ == "__main__":
     parser.add_argument("--out", default=str(TINY_DIR))
     parser.add_argument("--hidden", type=int, help="text hidden size")
     parser.add_argument("--layers", type=int, help="text layers")
-    parser.add_argument("--head-dim", type=int, default=32, help="text attention head size")
-    parser.add_argument("--mrope", help="M-RoPE sections t,h,w (sum = head_dim / 2), e.g. 2,7,7")
+    parser.add_argument("--head-dim", type=int, default=64, help="text attention head size")
+    parser.add_argument("--mrope", help="M-RoPE sections t,h,w (sum = head_dim / 2), e.g. 2,10,20")
     parser.add_argument("--rope-theta", type=float)
     parser.add_argument("--vision-hidden", type=int)
     parser.add_argument("--vision-layers", type=int)

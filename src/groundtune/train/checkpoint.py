@@ -108,7 +108,8 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
 def save_model(run: Path, gm: GroundingModel, model, extra: dict | None = None) -> Path:
     """Write RUN/model: the adapter (LoRA) or full weights, the processor and groundtune.json."""
     tmp = _fresh_tmp(run, "model")
-    model.save_pretrained(tmp)
+    # an adapter model saves its trained adapter only (RL may hold a frozen reference copy beside it)
+    model.save_pretrained(tmp, **({"selected_adapters": ["default"]} if hasattr(model, "peft_config") else {}))
     if not (tmp / "adapter_config.json").exists():  # full weights: make the folder self-contained
         gm.processor.tokenizer.chat_template = gm.processor.chat_template  # saved with the tokenizer
         gm.processor.tokenizer.save_pretrained(tmp)

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from groundtune.models.qwen import IGNORE_INDEX
 
 
-def answer_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token cross-entropy over the labelled positions of ``batch`` (a training batch
-    with ``labels``). ``model`` is a Qwen-VL ForConditionalGeneration model or a PEFT wrapper."""
+def answer_logprobs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of every labelled token of ``batch`` under the model, and the batch row
+    each belongs to: two 1-D tensors over the answer tokens, row-major. ``model`` is a Qwen-VL
+    ForConditionalGeneration model or a PEFT wrapper."""
     core = model.get_base_model() if hasattr(model, "get_base_model") else model
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     # no KV cache: nothing reuses it, and a recomputed (checkpointed) layer would extend it twice
@@ -26,4 +27,11 @@ def answer_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     targets = batch["labels"][:, 1:]  # position t predicts token t + 1
     answer = targets != IGNORE_INDEX
     logits = core.lm_head(hidden[:, :-1][answer])  # (answer tokens, vocabulary)
-    return F.cross_entropy(logits.float(), targets[answer])
+    logprobs = -F.cross_entropy(logits.float(), targets[answer], reduction="none")
+    return logprobs, answer.nonzero()[:, 0]
+
+
+def answer_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token cross-entropy over the labelled positions of ``batch`` (a training batch
+    with ``labels``)."""
+    return -answer_logprobs(model, batch)[0].mean()

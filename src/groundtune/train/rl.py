@@ -1,0 +1,297 @@
+"""Reinforcement learning for grounding, the box's IoU as reward (``groundtune rl``).
+
+    groundtune rl quickstart-rl model=quickstart/run        # from an SFT run (its LoRA adapter trains on)
+    groundtune rl CONFIG.yaml model=runs/sft train_data=train.jsonl eval_data=val.jsonl
+    groundtune rl --resume runs/rl                          # exact: weights, optimizer, RNG, prompts, baselines
+
+One step, as the code below reads:
+  1. rollouts: ``batch_size`` prompts, ``group_size`` sampled answers each, through the one
+     generation path (``infer.generate``: same resize, prompt and box parser as eval);
+  2. rewards: ``rewards.reward`` of each answer (IoU with the true box plus a format term; an
+     answer without a box earns 0);
+  3. advantages: GRPO's group normalisation, (r - mean) / std over a prompt's answers, or REINFORCE
+     with a moving-average baseline per prompt (``advantage=ema``, the seed design's variant);
+  4. update: ``inner_updates`` gradient steps on the clipped policy-ratio objective, plus
+     ``kl_coef`` x KL to the starting policy.
+
+Where it departs from GRPO (Shao et al., 2024): the loss is the mean over every answer token of
+the batch (DAPO's token-level mean), not a mean per answer first, so a long answer weighs by its
+tokens; the KL term (Schulman's k3 estimator) is off by default (``kl_coef=0``), as in DAPO; a
+group whose answers all earn the same reward teaches nothing and gets zero advantage. The
+reference policy for the KL term is the starting model computed on the same weights, never a
+second copy: a new LoRA switched off, or, from an SFT run, a frozen copy of its adapter alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from groundtune import infer
+from groundtune.config import RLConfig
+from groundtune.data.dataset import FileSamples, ResumableBatches, open_samples
+from groundtune.data.records import read_samples, sample_boxes
+from groundtune.models import adapt, kernels, qwen
+from groundtune.models.loading import GroundingModel, load_model, pick_device, resolve
+from groundtune.progress import progress_bar
+from groundtune.train import checkpoint as ckpt
+from groundtune.train.loop import Loop, TrainingError, lr_lambda, prepare_run, seed_everything, use_bf16
+from groundtune.train.monitor import MetricsLog, StopRequest, gpu_stats
+from groundtune.train.objective import answer_logprobs
+from groundtune.train.rewards import RewardWeights, reward
+
+REFERENCE = "reference"  # the frozen copy of an SFT run's adapter, for the KL term
+
+
+@dataclass
+class Rollouts:
+    """One step's answers, prompt by prompt, ``group_size`` answers each."""
+
+    sequences: list[dict]  # encoded prompt + answer ids, labelled on the answer (qwen.with_answer_ids)
+    rewards: torch.Tensor  # (prompts, group_size)
+    ious: torch.Tensor  # (prompts, group_size) plain IoU, for the logs
+    parsed: torch.Tensor  # (prompts, group_size) bool: the answer held a box
+    lengths: torch.Tensor  # (prompts, group_size) answer tokens
+    prompt_keys: list[int]  # sample index of each prompt (the EMA baseline's key)
+
+
+def rl(cfg: RLConfig | None = None, resume: str | Path | None = None, on_step=None) -> Path:
+    """Run RL and return the run folder. ``on_step(step, run, model)`` is called after every update."""
+    run, cfg, resume_from = prepare_run(cfg, resume, RLConfig)
+    seed_everything(cfg.seed)
+    gm, model, reference = _setup_policy(cfg)
+    device = gm.device
+    samples = open_samples(cfg.train_data, cfg.seed)
+    optimizer = torch.optim.AdamW(adapt.param_groups(model, cfg), betas=(0.9, 0.95), fused=device.type == "cuda")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    state = {"step": 0, "samples": 0, "best_acc": -1.0, "bad_steps": 0, "finished": False, "baselines": {}}
+    if resume_from is not None:
+        state = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler)
+        print(f"resumed from {resume_from} at step {state['step']}")
+    loop = Loop(run, cfg, gm, optimizer, scheduler, state,
+                read_samples(cfg.eval_data)[: cfg.eval_samples] if cfg.eval_data else [], MetricsLog(run), on_step)
+    prompts = iter(ResumableBatches(len(samples), cfg.batch_size, cfg.seed, state["samples"], samples.shuffle))
+    # a synthetic stream never repeats a prompt: no baseline per prompt to keep
+    baselines = state["baselines"] if isinstance(samples, FileSamples) else None
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16(cfg, device)
+                else contextlib.nullcontext())
+    weights = RewardWeights(box=cfg.reward_box, format=cfg.reward_format, giou=cfg.reward_giou)
+    print(f"rl on {gm.source} ({adapt.count_parameters(model)['trainable']:,} trainable parameters): "
+          f"{cfg.batch_size} prompts x {cfg.group_size} answers per step from {cfg.train_data} -> {run}")
+    if loop.eval_samples and state["step"] == 0:
+        loop.evaluate()  # where RL starts from
+
+    with StopRequest(run) as stop, progress_bar() as bar:
+        task = bar.add_task("rl", total=cfg.max_steps, completed=state["step"], info="")
+        say = functools.partial(bar.console.print, soft_wrap=True)
+        while state["step"] < cfg.max_steps:
+            t0 = time.time()
+            keys = [index for index, _ in next(prompts)]
+            batch = rollouts(gm, [samples[index] for index in keys], keys, cfg, weights)
+            t1 = time.time()
+            adv = advantages(batch.rewards, batch.prompt_keys, cfg, baselines)
+            stats = update(model, reference, batch, adv, optimizer, cfg, autocast, gm.processor.pad_token_id)
+            t2 = time.time()
+            state["samples"] += len(keys)
+            if not stats["finite"]:
+                loop.skip_nonfinite({}, "lower lr or temperature")
+                continue
+            scheduler.step()
+            step = state["step"] + 1
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                values = {**_rollout_metrics(batch, t1 - t0), "loss": stats["loss"], "kl": stats["kl"],
+                          "clip_fraction": stats["clip_fraction"], "grad_norm": stats["grad_norm"],
+                          "lr": scheduler.get_last_lr()[0], "time/rollout_s": t1 - t0, "time/update_s": t2 - t1,
+                          "samples": state["samples"], **gpu_stats(device)}
+                loop.log.log(step, values)
+                bar.update(task, info=f"reward {values['reward/mean']:.3f} Acc@0.5 {values['rollout/acc@0.5']:.2f} "
+                                      f"{values['rollouts_per_s']:.1f} rollouts/s")
+            bar.update(task, completed=step)
+            if loop.after_update(stop, say):
+                break
+    return loop.finish()
+
+
+# --------------------------------------------------------------------------------------------
+# the four parts of a step
+
+
+def rollouts(gm: GroundingModel, pairs: list[tuple], keys: list[int], cfg: RLConfig,
+             weights: RewardWeights) -> Rollouts:
+    """Sample ``group_size`` answers with ``gm.model`` for each (image, sample) pair and score them."""
+    encoded, sizes = infer.encode_prompts(gm, [(image, sample["phrase"]) for image, sample in pairs])
+    was_training = gm.model.training
+    gm.model.eval()
+    try:
+        answers = infer.generate(gm, encoded, sizes, cfg.max_new_tokens, cfg.group_size, cfg.temperature, cfg.top_p)
+    finally:
+        gm.model.train(was_training)
+    scores, sequences = [], []
+    for k, (ids, prediction) in enumerate(answers):
+        image, sample = pairs[k // cfg.group_size]
+        scores.append(reward(prediction.bbox, sample_boxes(sample), image.size, weights))
+        sequences.append(qwen.with_answer_ids(gm.processor, encoded[k // cfg.group_size], ids))
+    shape = (len(pairs), cfg.group_size)
+    return Rollouts(
+        sequences=sequences,
+        rewards=torch.tensor([s["reward"] for s in scores]).view(shape),
+        ious=torch.tensor([s["iou"] for s in scores]).view(shape),
+        parsed=torch.tensor([p.bbox is not None for _, p in answers]).view(shape),
+        lengths=torch.tensor([len(ids) for ids, _ in answers]).view(shape),
+        prompt_keys=keys,
+    )
+
+
+def advantages(rewards: torch.Tensor, prompt_keys: list[int], cfg: RLConfig,
+               baselines: dict[str, float] | None) -> torch.Tensor:
+    """(prompts, group_size) rewards -> advantages of the same shape.
+
+    grpo: (r - group mean) / group std; a group of equal rewards gets 0.
+    ema:  r - b, b a moving average of the prompt's past mean rewards (updated here, in
+          ``baselines``); a prompt seen for the first time, or any prompt when ``baselines`` is
+          None (a stream that never repeats one), is measured against its group's mean."""
+    mean = rewards.mean(dim=1, keepdim=True)
+    if cfg.advantage == "grpo":
+        std = rewards.std(dim=1, keepdim=True)
+        return torch.where(std > 1e-6, (rewards - mean) / (std + 1e-4), torch.zeros_like(rewards))
+    if baselines is None:
+        return rewards - mean
+    out = torch.empty_like(rewards)
+    for row, key in enumerate(map(str, prompt_keys)):  # str: the baselines are saved as JSON
+        group_mean = float(mean[row])
+        baseline = baselines.get(key, group_mean)
+        out[row] = rewards[row] - baseline
+        baselines[key] = cfg.ema_decay * baseline + (1 - cfg.ema_decay) * group_mean
+    return out
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, token_advantages: torch.Tensor,
+                clip: float, kl_coef: float = 0.0, ref_logprobs: torch.Tensor | None = None):
+    """Per-token clipped policy-ratio loss (PPO/GRPO) plus ``kl_coef`` x the k3 estimate of
+    KL(policy || reference). Returns (per-token loss, per-token KL, per-token clipped flag)."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    clipped_ratio = ratio.clamp(1 - clip, 1 + clip)
+    loss = -torch.minimum(ratio * token_advantages, clipped_ratio * token_advantages)
+    kl = torch.zeros_like(logprobs)
+    if ref_logprobs is not None:
+        delta = ref_logprobs - logprobs
+        kl = torch.exp(delta) - delta - 1  # >= 0, unbiased (Schulman, "Approximating KL divergence")
+        loss = loss + kl_coef * kl
+    return loss, kl, ratio != clipped_ratio
+
+
+def update(model, reference, batch: Rollouts, adv: torch.Tensor, optimizer, cfg: RLConfig, autocast,
+           pad_token_id: int) -> dict:
+    """``inner_updates`` optimizer steps on the answers, ``micro_batch`` answers per forward pass;
+    the loss is the token-level mean over the whole batch, whatever the micro-batching."""
+    device = next(p for p in model.parameters() if p.requires_grad).device
+    chunks = [list(range(i, min(i + cfg.micro_batch, len(batch.sequences))))
+              for i in range(0, len(batch.sequences), cfg.micro_batch)]
+    per_answer_adv = adv.flatten()
+    total_tokens = int(batch.lengths.sum())
+    old, ref = {}, {}
+    stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0, "finite": True}
+    for inner in range(cfg.inner_updates):
+        loss_sum = kl_sum = clipped = 0.0
+        for c, rows in enumerate(chunks):
+            micro = qwen.collate([batch.sequences[r] for r in rows], pad_token_id)
+            micro = {k: v.to(device) for k, v in micro.items()}
+            if inner == 0 and cfg.kl_coef > 0:
+                with torch.no_grad(), autocast, reference():
+                    ref[c] = answer_logprobs(model, micro)[0].float()
+            with autocast:
+                logprobs, owner = answer_logprobs(model, micro)
+            if inner == 0:  # the policy has not moved yet: its log-probs are the old ones
+                old[c] = logprobs.detach()
+            token_adv = per_answer_adv[torch.tensor(rows)][owner.cpu()].to(device)
+            loss, kl, was_clipped = policy_loss(logprobs, old[c], token_adv, cfg.clip, cfg.kl_coef, ref.get(c))
+            loss = loss.sum() / total_tokens
+            if not torch.isfinite(loss):
+                stats["finite"] = False
+                break
+            loss.backward()
+            loss_sum += float(loss.detach())
+            kl_sum += float(kl.detach().sum())
+            clipped += float(was_clipped.sum())
+        grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                     if cfg.max_grad_norm else torch.tensor(0.0))
+        if not stats["finite"] or not torch.isfinite(grad_norm):
+            stats["finite"] = False
+            optimizer.zero_grad(set_to_none=True)
+            return stats
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        stats.update(loss=loss_sum, kl=kl_sum / total_tokens, clip_fraction=clipped / total_tokens,
+                     grad_norm=float(grad_norm))
+    return stats
+
+
+# --------------------------------------------------------------------------------------------
+# setup and logs
+
+
+def _setup_policy(cfg: RLConfig):
+    """The model to train and a context manager under which it computes the reference policy.
+
+    From an SFT run with a LoRA adapter, that adapter trains on, and the reference is a frozen copy
+    of it (adapter-sized, not a second model). From anything else, a new LoRA goes on the model
+    (initialised to change nothing) and the reference is the model with that adapter switched off."""
+    device = pick_device(cfg.device)
+    gm = load_model(cfg.model, device=cfg.device, dtype="bf16" if use_bf16(cfg, device) else "fp32")
+    if cfg.min_pixels or cfg.max_pixels or cfg.prompt:
+        raise TrainingError("min_pixels, max_pixels and prompt come from the model being improved; "
+                            "rl takes them as that model was trained")
+    if hasattr(gm.model, "peft_config"):  # an SFT run's adapter: train it further
+        model = gm.model
+        for name, p in model.named_parameters():
+            p.requires_grad_("lora_" in name)
+        if cfg.gradient_checkpointing:
+            adapt.checkpoint_last_layers(model, cfg.gradient_checkpointing)
+        reference = contextlib.nullcontext
+        if cfg.kl_coef > 0:
+            kind, path = resolve(cfg.model)
+            model.load_adapter(path / "model" if kind == "run" else path, adapter_name=REFERENCE)
+            reference = functools.partial(_active_adapter, model, REFERENCE)
+    else:
+        model = adapt.prepare_for_training(gm.model, cfg)
+        reference = model.disable_adapter
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()  # trainable weights and their optimizer state stay fp32
+    kernels.apply_fused_kernels(model, cfg.kernels)
+    model.train()
+    return dataclasses.replace(gm, model=model), model, reference
+
+
+@contextlib.contextmanager
+def _active_adapter(model, name: str):
+    """Run the model with another of its adapters; the trained one ("default") comes back
+    trainable (PEFT's set_adapter marks the active adapter's weights trainable, the others not)."""
+    model.set_adapter(name)
+    try:
+        yield
+    finally:
+        model.set_adapter("default")
+
+
+def _rollout_metrics(batch: Rollouts, rollout_s: float) -> dict:
+    n = batch.rewards.numel()
+    return {
+        "reward/mean": float(batch.rewards.mean()),
+        "reward/std": float(batch.rewards.std()) if n > 1 else 0.0,
+        "rollout/iou": float(batch.ious.mean()),
+        "rollout/acc@0.5": float((batch.ious >= 0.5).float().mean()),
+        "rollout/parse_fail_rate": float(1 - batch.parsed.float().mean()),
+        "rollout/answer_tokens": float(batch.lengths.float().mean()),
+        "rollout/solved_groups": float((batch.ious >= 0.5).all(dim=1).float().mean()),
+        "rollout/hopeless_groups": float((batch.ious < 0.5).all(dim=1).float().mean()),
+        "rollout/iou_histogram": torch.histc(batch.ious.float(), bins=10, min=0, max=1).int().tolist(),
+        "rollouts_per_s": n / max(rollout_s, 1e-9),
+    }
+

@@ -1,0 +1,194 @@
+"""RL for grounding: rewards, advantages and the policy loss as pure functions; sampled generation;
+and the loop itself on the shipped tiny model, from an SFT run's adapter and from the model alone:
+rewards are logged, the adapter moves, the KL reference stays where it started, resume is exact."""
+
+import json
+
+import pytest
+import torch
+
+from groundtune.config import ConfigError, RLConfig, TrainConfig
+from groundtune.data import synth
+from groundtune.infer import encode_prompts, generate, predict
+from groundtune.models.loading import load_model
+from groundtune.train import checkpoint as ckpt
+from groundtune.train.rewards import RewardWeights, reward
+from groundtune.train.rl import advantages, policy_loss, rl
+from groundtune.train.sft import train
+
+W = RewardWeights(box=1.0, format=0.1)
+
+
+def test_reward_is_iou_plus_format_and_zero_without_a_box():
+    truth = [[10.0, 10.0, 30.0, 30.0]]
+    assert reward([10, 10, 30, 30], truth, (100, 100), W) == {"reward": 1.1, "iou": 1.0, "format": 1.0}
+    half = reward([10, 10, 30, 20], truth, (100, 100), W)
+    assert half["iou"] == pytest.approx(0.5) and half["reward"] == pytest.approx(0.6)
+    assert reward(None, truth, (100, 100), W) == {"reward": 0.0, "iou": 0.0, "format": 0.0}
+    outside = reward([90, 90, 130, 130], truth, (100, 100), W)  # runs off the image: no format credit
+    assert outside == {"reward": 0.0, "iou": 0.0, "format": 0.0}
+    # GIoU ranks two misses by their distance, IoU cannot
+    near = reward([32, 10, 52, 30], truth, (100, 100), RewardWeights(format=0.0, giou=True))["reward"]
+    far = reward([70, 70, 90, 90], truth, (100, 100), RewardWeights(format=0.0, giou=True))["reward"]
+    assert 0 > near > far
+
+
+def test_grpo_advantages_normalise_each_group_and_ignore_equal_groups():
+    cfg = RLConfig(train_data="synth:full")
+    r = torch.tensor([[0.0, 1.0, 0.5, 0.5], [0.3, 0.3, 0.3, 0.3]])
+    a = advantages(r, [0, 1], cfg, None)
+    assert torch.allclose(a[0].mean(), torch.tensor(0.0), atol=1e-6)
+    assert torch.allclose(a[0].std(), torch.tensor(1.0), atol=1e-3)
+    assert a[0, 1] > a[0, 2] > a[0, 0]
+    assert torch.equal(a[1], torch.zeros(4))  # nothing to learn from a group that all scored the same
+
+
+def test_ema_advantages_keep_a_baseline_per_prompt():
+    cfg = RLConfig(train_data="synth:full", advantage="ema", ema_decay=0.5)
+    baselines = {}
+    first = advantages(torch.tensor([[1.0, 0.0]]), [7], cfg, baselines)
+    assert torch.allclose(first, torch.tensor([[0.5, -0.5]]))  # a new prompt: its group's mean
+    assert baselines == {"7": 0.5}
+    second = advantages(torch.tensor([[1.0, 1.0]]), [7], cfg, baselines)
+    assert torch.allclose(second, torch.tensor([[0.5, 0.5]]))  # against the remembered 0.5
+    assert baselines["7"] == pytest.approx(0.75)
+
+
+def test_policy_loss_is_the_clipped_surrogate_plus_kl():
+    adv = torch.tensor([1.0, -1.0, 1.0])
+    old = torch.log(torch.tensor([0.5, 0.5, 0.5]))
+    same, kl, clipped = policy_loss(old.clone(), old, adv, clip=0.2)
+    assert torch.allclose(same, -adv) and not clipped.any() and torch.equal(kl, torch.zeros(3))
+    # ratio 2 on a positive advantage is clipped to 1.2; on a negative one the unclipped term is the min
+    up = torch.log(torch.tensor([1.0, 1.0, 0.5]))
+    loss, _, clipped = policy_loss(up, old, adv, clip=0.2)
+    assert torch.allclose(loss, torch.tensor([-1.2, 2.0, -1.0]))
+    assert clipped.tolist() == [True, True, False]
+    ref = torch.log(torch.tensor([0.25, 0.5, 0.5]))
+    loss_kl, kl, _ = policy_loss(old.clone(), old, adv, clip=0.2, kl_coef=0.1, ref_logprobs=ref)
+    expected = 0.5 - torch.log(torch.tensor(0.5)) - 1  # k3 with ref/policy = 0.5
+    assert torch.allclose(kl, torch.tensor([expected, 0.0, 0.0]))
+    assert torch.allclose(loss_kl, -adv + 0.1 * kl)
+
+
+def test_rl_settings_are_checked():
+    with pytest.raises(ConfigError, match="advantage='ppo'"):
+        RLConfig(train_data="synth:full", advantage="ppo")
+    with pytest.raises(ConfigError, match="method=full"):
+        RLConfig(train_data="synth:full", method="full")
+    with pytest.raises(ConfigError, match="group_size=1"):
+        RLConfig(train_data="synth:full", group_size=1)
+    with pytest.raises(ConfigError, match="hflip_prob"):
+        RLConfig(train_data="synth:full", hflip_prob=0.5)
+
+
+def test_sampled_generation_gives_group_size_answers_per_prompt():
+    gm = load_model("tiny")
+    pairs = [synth.make_sample(3, i, task="full") for i in range(2)]
+    encoded, sizes = encode_prompts(gm, [(image, sample["phrase"]) for image, sample in pairs])
+    torch.manual_seed(0)
+    answers = generate(gm, encoded, sizes, max_new_tokens=40, num_samples=3, temperature=1.5)
+    assert len(answers) == 6
+    stop = set(gm.processor.eos_token_ids) | {gm.processor.pad_token_id}
+    for ids, _ in answers:
+        assert not stop.intersection(ids[:-1])  # cut at the first stop token, which is kept
+    assert len({tuple(ids) for ids, _ in answers[:3]}) > 1  # sampling varies the answers
+    greedy = generate(gm, encoded, sizes, max_new_tokens=40)
+    assert [p.raw for _, p in greedy] == [p.raw for p in predict(gm, [i for i, _ in pairs], [s["phrase"] for _, s in pairs])]
+
+
+def test_sampled_generation_on_every_family(any_family_model):
+    """num_return_sequences expands the images too, in every family's generate."""
+    gm = load_model(any_family_model)
+    pairs = [synth.make_sample(3, i, width=84 + 28 * i, height=112) for i in range(2)]  # two image sizes
+    encoded, sizes = encode_prompts(gm, [(image, sample["phrase"]) for image, sample in pairs])
+    answers = generate(gm, encoded, sizes, max_new_tokens=8, num_samples=2, temperature=1.0)
+    assert len(answers) == 4 and all(1 <= len(ids) <= 8 for ids, _ in answers)
+
+
+@pytest.fixture(scope="module")
+def variant_data(tmp_path_factory):
+    """The quickstart's variant (168 px canvases), small."""
+    out = tmp_path_factory.mktemp("rl_variant")
+    synth.make_synthetic_set(out, n=48, seed=1, width=168, height=168, workers=1)
+    synth.make_synthetic_set(out, n=16, seed=2, width=168, height=168, split="val", workers=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sft_run(variant_data, tmp_path_factory):
+    """A short LoRA SFT run of the tiny model on the variant: the starting point of RL."""
+    return train(TrainConfig(model="tiny", train_data=str(variant_data / "train.jsonl"), method="lora",
+                             out_dir=str(tmp_path_factory.mktemp("sft") / "run"), lr=2e-3, batch_size=8,
+                             max_steps=4, save_every=0, log_every=1))
+
+
+def _rl_cfg(model, data, out, **kw):
+    base = dict(model=str(model), train_data=str(data / "train.jsonl"), eval_data=str(data / "val.jsonl"),
+                out_dir=str(out), lr=1e-3, max_steps=3, batch_size=2, group_size=4, micro_batch=5,
+                max_new_tokens=40, temperature=1.5, eval_every=0, eval_samples=8, save_every=0, log_every=1,
+                inner_updates=2, kl_coef=0.1)
+    base.update(kw)
+    return RLConfig(**base)
+
+
+def _adapter(model, name="default"):
+    return {k: v.detach().clone() for k, v in model.named_parameters() if f".{name}." in k and "lora_" in k}
+
+
+@pytest.mark.slow
+def test_rl_from_an_sft_run_moves_the_adapter_and_keeps_the_reference(sft_run, variant_data, tmp_path):
+    start = load_model(str(sft_run)).model
+    before = _adapter(start)
+    seen = {}
+
+    def look(step, run, model):
+        seen["reference"] = _adapter(model, "reference")
+        seen["policy"] = _adapter(model)
+        # after the reference passes, the trained adapter is trainable again and the copy is not
+        lora = {n: p.requires_grad for n, p in model.named_parameters() if "lora_" in n}
+        assert all(v for n, v in lora.items() if ".default." in n)
+        assert not any(v for n, v in lora.items() if ".reference." in n)
+
+    run = rl(_rl_cfg(sft_run, variant_data, tmp_path / "rl"), on_step=look)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert len(steps) == 3
+    for r in steps:
+        assert 0 <= r["reward/mean"] <= 1.1 and 0 <= r["rollout/parse_fail_rate"] <= 1
+        assert r["kl"] >= 0 and sum(r["rollout/iou_histogram"]) == 8
+    assert any(r["kl"] > 0 for r in steps[1:])  # the policy left the reference after the first update
+    assert "eval/acc@0.5" in rows[0] and "eval/acc@0.5" in rows[-1]  # before and after
+    # the trained adapter moved; the reference is the SFT adapter, untouched
+    assert before.keys() == seen["policy"].keys() and before
+    assert any(not torch.equal(before[k], seen["policy"][k]) for k in before)
+    for k, v in seen["reference"].items():
+        assert torch.equal(v, before[k.replace(".reference.", ".default.")])
+    # the result loads like any run, on the SFT run's base model, without the reference copy
+    loaded = load_model(str(run))
+    assert json.loads((run / "model" / "groundtune.json").read_text())["base_model"] == "tiny"
+    assert not any(".reference." in k for k in loaded.model.state_dict())
+
+
+@pytest.mark.slow
+def test_rl_resumes_exactly(variant_data, tmp_path):
+    """From the tiny model alone (a new LoRA; the reference is that adapter switched off),
+    with the moving-average baseline; stopped at step 2 and resumed = uninterrupted."""
+    kw = dict(advantage="ema", max_steps=3, eval_data="")
+    straight = rl(_rl_cfg("tiny", variant_data, tmp_path / "straight", **kw))
+
+    def stop_at_2(step, run, model):
+        if step == 2:
+            (run / "STOP").touch()
+
+    interrupted = rl(_rl_cfg("tiny", variant_data, tmp_path / "interrupted", **kw), on_step=stop_at_2)
+    assert [p.name for p in ckpt.list_checkpoints(interrupted)] == ["step-000002"]
+    resumed = rl(resume=interrupted)
+
+    def rewards(run):
+        return [r["reward/mean"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                if "reward/mean" in r]
+
+    assert rewards(resumed) == rewards(straight)
+    a, b = load_model(str(straight)).model.state_dict(), load_model(str(resumed)).model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
