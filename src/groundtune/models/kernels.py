@@ -54,8 +54,8 @@ def apply_fused_kernels(model, mode: str) -> bool:
     if _core(model).device.type != "cuda":
         raise ValueError("kernels=liger needs the model on a CUDA GPU (liger-kernel is Triton); "
                          "use kernels=auto or kernels=none")
-    patch(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False,
-          model=_core(model))
+    # swiglu keeps liger's per-family default (on for Qwen2/2.5-VL, off for Qwen3-VL)
+    patch(rope=True, rms_norm=True, cross_entropy=False, fused_linear_cross_entropy=False, model=_core(model))
     return True
 
 
