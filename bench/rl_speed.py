@@ -141,9 +141,7 @@ def main() -> None:
                 model.enable_input_require_grads()
             else:
                 adapt.checkpoint_last_layers(model, -1)
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.data = p.data.float()
+            adapt.keep_trainable_fp32(model)
             gm = dataclasses.replace(gm, model=model)
             step = plain_step if impl == "plain" else groundtune_step
             times = []

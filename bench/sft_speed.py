@@ -37,7 +37,7 @@ from PIL import Image
 from groundtune.config import TrainConfig
 from groundtune.data.dataset import GroundingDataset, ResumableBatches, open_samples
 from groundtune.data.records import write_samples
-from groundtune.models import qwen
+from groundtune.models import adapt, qwen
 from groundtune.models.loading import load_model
 
 PEAK_FLOPS = 790e12
@@ -117,9 +117,7 @@ def naive(model_name: str, data: Path, steps: int, batch_size: int = 4) -> dict:
     model.train()
     batches = _batches(gm, data, batch_size, steps)
     device = next(model.parameters()).device
-    for p in model.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
+    adapt.keep_trainable_fp32(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=(0.9, 0.95),
                                   fused=device.type == "cuda")
     losses, times = [], []
@@ -170,14 +168,10 @@ def step_ladder(model_name: str, data: Path, batch_size: int = 4) -> list[dict]:
     """groundtune's LoRA step (all LLM layers recomputed) timed one change at a time (step_ladder.py)."""
     from step_ladder import ladder
 
-    from groundtune.models import adapt
-
     gm = load_model(model_name)
     cfg = TrainConfig(train_data=str(data), method="lora", gradient_checkpointing=-1)
     model = adapt.prepare_for_training(gm.model, cfg)
-    for p in model.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
+    adapt.keep_trainable_fp32(model)
     model.train()
     device = next(model.parameters()).device
     batch = {k: v.to(device) for k, v in _batches(gm, data, batch_size, 1)[0].items()}

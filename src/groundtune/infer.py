@@ -59,10 +59,8 @@ def read_answer(
     of a batch is padded until the longest row ends). Other special tokens are KEPT: the Qwen2-VL
     answer is written with <|box_start|>(x1,y1),(x2,y2)<|box_end|> and the parser reads them.
     """
-    stop = set(processor.eos_token_ids) | {processor.pad_token_id}
     ids = list(token_ids)
-    end = next((i for i, t in enumerate(ids) if t in stop), len(ids))
-    raw = processor.tokenizer.decode(ids[:end], skip_special_tokens=False)
+    raw = processor.tokenizer.decode(ids[: _answer_length(ids, processor)], skip_special_tokens=False)
     parsed = boxes.parse_answer(raw, family, original_size, resized_size)
     return Prediction(
         bbox=parsed.box,
@@ -147,13 +145,19 @@ def generate(gm, encoded: list[dict], sizes: list[tuple], max_new_tokens: int, n
     # generate returns prompt + answer; with left padding every prompt ends at the same column.
     # The rows come prompt by prompt, num_samples rows each.
     answers = out[:, batch["input_ids"].shape[1] :].tolist()
-    stop = set(gm.processor.eos_token_ids) | {gm.processor.pad_token_id}
     results = []
     for row, ids in enumerate(answers):
         original, resized = sizes[row // num_samples]
-        end = next((i + 1 for i, t in enumerate(ids) if t in stop), len(ids))  # keep the stop token
-        results.append((ids[:end], read_answer(ids, gm.processor, gm.family, original, resized)))
+        end = _answer_length(ids, gm.processor)
+        results.append((ids[: end + 1], read_answer(ids, gm.processor, gm.family, original, resized)))  # + its stop token
     return results
+
+
+def _answer_length(ids: list[int], processor: qwen.Processor) -> int:
+    """Tokens before the first end-of-turn, end-of-text or pad token (a finished row of a batch is
+    padded until the longest row ends); all of them when the answer was cut off."""
+    stop = set(processor.eos_token_ids) | {processor.pad_token_id}
+    return next((i for i, t in enumerate(ids) if t in stop), len(ids))
 
 
 def predict_jsonl(gm, in_path: str | Path, out_path: str | Path, batch_size: int = 16, progress: bool = True) -> int:

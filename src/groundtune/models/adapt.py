@@ -74,6 +74,14 @@ def prepare_for_training(model, cfg: TrainConfig):
     return model
 
 
+def keep_trainable_fp32(model) -> None:
+    """Trainable weights (and so their optimizer state) in fp32, whatever the frozen base is in:
+    bf16 updates of small LoRA weights would round away."""
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+
+
 def checkpoint_last_layers(model, n: int) -> int:
     """Recompute the last ``n`` decoder layers (all when n < 0) in backward instead of keeping their
     activations. Only LLM layers: the frozen vision tower keeps no activations for backward at all,

@@ -66,3 +66,11 @@ def compile_decoder_layers(model, backend: str = "inductor") -> int:
     for layer in layers:
         layer.compile(dynamic=True, backend=backend)
     return len(layers)
+
+
+def apply_settings(model, cfg) -> None:
+    """The ``kernels`` and ``compile`` settings of a training run, said on the way."""
+    if apply_fused_kernels(model, cfg.kernels):
+        print("kernels: liger-kernel's fused RMSNorm, SwiGLU and M-RoPE")
+    if cfg.compile:
+        print(f"kernels: {compile_decoder_layers(model)} decoder layers compiled (the first steps are slower)")

@@ -147,13 +147,24 @@ def encode(
     n_image_tokens = int(grid[0].prod()) // processor.merge_size**2
     prompt = prompt.replace(IMAGE_TOKEN, IMAGE_TOKEN * n_image_tokens, 1)
     prompt_ids = processor.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    ids = list(prompt_ids)
-    labels = [IGNORE_INDEX] * len(ids)
-    if answer is not None:
-        answer_ids = processor.tokenizer(answer + IM_END + "\n", add_special_tokens=False)["input_ids"]
-        ids += answer_ids
-        labels += answer_ids
-    input_ids = torch.tensor(ids, dtype=torch.long)
+    answer_ids = (processor.tokenizer(answer + IM_END + "\n", add_special_tokens=False)["input_ids"]
+                  if answer is not None else None)
+    return _sample(processor, prompt_ids, answer_ids, vision["pixel_values"], grid)
+
+
+def with_answer_ids(processor: Processor, encoded_prompt: dict[str, torch.Tensor], answer_ids: list[int]) -> dict:
+    """An encoded prompt followed by an answer given as token ids (a sampled RL completion, kept
+    exactly as generated: re-tokenising its text could give other ids) -> a sample whose labels
+    are those ids, as ``encode`` makes for a text answer."""
+    return _sample(processor, encoded_prompt["input_ids"].tolist(), list(answer_ids),
+                   encoded_prompt["pixel_values"], encoded_prompt["image_grid_thw"])
+
+
+def _sample(processor: Processor, prompt_ids: list[int], answer_ids: list[int] | None,
+            pixel_values: torch.Tensor, grid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The encoded sample: prompt ids (+ answer ids, which alone are labelled), image inputs, and
+    what the model needs to place the image tokens."""
+    input_ids = torch.tensor(prompt_ids + (answer_ids or []), dtype=torch.long)
     image_tokens = input_ids == processor.image_token_id
     out = {
         "input_ids": input_ids,
@@ -161,31 +172,14 @@ def encode(
         # silently falls back to 1-D positions for the image (a model that cannot see where things are).
         "mm_token_type_ids": image_tokens.int(),
         "position_ids": mrope_positions(image_tokens, grid[0], processor.merge_size),
-        "pixel_values": vision["pixel_values"],
+        "pixel_values": pixel_values,
         "image_grid_thw": grid,
     }
-    if answer is not None:
-        out["labels"] = torch.tensor(labels, dtype=torch.long)
+    if answer_ids is not None:
+        labels = torch.full_like(input_ids, IGNORE_INDEX)
+        labels[len(prompt_ids):] = input_ids[len(prompt_ids):]
+        out["labels"] = labels
     return out
-
-
-def with_answer_ids(processor: Processor, encoded_prompt: dict[str, torch.Tensor], answer_ids: list[int]) -> dict:
-    """An encoded prompt followed by an answer given as token ids (a sampled RL completion, kept
-    exactly as generated: re-tokenising its text could give other ids) -> a sample whose labels
-    are those ids, as ``encode`` makes for a text answer."""
-    input_ids = torch.cat([encoded_prompt["input_ids"], torch.tensor(answer_ids, dtype=torch.long)])
-    image_tokens = input_ids == processor.image_token_id
-    labels = torch.full_like(input_ids, IGNORE_INDEX)
-    labels[len(encoded_prompt["input_ids"]):] = input_ids[len(encoded_prompt["input_ids"]):]
-    grid = encoded_prompt["image_grid_thw"]
-    return {
-        "input_ids": input_ids,
-        "mm_token_type_ids": image_tokens.int(),
-        "position_ids": mrope_positions(image_tokens, grid[0], processor.merge_size),
-        "pixel_values": encoded_prompt["pixel_values"],
-        "image_grid_thw": grid,
-        "labels": labels,
-    }
 
 
 def mrope_positions(image_tokens: torch.Tensor, grid_thw: torch.Tensor, merge_size: int) -> torch.Tensor:

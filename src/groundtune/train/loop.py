@@ -5,6 +5,7 @@ the STOP file and the thermal pause."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import shutil
@@ -16,6 +17,8 @@ import numpy as np
 import torch
 
 from groundtune.config import TrainConfig, load_config, to_yaml
+from groundtune.data.records import read_samples
+from groundtune.models import adapt
 from groundtune.models.loading import GroundingModel
 from groundtune.train import checkpoint as ckpt
 from groundtune.train.monitor import MetricsLog, StopRequest, thermal_pause
@@ -93,6 +96,29 @@ class Loop:
     eval_samples: list[dict]
     log: MetricsLog
     on_step: Callable | None = None  # on_step(step, run, model) after every update (tests drop a STOP file)
+
+    @classmethod
+    def start(cls, run: Path, cfg: TrainConfig, gm: GroundingModel, resume_from: Path | None,
+              on_step: Callable | None = None, **extra_state) -> "Loop":
+        """The optimizer (AdamW over ``adapt.param_groups``), the schedule, the loop state (plus
+        ``extra_state``) and the eval subset of a new run, or all of them restored from
+        ``resume_from``, the run's newest checkpoint."""
+        device = gm.device
+        optimizer = torch.optim.AdamW(adapt.param_groups(gm.model, cfg), betas=(0.9, 0.95),
+                                      fused=device.type == "cuda")
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        state = {"step": 0, "samples": 0, "best_acc": -1.0, "bad_steps": 0, "finished": False, **extra_state}
+        if resume_from is not None:
+            state = ckpt.load_checkpoint(resume_from, gm.model, optimizer, scheduler)
+            print(f"resumed from {resume_from} at step {state['step']}")
+        eval_samples = read_samples(cfg.eval_data)[: cfg.eval_samples] if cfg.eval_data else []
+        return cls(run, cfg, gm, optimizer, scheduler, state, eval_samples, MetricsLog(run), on_step)
+
+    def autocast(self):
+        """bf16 autocast where the run trains in bf16 (trainable weights stay fp32), else nothing."""
+        device = self.gm.device
+        return (torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16(self.cfg, device)
+                else contextlib.nullcontext())
 
     def evaluate(self, say=print) -> dict:
         """Greedy eval on the fixed subset of eval_data; a new best is saved as the run's model."""

@@ -36,13 +36,12 @@ import torch
 from groundtune import infer
 from groundtune.config import RLConfig
 from groundtune.data.dataset import FileSamples, ResumableBatches, open_samples
-from groundtune.data.records import read_samples, sample_boxes
+from groundtune.data.records import sample_boxes
 from groundtune.models import adapt, kernels, qwen
 from groundtune.models.loading import GroundingModel, load_model, pick_device, resolve
 from groundtune.progress import progress_bar
-from groundtune.train import checkpoint as ckpt
-from groundtune.train.loop import Loop, TrainingError, lr_lambda, prepare_run, seed_everything, use_bf16
-from groundtune.train.monitor import MetricsLog, StopRequest, gpu_stats
+from groundtune.train.loop import Loop, TrainingError, prepare_run, seed_everything, use_bf16
+from groundtune.train.monitor import StopRequest, gpu_stats
 from groundtune.train.objective import answer_logprobs
 from groundtune.train.rewards import RewardWeights, reward
 
@@ -68,19 +67,12 @@ def rl(cfg: RLConfig | None = None, resume: str | Path | None = None, on_step=No
     gm, model, reference = _setup_policy(cfg)
     device = gm.device
     samples = open_samples(cfg.train_data, cfg.seed)
-    optimizer = torch.optim.AdamW(adapt.param_groups(model, cfg), betas=(0.9, 0.95), fused=device.type == "cuda")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    state = {"step": 0, "samples": 0, "best_acc": -1.0, "bad_steps": 0, "finished": False, "baselines": {}}
-    if resume_from is not None:
-        state = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler)
-        print(f"resumed from {resume_from} at step {state['step']}")
-    loop = Loop(run, cfg, gm, optimizer, scheduler, state,
-                read_samples(cfg.eval_data)[: cfg.eval_samples] if cfg.eval_data else [], MetricsLog(run), on_step)
+    loop = Loop.start(run, cfg, gm, resume_from, on_step, baselines={})
+    optimizer, scheduler, state = loop.optimizer, loop.scheduler, loop.state
     prompts = iter(ResumableBatches(len(samples), cfg.batch_size, cfg.seed, state["samples"], samples.shuffle))
     # a synthetic stream never repeats a prompt: no baseline per prompt to keep
     baselines = state["baselines"] if isinstance(samples, FileSamples) else None
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16(cfg, device)
-                else contextlib.nullcontext())
+    autocast = loop.autocast()
     weights = RewardWeights(box=cfg.reward_box, format=cfg.reward_format, giou=cfg.reward_giou)
     print(f"rl on {gm.source} ({adapt.count_parameters(model)['trainable']:,} trainable parameters): "
           f"{cfg.batch_size} prompts x {cfg.group_size} answers per step from {cfg.train_data} -> {run}")
@@ -261,10 +253,8 @@ def _setup_policy(cfg: RLConfig):
     else:
         model = adapt.prepare_for_training(gm.model, cfg)
         reference = model.disable_adapter
-    for p in model.parameters():
-        if p.requires_grad and p.dtype != torch.float32:
-            p.data = p.data.float()  # trainable weights and their optimizer state stay fp32
-    kernels.apply_fused_kernels(model, cfg.kernels)
+    adapt.keep_trainable_fp32(model)
+    kernels.apply_settings(model, cfg)
     model.train()
     return dataclasses.replace(gm, model=model), model, reference
 

@@ -10,7 +10,6 @@ Stop cleanly at any time: Ctrl-C, SIGTERM or `touch RUN/STOP`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import time
@@ -21,13 +20,11 @@ import torch
 from groundtune.boxes import ResizeSpec
 from groundtune.config import TrainConfig
 from groundtune.data.dataset import GroundingDataset, SyntheticStream, make_loader, open_samples
-from groundtune.data.records import read_samples
 from groundtune.models import adapt, kernels
 from groundtune.models.loading import GroundingModel, load_model, pick_device
 from groundtune.progress import progress_bar
-from groundtune.train import checkpoint as ckpt
-from groundtune.train.loop import Loop, TrainingError, lr_lambda, prepare_run, seed_everything, use_bf16
-from groundtune.train.monitor import MetricsLog, StopRequest, gpu_stats
+from groundtune.train.loop import Loop, TrainingError, prepare_run, seed_everything, use_bf16
+from groundtune.train.monitor import StopRequest, gpu_stats
 from groundtune.train.objective import answer_loss
 
 __all__ = ["TrainingError", "train"]
@@ -41,21 +38,13 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
     gm, model = _setup_model(cfg)
     device = gm.device
     samples = open_samples(cfg.train_data, cfg.seed)
-    optimizer = torch.optim.AdamW(adapt.param_groups(model, cfg), betas=(0.9, 0.95),
-                                  fused=device.type == "cuda")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    state = {"step": 0, "samples": 0, "best_acc": -1.0, "bad_steps": 0, "finished": False}
-    if resume_from is not None:
-        state = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler)
-        print(f"resumed from {resume_from} at step {state['step']}")
-    loop = Loop(run, cfg, gm, optimizer, scheduler, state,
-                read_samples(cfg.eval_data)[: cfg.eval_samples] if cfg.eval_data else [], MetricsLog(run), on_step)
+    loop = Loop.start(run, cfg, gm, resume_from, on_step)
+    optimizer, scheduler, state = loop.optimizer, loop.scheduler, loop.state
     dataset = GroundingDataset(samples, gm.processor, gm.family, gm.resize, gm.prompt,
                                cfg.hflip_prob, cfg.scale_crop_prob, cfg.seed, cfg.answer_label)
     batches = iter(make_loader(dataset, cfg.batch_size, cfg.seed, state["samples"], cfg.num_workers,
                                gm.processor.pad_token_id, pin_memory=device.type == "cuda", packing=cfg.packing))
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16(cfg, device)
-                else contextlib.nullcontext())
+    autocast = loop.autocast()
     print(f"training {gm.source} ({cfg.method}; {adapt.count_parameters(model)['trainable']:,} trainable "
           f"parameters) on {_describe(samples, cfg.train_data)} -> {run}")
 
@@ -130,13 +119,8 @@ def _setup_model(cfg: TrainConfig) -> tuple[GroundingModel, torch.nn.Module]:
                         max_pixels=cfg.max_pixels or gm.resize.max_pixels)
     gm = dataclasses.replace(gm, resize=resize, prompt=cfg.prompt or gm.prompt)
     model = adapt.prepare_for_training(gm.model, cfg)
-    for p in model.parameters():
-        if p.requires_grad and p.dtype != torch.float32:
-            p.data = p.data.float()  # trainable weights and their optimizer state stay fp32
-    if kernels.apply_fused_kernels(model, cfg.kernels):
-        print("kernels: liger-kernel's fused RMSNorm, SwiGLU and M-RoPE")
-    if cfg.compile:
-        print(f"kernels: {kernels.compile_decoder_layers(model)} decoder layers compiled (the first steps are slower)")
+    adapt.keep_trainable_fp32(model)
+    kernels.apply_settings(model, cfg)
     gm = dataclasses.replace(gm, model=model)
     return gm, model
 
