@@ -100,7 +100,7 @@ def plain_step(gm, model, pairs, cfg) -> dict:
         part = slice(start, start + cfg.micro_batch)
         micro = {k: v[part] for k, v in inputs.items() if k not in ("pixel_values", "image_grid_thw")}
         grids = inputs["image_grid_thw"][part]
-        offsets = torch.cat([torch.zeros(1, dtype=torch.long), inputs["image_grid_thw"].prod(-1).cumsum(0)])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), inputs["image_grid_thw"].prod(-1).cumsum(0).cpu()])
         micro["pixel_values"] = inputs["pixel_values"][offsets[start]: offsets[min(start + cfg.micro_batch, len(out))]]
         micro["image_grid_thw"] = grids
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):

@@ -15,6 +15,10 @@ first losses must agree within bf16 noise: the objective is the same, only the s
 - gt-*: `groundtune.train.sft.train` itself (the loop `groundtune train` runs, data loader
   included) with the settings in GT_VARIANTS; speed and memory read from its metrics.jsonl.
 
+Each variant (and the ladder) runs in a process of its own (liger-kernel patches transformers'
+modules process-wide); a variant that runs out of memory, fails or exceeds --variant-timeout is
+recorded as such and the run goes on. Results are written after every variant.
+
 MFU = model FLOPs / time / 790e12 (a bf16 matmul's reach on an H200), model FLOPs per sample as
 field-notes counts them: 4 x LLM parameters x LLM tokens (LoRA: forward + input gradients) +
 2 x vision parameters x patches (frozen tower, forward only); recomputation is not counted.
@@ -26,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -54,6 +60,13 @@ GT_VARIANTS = {
     "gt-b8-packed-ckpt-half": dict(batch_size=8, gradient_checkpointing=18, packing=True),
     "gt-b8-ckpt-half-liger": dict(batch_size=8, gradient_checkpointing=18, kernels="liger"),
     "gt-b8-ckpt-half-compile": dict(batch_size=8, gradient_checkpointing=18, compile=True),
+    "gt-b16-ckpt-all-liger": dict(batch_size=16, gradient_checkpointing=-1, kernels="liger"),
+    "gt-b16-ckpt-all-compile": dict(batch_size=16, gradient_checkpointing=-1, compile=True),
+    "gt-b32-ckpt-all": dict(batch_size=32, gradient_checkpointing=-1),
+    "gt-b32-ckpt-all-liger": dict(batch_size=32, gradient_checkpointing=-1, kernels="liger"),
+    "gt-b8-ckpt-all-liger": dict(batch_size=8, gradient_checkpointing=-1, kernels="liger"),
+    "gt-b2-ckpt-all": dict(batch_size=2, gradient_checkpointing=-1),
+    "gt-b4-ckpt-all-liger": dict(batch_size=4, gradient_checkpointing=-1, kernels="liger"),
 }
 LR = 1e-4
 WORDS = ("man woman dog cat car bus chair table person bike umbrella horse cup bottle tree sign "
@@ -195,6 +208,11 @@ def _result(variant: str, model, batches, batch_size: int, step_s: float, losses
     }
 
 
+def _save(results: list[dict], out: str | None) -> None:
+    if out:
+        Path(out).write_text(json.dumps(results, indent=1) + "\n")
+
+
 def _reset_peak() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -207,6 +225,41 @@ def _now() -> float:
     return time.perf_counter()
 
 
+def measure(key: str, variant: str, data: Path, steps: int) -> dict:
+    """One variant, in this process; a failure is a result, not the end of the run."""
+    print(f"== {key} {variant}", flush=True)
+    try:
+        if variant == "naive":
+            r = naive(MODELS[key], data, steps)
+        else:
+            r = groundtune_step(variant, MODELS[key], data, steps, GT_VARIANTS[variant])
+    except torch.OutOfMemoryError:
+        r = {"variant": variant, "settings": GT_VARIANTS.get(variant), "oom": True}
+    except Exception as e:  # an optional kernel that fails here must not cost the other variants
+        r = {"variant": variant, "settings": GT_VARIANTS.get(variant), "error": repr(e)[:500]}
+    return dict(r, model=key)
+
+
+def measure_in_fresh_process(key: str, variant: str, args) -> list[dict]:
+    """One variant (or the ladder) in a process of its own: liger-kernel patches transformers'
+    modules process-wide and compiled code stays cached, so neither may leak into the next variant;
+    a crash or a hang costs that variant only."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        cmd = [sys.executable, __file__, "--in-process", "--models", key, "--variants", variant,
+               "--steps", str(args.steps), "--samples", str(args.samples), "--cap-gib", str(args.cap_gib),
+               "--no-loader", "--out", str(out)] + (["--ladder"] if variant == "" else [])
+        try:
+            rc = subprocess.run(cmd, timeout=args.variant_timeout).returncode
+            failure = None if out.exists() else f"the process ended (exit code {rc}) without a result"
+        except subprocess.TimeoutExpired:
+            failure = f"no result within --variant-timeout {args.variant_timeout:g} s"
+        if failure:
+            return [{"variant": variant or "ladder", "model": key, "settings": GT_VARIANTS.get(variant),
+                     "error": failure}]
+        return json.loads(out.read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="3b,7b", help="comma-separated: 3b, 7b, tiny")
@@ -215,41 +268,38 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=256, help="RefCOCO-like samples to make")
     parser.add_argument("--cap-gib", type=float, default=24.0, help="GPU memory cap (a 24 GB card)")
     parser.add_argument("--ladder", action="store_true", help="also time the step one change at a time")
+    parser.add_argument("--no-loader", action="store_true", help="skip timing the data loader alone")
+    parser.add_argument("--variant-timeout", type=float, default=600, help="seconds allowed to each variant")
+    parser.add_argument("--in-process", action="store_true", help="measure here, not one process per variant")
     parser.add_argument("--out")
     args = parser.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        data = make_refcoco_like(Path(tmp), args.samples)
+        data = make_refcoco_like(Path(tmp), args.samples)  # the same samples in every process (seeded)
         # the data path must not be the bottleneck: what the loader alone delivers (JPEG decode, resize, encode)
         from tiny_step_profile import loader_rate
 
-        gm = load_model(MODELS[args.models.split(",")[0]], device="cpu")  # the processor is all it needs
-        for workers in (1, 8):
+        gm = load_model("tiny", device="cpu")  # the random architectures speak its tokenizer and processor
+        for workers in () if args.no_loader else (1, 8):
             rate = loader_rate(gm, 4, workers, 5.0, str(data))
             results.append({"variant": f"loader-{workers}-workers", "model": "-", "samples_per_s": round(rate, 1)})
             print(f"loader alone, {workers} worker(s): {rate:.0f} samples/s", flush=True)
         del gm
         for key in args.models.split(","):
-            if args.ladder:
-                results += [dict(r, model=key) for r in step_ladder(MODELS[key], data)]
-            for variant in args.variants.split(","):
-                print(f"== {key} {variant}", flush=True)
-                try:
-                    if variant == "naive":
-                        r = naive(MODELS[key], data, args.steps)
-                    else:
-                        r = groundtune_step(variant, MODELS[key], data, args.steps, GT_VARIANTS[variant])
-                except torch.OutOfMemoryError:
-                    r = {"variant": variant, "settings": GT_VARIANTS.get(variant), "oom": True}
-                except Exception as e:  # an optional kernel that fails here must not cost the other variants
-                    r = {"variant": variant, "settings": GT_VARIANTS.get(variant), "error": repr(e)[:500]}
-                r["model"] = key
-                results.append(r)
-                print(json.dumps(r), flush=True)
-                torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            for variant in variants + ([""] if args.ladder else []):
+                if not args.in_process:
+                    rows = measure_in_fresh_process(key, variant, args)
+                elif variant:
+                    rows = [measure(key, variant, data, args.steps)]
+                else:
+                    rows = [dict(r, model=key) for r in step_ladder(MODELS[key], data)]
+                results += rows
+                print("\n".join(json.dumps(r) for r in rows), flush=True)
+                _save(results, args.out)  # as it goes: a run cut short keeps what it measured
     base = {r["model"]: r for r in results if r["variant"] == "naive" and "samples_per_s" in r}
     print(f"\n{'model':6s}{'variant':20s}{'samples/s':>11s}{'x naive':>9s}{'tokens/s':>10s}{'peak GiB':>10s}{'MFU':>8s}  first losses")
     for r in results:
@@ -264,8 +314,6 @@ def main() -> None:
         ratio = r["samples_per_s"] / base[r["model"]]["samples_per_s"] if r["model"] in base else float("nan")
         print(f"{r['model']:6s}{r['variant']:20s}{r['samples_per_s']:11.2f}{ratio:9.2f}{r['llm_tokens_per_s']:10.0f}"
               f"{r['peak_gib'] or 0:10.2f}{r['mfu']:8.3f}  {r['first_losses'][:3]}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

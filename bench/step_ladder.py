@@ -7,10 +7,10 @@ groundtune's step: the table BENCHMARKS.md keeps of what each change gave.
 Rungs: (1) transformers' paths: the vision attention one call per window, M-RoPE positions
 computed by the model's loop over the batch, the LM head over every position; (2) + positions
 from the loader; (3) + the LM head on answer tokens only; (4) + vision attention grouped by window
-length: groundtune's step; then the optional kernels, each kept for the rungs after it: (5) +
-liger-kernel's fused RMSNorm/SwiGLU/M-RoPE (`kernels=liger`; skipped where liger-kernel or a GPU is
-missing), (6) + torch.compile of the decoder layers (`compile=true`). The optimizer is AdamW at a tiny learning rate: the weights barely move
-between rungs.
+length: groundtune's step; then (5) + liger-kernel's fused RMSNorm/SwiGLU/M-RoPE (`kernels=liger`;
+skipped where liger-kernel or a GPU is missing). torch.compile (`compile=true`) is not a rung: it
+does not combine with liger's kernels (config.py), so sft_speed.py times it as a variant of its own.
+The optimizer is AdamW at a tiny learning rate: the weights barely move between rungs.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ def ladder(model, batch: dict, steps: int = 20, warmup: int = 3) -> list[dict]:
         ("+ LM head on answer tokens only", False, batch, answer_loss),
         ("+ vision attention grouped by window length (groundtune)", True, batch, answer_loss),
         ("+ liger-kernel RMSNorm, SwiGLU, M-RoPE (kernels=liger)", True, batch, answer_loss),
-        ("+ compiled decoder layers (compile=true)", True, batch, answer_loss),
     ]
     n = len(batch["image_grid_thw"])
     rows = []
@@ -72,9 +71,7 @@ def ladder(model, batch: dict, steps: int = 20, warmup: int = 3) -> list[dict]:
         try:  # an optional kernel that fails must not cost the rungs measured so far
             if "kernels=liger" in name:
                 kernels.apply_fused_kernels(model, "liger")  # stays applied for the rungs after it
-            if "compile=true" in name:
-                kernels.compile_decoder_layers(model)
-            for _ in range(warmup):  # compiles, where compiled
+            for _ in range(warmup):
                 step()
         except Exception as e:
             rows.append({"change": name, "error": repr(e)[:300]})

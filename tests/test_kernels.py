@@ -23,6 +23,8 @@ def _batch(gm):
 def test_kernels_setting_is_checked():
     with pytest.raises(ConfigError, match="kernels='fast'"):
         TrainConfig(train_data="synth:full", kernels="fast")
+    with pytest.raises(ConfigError, match="compile=true with kernels=auto"):
+        TrainConfig(train_data="synth:full", kernels="auto", compile=True)
 
 
 def test_fused_kernels_fall_back_where_liger_cannot_run():

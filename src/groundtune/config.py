@@ -100,6 +100,10 @@ class TrainConfig:
             raise ConfigError("method=full with freeze_vision, freeze_merger and freeze_llm all true trains nothing")
         if self.kernels not in KERNEL_MODES:
             raise ConfigError(f"kernels={self.kernels!r}: expected one of {', '.join(KERNEL_MODES)}")
+        if self.compile and self.kernels != "none":
+            # measured on an H200: liger-kernel 0.8.5's RMSNorm fails to build inside torch 2.11's compile
+            raise ConfigError(f"compile=true with kernels={self.kernels}: liger-kernel's Triton kernels do not "
+                              "compile inside torch.compile; use one of them (kernels=none or compile=false)")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ConfigError(f"precision={self.precision!r}: expected auto, bf16 or fp32")
         for name in ("lr", "max_steps", "batch_size", "grad_accum", "lora_r", "keep_last", "max_bad_steps"):

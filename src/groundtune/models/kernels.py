@@ -43,7 +43,9 @@ def apply_fused_kernels(model, mode: str) -> bool:
     """Swap in liger-kernel's RMSNorm, SwiGLU and M-RoPE for the model's own (``mode`` of
     KERNEL_MODES: ``auto`` where usable, ``liger`` or an error saying what is missing). Returns
     whether it did. The loss stays groundtune's (``train/objective.py``: the LM head runs on the
-    answer tokens only, so there are no full-sequence logits left to fuse)."""
+    answer tokens only, so there are no full-sequence logits left to fuse). liger-kernel patches
+    transformers' modeling module as well as this model: models built later in the same process
+    get its kernels too (one training run per process is what `groundtune train` does)."""
     assert mode in KERNEL_MODES, mode  # TrainConfig checks it
     if mode == "none" or (mode == "auto" and not liger_usable(model)):
         return False
