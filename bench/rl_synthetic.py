@@ -6,6 +6,9 @@ canvases, always 2-3 shapes: the `multi` task).
 
     python bench/rl_synthetic.py --out bench/results/rl_synthetic.json     # ~35 min on 2 cores
 
+    python bench/rl_synthetic.py --variants 'curriculum=true' '' --out bench/results/rl_synthetic.json
+                                    # then: RL variants from the same start, side by side
+
 RL and the control run side by side, one CPU thread each, so both get the same machine for the
 same wall time. Each keeps its best model by Acc@0.5 on the validation set (200 samples, seed 2)
 it evaluates during training; the table is on other samples (test: seed 3; OOD: seed 4).
@@ -36,8 +39,8 @@ def _stop_after(seconds: float):
     return on_step
 
 
-def _arm(kind: str, work: str, seconds: float, overrides: list[str]) -> None:
-    """One arm in its own process, one thread: RL from the start model, or SFT resumed."""
+def _arm(kind: str, work: str, seconds: float, overrides: list[str], name: str = "rl") -> None:
+    """One arm in its own process, one thread: RL from the start model (into WORK/name), or SFT resumed."""
     import torch
 
     torch.set_num_threads(1)
@@ -47,18 +50,18 @@ def _arm(kind: str, work: str, seconds: float, overrides: list[str]) -> None:
     from groundtune.train.sft import train
 
     work = Path(work)
-    log = open(work / f"{kind}.log", "w")
+    log = open(work / f"{name if kind == 'rl' else kind}.log", "w")
     sys.stdout = sys.stderr = log
     t0 = time.time()
     if kind == "rl":
         cfg = load_config(RLConfig, preset_path("quickstart-rl"),
                           [f"model={work / 'start'}", f"train_data={work / 'data' / 'train.jsonl'}",
-                           f"eval_data={work / 'data' / 'val.jsonl'}", f"out_dir={work / 'rl'}",
+                           f"eval_data={work / 'data' / 'val.jsonl'}", f"out_dir={work / name}",
                            "max_steps=100000", *overrides])
         rl(cfg, on_step=_stop_after(seconds))
     else:
         train(resume=work / "control", on_step=_stop_after(seconds))
-    (work / f"{kind}.wall").write_text(f"{time.time() - t0:.1f}")
+    (work / f"{name if kind == 'rl' else kind}.wall").write_text(f"{time.time() - t0:.1f}")
 
 
 def main() -> None:
@@ -68,14 +71,17 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=900, help="wall time of each arm")
     parser.add_argument("--n-test", type=int, default=500)
     parser.add_argument("--out")
+    parser.add_argument("--variants", nargs="+", metavar="SETTINGS",
+                        help="instead: RL arms only, side by side, from the start a previous run left in --work; "
+                             "each a quoted string of key=value settings ('' = the preset as is); added to "
+                             "--out's rl_variants")
     parser.add_argument("rl_overrides", nargs="*", help="key=value settings for the RL arm")
     args = parser.parse_args()
+    if args.variants:
+        return rl_variants(args)
 
-    from groundtune import evaluate
     from groundtune.config import TrainConfig, load_config
     from groundtune.data import synth
-    from groundtune.data.records import read_samples
-    from groundtune.models.loading import load_model
     from groundtune.quickstart import preset_path
     from groundtune.train.sft import train
 
@@ -116,11 +122,8 @@ def main() -> None:
 
     table = {}
     for name, model in (("start", work / "start"), ("rl", work / "rl"), ("sft_control", work / "control")):
-        gm = load_model(str(model))
-        for split, path in (("test", data / "test.jsonl"), ("ood", work / "ood" / "test.jsonl")):
-            report, _ = evaluate.evaluate(gm, read_samples(path), path)
-            table[(name, split)] = report["acc@0.5"]
-            print(f"{name:12s} {split:5s} Acc@0.5 {report['acc@0.5']:.3f}", flush=True)
+        for split, acc in _accuracies(model, work).items():
+            table[(name, split)] = acc
     result = {
         "start_acc": table[("start", "test")], "rl_acc": table[("rl", "test")],
         "sft_control_acc": table[("sft_control", "test")],
@@ -135,6 +138,51 @@ def main() -> None:
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def rl_variants(args) -> None:
+    """RL arms side by side from the existing start, evaluated like the main arm."""
+    work = Path(args.work)
+    names = [f"rl-variant{i}" for i in range(len(args.variants))]
+    ctx = mp.get_context("spawn")
+    arms = [ctx.Process(target=_arm, args=("rl", str(work), args.seconds, settings.split(), name))
+            for name, settings in zip(names, args.variants)]
+    for name, p in zip(names, arms):
+        shutil.rmtree(work / name, ignore_errors=True)
+        p.start()
+    for p in arms:
+        p.join()
+        if p.exitcode:
+            raise SystemExit(f"an arm failed (exit {p.exitcode}): see {work}/rl-variant*.log")
+    rows = []
+    for name, settings in zip(names, args.variants):
+        accs = _accuracies(work / name, work)
+        rows.append({"overrides": settings, "steps": _last_step(work / name), "arm_seconds": args.seconds,
+                     "wall_s": float((work / f"{name}.wall").read_text()),
+                     "test_acc": accs["test"], "ood_acc": accs["ood"]})
+    print(json.dumps(rows, indent=1))
+    if args.out:
+        out = Path(args.out)
+        result = json.loads(out.read_text()) if out.exists() else {}
+        result.setdefault("rl_variants", []).extend(rows)
+        result["rl_variants_command"] = "python bench/rl_synthetic.py " + " ".join(
+            f"'{a}'" if " " in a or not a else a for a in sys.argv[1:])
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def _accuracies(model: Path, work: Path) -> dict[str, float]:
+    """Acc@0.5 of a run's model on the variant's test set and on the out-of-distribution one."""
+    from groundtune import evaluate
+    from groundtune.data.records import read_samples
+    from groundtune.models.loading import load_model
+
+    gm = load_model(str(model))
+    accs = {}
+    for split, path in (("test", work / "data" / "test.jsonl"), ("ood", work / "ood" / "test.jsonl")):
+        report, _ = evaluate.evaluate(gm, read_samples(path), path)
+        accs[split] = report["acc@0.5"]
+        print(f"{model.name:14s} {split:5s} Acc@0.5 {report['acc@0.5']:.3f}", flush=True)
+    return accs
 
 
 def _last_step(run: Path) -> int:

@@ -13,7 +13,7 @@ from groundtune.infer import encode_prompts, generate, predict
 from groundtune.models.loading import load_model
 from groundtune.train import checkpoint as ckpt
 from groundtune.train.rewards import RewardWeights, reward
-from groundtune.train.rl import advantages, policy_loss, rl
+from groundtune.train.rl import advantages, mark_finished_groups, next_prompts, policy_loss, rl
 from groundtune.train.sft import train
 
 W = RewardWeights(box=1.0, format=0.1)
@@ -80,6 +80,19 @@ def test_rl_settings_are_checked():
         RLConfig(train_data="synth:full", group_size=1)
     with pytest.raises(ConfigError, match="hflip_prob"):
         RLConfig(train_data="synth:full", hflip_prob=0.5)
+    with pytest.raises(ConfigError, match="curriculum=true with train_data=synth:full"):
+        RLConfig(train_data="synth:full", curriculum=True)
+
+
+def test_curriculum_lets_solved_and_hopeless_prompts_sit_out_one_turn():
+    sitting_out = []
+    ious = torch.tensor([[0.9, 0.8], [0.1, 0.0], [0.7, 0.2]])  # solved, hopeless, still learning
+    mark_finished_groups(sitting_out, [5, 6, 7], ious)
+    assert sitting_out == [5, 6]
+    order = iter([(5, 0), (7, 1), (6, 2), (8, 3), (5, 4)])  # (sample index, position in the order)
+    assert next_prompts(order, 2, sitting_out) == ([7, 8], 4) and sitting_out == []
+    assert next_prompts(order, 1, sitting_out) == ([5], 1)  # back on the turn after
+    assert next_prompts(iter([(5, 0), (6, 1)]), 2, None) == ([5, 6], 2)  # curriculum off: every prompt
 
 
 def test_sampled_generation_gives_group_size_answers_per_prompt():
@@ -173,9 +186,12 @@ def test_rl_from_an_sft_run_moves_the_adapter_and_keeps_the_reference(sft_run, v
 
 @pytest.mark.slow
 def test_rl_resumes_exactly(variant_data, tmp_path):
-    """From the tiny model alone (a new LoRA; the reference is that adapter switched off),
-    with the moving-average baseline; stopped at step 2 and resumed = uninterrupted."""
-    kw = dict(advantage="ema", max_steps=3, eval_data="")
+    """From the tiny model alone (a new LoRA; the reference is that adapter switched off), with
+    the moving-average baseline and the curriculum, on 3 prompts so that they come back (their
+    baselines and sit-outs are state); stopped at step 2 and resumed = uninterrupted."""
+    few = variant_data / "few.jsonl"
+    few.write_text("".join((variant_data / "train.jsonl").read_text().splitlines(keepends=True)[:3]))
+    kw = dict(advantage="ema", curriculum=True, max_steps=3, eval_data="", train_data=str(few))
     straight = rl(_rl_cfg("tiny", variant_data, tmp_path / "straight", **kw))
 
     def stop_at_2(step, run, model):
@@ -186,10 +202,11 @@ def test_rl_resumes_exactly(variant_data, tmp_path):
     assert [p.name for p in ckpt.list_checkpoints(interrupted)] == ["step-000002"]
     resumed = rl(resume=interrupted)
 
-    def rewards(run):
-        return [r["reward/mean"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-                if "reward/mean" in r]
+    def logged(run, key):
+        return [r[key] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if key in r]
 
-    assert rewards(resumed) == rewards(straight)
+    assert logged(resumed, "reward/mean") == logged(straight, "reward/mean")
+    assert logged(resumed, "curriculum/sat_out") == logged(straight, "curriculum/sat_out")
+    assert len(logged(straight, "curriculum/sat_out")) == 3
     a, b = load_model(str(straight)).model.state_dict(), load_model(str(resumed)).model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -164,6 +164,7 @@ class RLConfig(TrainConfig):
     inner_updates: int = 1  # gradient steps per batch of answers; the clipped ratio acts from the second on
     clip: float = 0.2  # policy-ratio clip range, PPO's epsilon
     kl_coef: float = 0.0  # KL penalty to the starting policy (the SFT model); 0 = none, no reference pass
+    curriculum: bool = False  # a prompt whose last group was all solved or all hopeless sits out its next turn
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -182,6 +183,10 @@ class RLConfig(TrainConfig):
                               "and 0 < top_p <= 1")
         if self.kl_coef < 0 or self.clip <= 0 or not 0 <= self.ema_decay < 1:
             raise ConfigError("need kl_coef >= 0, clip > 0 and 0 <= ema_decay < 1")
+        if self.curriculum and self.train_data.startswith("synth:"):
+            raise ConfigError(f"curriculum=true with train_data={self.train_data}: a synthetic stream never repeats "
+                              "a prompt, so none has a last turn to judge; write the prompts to a file "
+                              "(groundtune data synth) or set curriculum=false")
         unsupported = {"grad_accum": self.grad_accum != 1, "packing": self.packing, "compile": self.compile,
                        "hflip_prob": self.hflip_prob > 0, "scale_crop_prob": self.scale_crop_prob > 0}
         bad = [name for name, is_set in unsupported.items() if is_set]

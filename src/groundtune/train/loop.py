@@ -108,8 +108,8 @@ class Loop:
                                       fused=device.type == "cuda")
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
         state = {"step": 0, "samples": 0, "best_acc": -1.0, "bad_steps": 0, "finished": False, **extra_state}
-        if resume_from is not None:
-            state = ckpt.load_checkpoint(resume_from, gm.model, optimizer, scheduler)
+        if resume_from is not None:  # over the defaults: a run saved before a state key existed resumes too
+            state = {**state, **ckpt.load_checkpoint(resume_from, gm.model, optimizer, scheduler)}
             print(f"resumed from {resume_from} at step {state['step']}")
         eval_samples = read_samples(cfg.eval_data)[: cfg.eval_samples] if cfg.eval_data else []
         return cls(run, cfg, gm, optimizer, scheduler, state, eval_samples, MetricsLog(run), on_step)

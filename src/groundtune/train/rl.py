@@ -13,6 +13,9 @@ One step, as the code below reads:
      with a moving-average baseline per prompt (``advantage=ema``, the seed design's variant);
   4. update: ``inner_updates`` gradient steps on the clipped policy-ratio objective, plus
      ``kl_coef`` x KL to the starting policy.
+With ``curriculum=true`` (the seed design's), step 1 draws only prompts that can still teach: one
+whose last group was solved (every answer at IoU >= 0.5) or hopeless (none) sits out its next turn
+in the prompt order, and is back on the turn after, when the policy may have changed.
 
 Where it departs from GRPO (Shao et al., 2024): the loss is the mean over every answer token of
 the batch (DAPO's token-level mean), not a mean per answer first, so a long answer weighs by its
@@ -67,9 +70,10 @@ def rl(cfg: RLConfig | None = None, resume: str | Path | None = None, on_step=No
     gm, model, reference = _setup_policy(cfg)
     device = gm.device
     samples = open_samples(cfg.train_data, cfg.seed)
-    loop = Loop.start(run, cfg, gm, resume_from, on_step, baselines={})
+    loop = Loop.start(run, cfg, gm, resume_from, on_step, baselines={}, sitting_out=[])
     optimizer, scheduler, state = loop.optimizer, loop.scheduler, loop.state
-    prompts = iter(ResumableBatches(len(samples), cfg.batch_size, cfg.seed, state["samples"], samples.shuffle))
+    order = ResumableBatches(len(samples), cfg.batch_size, cfg.seed, state["samples"], samples.shuffle)
+    prompts = (item for batch in order for item in batch)  # (sample index, position in the order)
     # a synthetic stream never repeats a prompt: no baseline per prompt to keep
     baselines = state["baselines"] if isinstance(samples, FileSamples) else None
     autocast = loop.autocast()
@@ -84,13 +88,15 @@ def rl(cfg: RLConfig | None = None, resume: str | Path | None = None, on_step=No
         say = functools.partial(bar.console.print, soft_wrap=True)
         while state["step"] < cfg.max_steps:
             t0 = time.time()
-            keys = [index for index, _ in next(prompts)]
+            keys, drawn = next_prompts(prompts, cfg.batch_size, state["sitting_out"] if cfg.curriculum else None)
             batch = rollouts(gm, [samples[index] for index in keys], keys, cfg, weights)
             t1 = time.time()
             adv = advantages(batch.rewards, batch.prompt_keys, cfg, baselines)
             stats = update(model, reference, batch, adv, optimizer, cfg, autocast, gm.processor.pad_token_id)
             t2 = time.time()
-            state["samples"] += len(keys)
+            state["samples"] += drawn
+            if cfg.curriculum:
+                mark_finished_groups(state["sitting_out"], keys, batch.ious)
             if not stats["finite"]:
                 loop.skip_nonfinite({}, "lower lr or temperature")
                 continue
@@ -101,6 +107,8 @@ def rl(cfg: RLConfig | None = None, resume: str | Path | None = None, on_step=No
                           "clip_fraction": stats["clip_fraction"], "grad_norm": stats["grad_norm"],
                           "lr": scheduler.get_last_lr()[0], "time/rollout_s": t1 - t0, "time/update_s": t2 - t1,
                           "samples": state["samples"], **gpu_stats(device)}
+                if cfg.curriculum:
+                    values["curriculum/sat_out"] = drawn - len(keys)  # this step's prompts that sat out
                 loop.log.log(step, values)
                 bar.update(task, info=f"reward {values['reward/mean']:.3f} Acc@0.5 {values['rollout/acc@0.5']:.2f} "
                                       f"{values['rollouts_per_s']:.1f} rollouts/s")
@@ -111,7 +119,33 @@ def rl(cfg: RLConfig | None = None, resume: str | Path | None = None, on_step=No
 
 
 # --------------------------------------------------------------------------------------------
-# the four parts of a step
+# the four parts of a step, and the curriculum that picks the prompts
+
+
+def next_prompts(order, n: int, sitting_out: list[int] | None) -> tuple[list[int], int]:
+    """The next ``n`` prompts (sample indices) of the run's order, and how many of the order were
+    used up. With the curriculum (``sitting_out`` not None), a prompt listed there sits this turn
+    out and is taken off the list, so it is back on its next turn; the list is the run's state,
+    saved with its checkpoints."""
+    keys, drawn = [], 0
+    while len(keys) < n:
+        index, _ = next(order)
+        drawn += 1
+        if sitting_out is not None and index in sitting_out:
+            sitting_out.remove(index)
+        else:
+            keys.append(index)
+    return keys, drawn
+
+
+def mark_finished_groups(sitting_out: list[int], keys: list[int], ious: torch.Tensor) -> None:
+    """List the prompts whose group was solved (every answer at IoU >= 0.5) or hopeless (none):
+    a solved prompt has little left to teach, a hopeless one rarely samples a hit, so their next
+    turn goes to prompts the policy is still deciding on."""
+    hits = ious >= 0.5
+    for key, finished in zip(keys, (hits.all(dim=1) | ~hits.any(dim=1)).tolist()):
+        if finished and key not in sitting_out:
+            sitting_out.append(key)
 
 
 def rollouts(gm: GroundingModel, pairs: list[tuple], keys: list[int], cfg: RLConfig,
