@@ -240,7 +240,7 @@ def measure(key: str, variant: str, data: Path, steps: int) -> dict:
     return dict(r, model=key)
 
 
-def measure_in_fresh_process(key: str, variant: str, args) -> list[dict]:
+def measure_in_fresh_process(key: str, variant: str, data: Path, args) -> list[dict]:
     """One variant (or the ladder) in a process of its own: liger-kernel patches transformers'
     modules process-wide and compiled code stays cached, so neither may leak into the next variant;
     a crash or a hang costs that variant only."""
@@ -248,7 +248,7 @@ def measure_in_fresh_process(key: str, variant: str, args) -> list[dict]:
         out = Path(tmp) / "rows.json"
         cmd = [sys.executable, __file__, "--in-process", "--models", key, "--variants", variant,
                "--steps", str(args.steps), "--samples", str(args.samples), "--cap-gib", str(args.cap_gib),
-               "--no-loader", "--out", str(out)] + (["--ladder"] if variant == "" else [])
+               "--no-loader", "--data", str(data), "--out", str(out)] + (["--ladder"] if variant == "" else [])
         try:
             rc = subprocess.run(cmd, timeout=args.variant_timeout).returncode
             failure = None if out.exists() else f"the process ended (exit code {rc}) without a result"
@@ -271,28 +271,21 @@ def main() -> None:
     parser.add_argument("--no-loader", action="store_true", help="skip timing the data loader alone")
     parser.add_argument("--variant-timeout", type=float, default=600, help="seconds allowed to each variant")
     parser.add_argument("--in-process", action="store_true", help="measure here, not one process per variant")
+    parser.add_argument("--data", help="samples made by an earlier run (train.jsonl) instead of new ones")
     parser.add_argument("--out")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
-    if torch.cuda.is_available():
+    if args.in_process and torch.cuda.is_available():  # only the measuring process touches the GPU
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        data = make_refcoco_like(Path(tmp), args.samples)  # the same samples in every process (seeded)
-        # the data path must not be the bottleneck: what the loader alone delivers (JPEG decode, resize, encode)
-        from tiny_step_profile import loader_rate
-
-        gm = load_model("tiny", device="cpu")  # the random architectures speak its tokenizer and processor
-        for workers in () if args.no_loader else (1, 8):
-            rate = loader_rate(gm, 4, workers, 5.0, str(data))
-            results.append({"variant": f"loader-{workers}-workers", "model": "-", "samples_per_s": round(rate, 1)})
-            print(f"loader alone, {workers} worker(s): {rate:.0f} samples/s", flush=True)
-        del gm
+        # the same samples for every variant: made once, passed to each variant's process
+        data = Path(args.data) if args.data else make_refcoco_like(Path(tmp), args.samples)
         for key in args.models.split(","):
             for variant in variants + ([""] if args.ladder else []):
                 if not args.in_process:
-                    rows = measure_in_fresh_process(key, variant, args)
+                    rows = measure_in_fresh_process(key, variant, data, args)
                 elif variant:
                     rows = [measure(key, variant, data, args.steps)]
                 else:
@@ -300,6 +293,16 @@ def main() -> None:
                 results += rows
                 print("\n".join(json.dumps(r) for r in rows), flush=True)
                 _save(results, args.out)  # as it goes: a run cut short keeps what it measured
+        # the data path must not be the bottleneck: what the loader alone delivers (JPEG decode,
+        # resize, encode); last, as its pinned memory opens a CUDA context the variants must not share
+        from tiny_step_profile import loader_rate
+
+        gm = load_model("tiny", device="cpu")  # the random architectures speak its tokenizer and processor
+        for workers in () if args.no_loader else (1, 8):
+            rate = loader_rate(gm, 4, workers, 5.0, str(data))
+            results.append({"variant": f"loader-{workers}-workers", "model": "-", "samples_per_s": round(rate, 1)})
+            print(f"loader alone, {workers} worker(s): {rate:.0f} samples/s", flush=True)
+        _save(results, args.out)
     base = {r["model"]: r for r in results if r["variant"] == "naive" and "samples_per_s" in r}
     print(f"\n{'model':6s}{'variant':20s}{'samples/s':>11s}{'x naive':>9s}{'tokens/s':>10s}{'peak GiB':>10s}{'MFU':>8s}  first losses")
     for r in results:

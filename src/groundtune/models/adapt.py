@@ -26,6 +26,11 @@ def part_of(name: str) -> str:
     return "llm"
 
 
+def base_model(model):
+    """The transformers model under a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def decoder_layers(model) -> torch.nn.ModuleList:
     for name, module in model.named_modules():
         if name.endswith("language_model.layers") and isinstance(module, torch.nn.ModuleList):

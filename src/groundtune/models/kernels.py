@@ -16,12 +16,7 @@ Without it, or on CPU, ``kernels=auto`` leaves transformers' modules as they are
 from __future__ import annotations
 
 from groundtune.config import KERNEL_MODES
-from groundtune.models.adapt import decoder_layers
-
-
-def _core(model):
-    """The transformers model under a PEFT wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+from groundtune.models.adapt import base_model, decoder_layers
 
 
 def _liger_patch(model):
@@ -31,12 +26,12 @@ def _liger_patch(model):
     except ImportError:
         return None
     # qwen2_vl, qwen2_5_vl, qwen3_vl: liger names its patches after the model type
-    return getattr(liger, f"apply_liger_kernel_to_{_core(model).config.model_type}", None)
+    return getattr(liger, f"apply_liger_kernel_to_{base_model(model).config.model_type}", None)
 
 
 def liger_usable(model) -> bool:
     """Whether liger-kernel can run this model here: installed, with a patch for its family, on a GPU."""
-    return _liger_patch(model) is not None and _core(model).device.type == "cuda"
+    return _liger_patch(model) is not None and base_model(model).device.type == "cuda"
 
 
 def apply_fused_kernels(model, mode: str) -> bool:
@@ -51,13 +46,13 @@ def apply_fused_kernels(model, mode: str) -> bool:
         return False
     patch = _liger_patch(model)
     if patch is None:
-        raise ImportError(f"kernels=liger needs liger-kernel with kernels for {_core(model).config.model_type}: "
+        raise ImportError(f"kernels=liger needs liger-kernel with kernels for {base_model(model).config.model_type}: "
                           "pip install 'groundtune[gpu]' (or kernels=auto to use it only where it can run)")
-    if _core(model).device.type != "cuda":
+    if base_model(model).device.type != "cuda":
         raise ValueError("kernels=liger needs the model on a CUDA GPU (liger-kernel is Triton); "
                          "use kernels=auto or kernels=none")
     # swiglu keeps liger's per-family default (on for Qwen2/2.5-VL, off for Qwen3-VL)
-    patch(rope=True, rms_norm=True, cross_entropy=False, fused_linear_cross_entropy=False, model=_core(model))
+    patch(rope=True, rms_norm=True, cross_entropy=False, fused_linear_cross_entropy=False, model=base_model(model))
     return True
 
 

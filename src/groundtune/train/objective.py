@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from groundtune.models.adapt import base_model
 from groundtune.models.qwen import IGNORE_INDEX
 
 
@@ -20,7 +21,7 @@ def answer_logprobs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor
     """Log-probability of every labelled token of ``batch`` under the model, and the batch row
     each belongs to: two 1-D tensors over the answer tokens, row-major. ``model`` is a Qwen-VL
     ForConditionalGeneration model or a PEFT wrapper."""
-    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    core = base_model(model)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     # no KV cache: nothing reuses it, and a recomputed (checkpointed) layer would extend it twice
     hidden = core.model(**inputs, use_cache=False).last_hidden_state  # (batch, length, hidden)
