@@ -28,6 +28,7 @@ The process is capped at --cap-gib of GPU memory to behave like a 24 GB card.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -38,8 +39,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from PIL import Image
 
+from groundtune.boxes import ResizeSpec
 from groundtune.config import TrainConfig
 from groundtune.data.dataset import GroundingDataset, ResumableBatches, open_samples
 from groundtune.data.records import write_samples
@@ -67,8 +70,30 @@ GT_VARIANTS = {
     "gt-b8-ckpt-all-liger": dict(batch_size=8, gradient_checkpointing=-1, kernels="liger"),
     "gt-b2-ckpt-all": dict(batch_size=2, gradient_checkpointing=-1),
     "gt-b4-ckpt-all-liger": dict(batch_size=4, gradient_checkpointing=-1, kernels="liger"),
+    # packed rows with variable-length attention (models/attention.py)
+    "gt-b16-packed-ckpt-all-liger": dict(batch_size=16, gradient_checkpointing=-1, packing=True, kernels="liger"),
+    "gt-b32-packed-ckpt-all": dict(batch_size=32, gradient_checkpointing=-1, packing=True),
+    "gt-b32-packed-ckpt-all-liger": dict(batch_size=32, gradient_checkpointing=-1, packing=True, kernels="liger"),
+    "gt-b48-packed-ckpt-all-liger": dict(batch_size=48, gradient_checkpointing=-1, packing=True, kernels="liger"),
+    "gt-b64-packed-ckpt-all-liger": dict(batch_size=64, gradient_checkpointing=-1, packing=True, kernels="liger"),
+    "gt-b32-packed-ckpt-all-compile": dict(batch_size=32, gradient_checkpointing=-1, packing=True, compile=True),
+    "gt-b64-packed-ckpt-all-compile": dict(batch_size=64, gradient_checkpointing=-1, packing=True, compile=True),
+    "gt-b8-packed-ckpt-all-liger": dict(batch_size=8, gradient_checkpointing=-1, packing=True, kernels="liger"),
 }
+# what a shipped preset (variant "preset:NAME") decides about speed and memory; the rest is the bench's
+PRESET_SETTINGS = ("method", "lora_r", "lora_alpha", "lora_targets", "batch_size", "grad_accum", "gradient_checkpointing",
+                   "packing", "kernels", "compile", "max_pixels", "min_pixels", "num_workers")
 LR = 1e-4
+
+
+def variant_settings(variant: str) -> dict | None:
+    """The TrainConfig settings of a variant: a name of GT_VARIANTS, or preset:NAME (configs/NAME.yaml)."""
+    if variant.startswith("preset:"):
+        from groundtune.quickstart import preset_path
+
+        preset = yaml.safe_load(preset_path(variant.removeprefix("preset:")).read_text())
+        return {k: v for k, v in preset.items() if k in PRESET_SETTINGS}
+    return GT_VARIANTS.get(variant)
 WORDS = ("man woman dog cat car bus chair table person bike umbrella horse cup bottle tree sign "
          "red blue white black green small large left right front back middle standing sitting").split()
 
@@ -95,15 +120,30 @@ def make_refcoco_like(folder: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
-def flops_per_sample(model, batches: list[dict]) -> float:
-    llm = sum(p.numel() for n, p in model.named_parameters() if "visual" not in n and "embed_tokens" not in n)
+def parameter_counts(model) -> dict:
+    """What the FLOP count needs: LLM parameters that multiply every token (the LM head too, even
+    when tied to the embedding: its matmul still runs) and the vision tower's."""
+    named = dict(model.named_parameters())
+    llm = sum(p.numel() for n, p in named.items() if "visual" not in n and "embed_tokens" not in n)
     lm_head = model.get_output_embeddings()
-    if lm_head is not None and not any(lm_head.weight is p for n, p in model.named_parameters() if "lm_head" in n):
-        llm += lm_head.weight.numel()  # tied to the embedding: its matmul still runs
-    vision = sum(p.numel() for n, p in model.named_parameters() if "visual" in n)
+    if lm_head is not None and not any(lm_head.weight is p for n, p in named.items() if "lm_head" in n):
+        llm += lm_head.weight.numel()
+    return {"llm": llm, "vision": sum(p.numel() for n, p in named.items() if "visual" in n)}
+
+
+def flops_per_sample(counts: dict, batches: list[dict]) -> float:
     tokens = sum(int(b["attention_mask"].sum()) for b in batches) / sum(len(b["input_ids"]) for b in batches)
     patches = sum(int(b["image_grid_thw"].prod(-1).sum()) for b in batches) / sum(len(b["input_ids"]) for b in batches)
-    return 4 * llm * tokens + 2 * vision * patches
+    return 4 * counts["llm"] * tokens + 2 * counts["vision"] * patches
+
+
+def _data_view(model_name: str):
+    """Processor, family, pixel budget and prompt of ``model_name`` without building it: the random
+    architectures speak the tiny model's tokenizer with their family's default pixel budget."""
+    gm = load_model("tiny", device="cpu")
+    if model_name.startswith("random:"):
+        gm = dataclasses.replace(gm, resize=ResizeSpec.for_family(gm.family), prompt=qwen.DEFAULT_PROMPT)
+    return gm
 
 
 def _batches(gm, data: Path, batch_size: int, steps: int, seed: int = 0) -> list[dict]:
@@ -121,6 +161,7 @@ def naive(model_name: str, data: Path, steps: int, batch_size: int = 4) -> dict:
     model = gm.model
     for m in model.modules():  # transformers' own vision attention: one call per window
         m.__dict__.pop("forward", None)
+    model.config.get_text_config()._attn_implementation = "sdpa"  # and its own text attention
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, bias="none",
                       target_modules=r".*language_model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj")
     torch.manual_seed(0)  # the LoRA init groundtune uses for seed 0 (adapt.prepare_for_training)
@@ -147,37 +188,98 @@ def naive(model_name: str, data: Path, steps: int, batch_size: int = 4) -> dict:
         losses.append(loss.item())
         times.append(_now() - t0)
     per_step = statistics.median(times[2:] or times)
-    result = _result("naive", model, batches, batch_size, per_step, losses)
+    result = _result("naive", parameter_counts(adapt.base_model(model)), batches, batch_size, per_step, losses)
     del model, gm, optimizer
     return result
 
 
-def groundtune_step(name: str, model_name: str, data: Path, steps: int, settings: dict) -> dict:
-    """`groundtune train` itself; speed from its metrics.jsonl (samples/s of each logged step)."""
+def groundtune_step(name: str, model_name: str, data: Path, steps: int, settings: dict,
+                    profile_steps: int = 0) -> dict:
+    """`groundtune train` itself; speed from its metrics.jsonl (samples/s of each logged step).
+    ``profile_steps``: also profile that many steps after the warm-up (torch.profiler)."""
     from groundtune.train.sft import train
 
+    seen: dict = {}
+    profiler = _StepProfiler(start=max(steps - profile_steps - 1, 2), steps=profile_steps) if profile_steps else None
+
+    def on_step(step, run, model):
+        if step == 1:
+            seen["counts"] = parameter_counts(adapt.base_model(model))
+        if profiler is not None:
+            profiler.on_step(step)
+
     with tempfile.TemporaryDirectory() as out:
-        cfg = TrainConfig(model=model_name, train_data=str(data), out_dir=out, method="lora", lora_r=16,
-                          lora_alpha=32, lora_targets=["llm_attn", "llm_mlp"], lr=LR, warmup_steps=0,
-                          min_lr_ratio=1.0, max_steps=steps, log_every=1, save_every=0, num_workers=8,
-                          precision="bf16" if torch.cuda.is_available() else "fp32", **settings)
+        values = dict(method="lora", lora_r=16, lora_alpha=32, lora_targets=["llm_attn", "llm_mlp"], num_workers=8,
+                      precision="bf16" if torch.cuda.is_available() else "fp32")
+        values.update(settings)  # a variant's or a preset's settings; the run's length and logging are the bench's
+        cfg = TrainConfig(**values, model=model_name, train_data=str(data), out_dir=out, lr=LR, warmup_steps=0,
+                          min_lr_ratio=1.0, max_steps=steps, log_every=1, save_every=0)
         _reset_peak()
-        run = train(cfg)
+        run = train(cfg, on_step=on_step)
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps_logged = [r for r in rows if "loss" in r and "samples_per_s" in r]
-    samples_per_s = statistics.median(r["samples_per_s"] for r in steps_logged[2:] or steps_logged)
-    batch_size = settings["batch_size"]
-    gm = load_model(model_name)  # for the FLOP count and the token statistics only
-    batches = _batches(gm, data, batch_size, min(steps, 4))
-    result = _result(name, gm.model, batches, batch_size, batch_size / samples_per_s,
+    timed = [r for r in steps_logged[2:] if profiler is None or not profiler.covers(r["step"])] or steps_logged
+    samples_per_s = statistics.median(r["samples_per_s"] for r in timed)
+    batch_size = cfg.batch_size * cfg.grad_accum  # samples per optimizer step
+    batches = _batches(_data_view(model_name), data, batch_size, min(steps, 4))
+    result = _result(name, seen["counts"], batches, batch_size, batch_size / samples_per_s,
                      [r["loss"] for r in steps_logged], settings)
-    result["peak_gib"] = round(peak, 2) if peak is not None else None  # of the training run, not this reload
-    del gm
+    result["peak_gib"] = round(peak, 2) if peak is not None else None
+    if profiler is not None and profiler.summary:
+        result["profile"] = profiler.summary
     return result
 
 
-def step_ladder(model_name: str, data: Path, batch_size: int = 4) -> list[dict]:
+class _StepProfiler:
+    """torch.profiler over steps start+1 .. start+steps of a training run (driven by its on_step
+    hook), summarised per step: wall time, GPU kernel time, kernel launches, the kernels that take
+    the time grouped by kind, and the top kernels."""
+
+    KINDS = (("gemm", r"gemm|cutlass|xmma|nvjet|cublas|matmul"), ("attention", r"flash|fmha|attention|sdpa"),
+             ("triton (liger/compiled)", r"triton"), ("copy/index", r"copy|index|gather|scatter|cat|memcpy|memset"),
+             ("elementwise", r"elementwise|vectorized|unrolled"), ("reduce/norm", r"reduce|norm|softmax"))
+
+    def __init__(self, start: int, steps: int):
+        self.start, self.steps, self.prof, self.t0, self.summary = start, steps, None, 0.0, None
+
+    def covers(self, step: int) -> bool:
+        return self.start < step <= self.start + self.steps
+
+    def on_step(self, step: int) -> None:
+        if step == self.start and torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                           torch.profiler.ProfilerActivity.CUDA])
+            self.prof.__enter__()
+            self.t0 = time.perf_counter()
+        elif self.prof is not None and step == self.start + self.steps:
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - self.t0) / self.steps
+            self.prof.__exit__(None, None, None)
+            self.summary = self._summarise(wall)
+            self.prof = None
+
+    def _summarise(self, wall: float) -> dict:
+        import re
+
+        kernels = [e for e in self.prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        total = sum(e.device_time for e in kernels) / 1e6 / self.steps  # device_time is in microseconds
+        by_kind, by_name = {}, {}
+        for e in kernels:
+            kind = next((k for k, pattern in self.KINDS if re.search(pattern, e.name, re.I)), "other")
+            by_kind[kind] = by_kind.get(kind, 0.0) + e.device_time / 1e6 / self.steps
+            entry = by_name.setdefault(e.name[:90], [0.0, 0])
+            entry[0] += e.device_time / 1e6 / self.steps
+            entry[1] += 1 / self.steps
+        top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:15]
+        return {"wall_s": round(wall, 4), "gpu_kernel_s": round(total, 4), "gpu_busy": round(total / wall, 3),
+                "kernels_per_step": round(len(kernels) / self.steps),
+                "by_kind_s": {k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+                "top_kernels": [{"name": n, "s": round(v[0], 4), "calls": round(v[1])} for n, v in top]}
+
+
+def step_ladder(model_name: str, data: Path, batch_size: int = 32) -> list[dict]:
     """groundtune's LoRA step (all LLM layers recomputed) timed one change at a time (step_ladder.py)."""
     from step_ladder import ladder
 
@@ -186,14 +288,13 @@ def step_ladder(model_name: str, data: Path, batch_size: int = 4) -> list[dict]:
     model = adapt.prepare_for_training(gm.model, cfg)
     adapt.keep_trainable_fp32(model)
     model.train()
-    device = next(model.parameters()).device
-    batch = {k: v.to(device) for k, v in _batches(gm, data, batch_size, 1)[0].items()}
-    rows = ladder(model, batch, steps=8)
+    dataset = GroundingDataset(open_samples(str(data), 0), gm.processor, gm.family, gm.resize, gm.prompt)
+    rows = ladder(model, [dataset[(i, i)] for i in range(batch_size)], gm.processor.pad_token_id)
     del model, gm
-    return [dict(r, variant="ladder: " + r["change"]) for r in rows]
+    return [dict(r, variant="ladder: " + r["change"], settings={"batch_size": batch_size}) for r in rows]
 
 
-def _result(variant: str, model, batches, batch_size: int, step_s: float, losses: list[float],
+def _result(variant: str, counts: dict, batches, batch_size: int, step_s: float, losses: list[float],
             settings: dict | None = None) -> dict:
     samples_per_s = batch_size / step_s
     tokens = sum(int(b["attention_mask"].sum()) for b in batches) / len(batches) / step_s
@@ -203,7 +304,7 @@ def _result(variant: str, model, batches, batch_size: int, step_s: float, losses
         "samples_per_s": round(samples_per_s, 3),
         "llm_tokens_per_s": round(tokens, 1),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
-        "mfu": round(flops_per_sample(model, batches) * samples_per_s / PEAK_FLOPS, 4),
+        "mfu": round(flops_per_sample(counts, batches) * samples_per_s / PEAK_FLOPS, 4),
         "first_losses": [round(v, 4) for v in losses[:6]],
     }
 
@@ -225,18 +326,24 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def measure(key: str, variant: str, data: Path, steps: int) -> dict:
+def measure(key: str, variant: str, data: Path, steps: int, profile_steps: int = 0) -> dict:
     """One variant, in this process; a failure is a result, not the end of the run."""
+    import traceback
+
     print(f"== {key} {variant}", flush=True)
     try:
         if variant == "naive":
             r = naive(MODELS[key], data, steps)
         else:
-            r = groundtune_step(variant, MODELS[key], data, steps, GT_VARIANTS[variant])
+            r = groundtune_step(variant, MODELS[key], data, steps, variant_settings(variant), profile_steps)
     except torch.OutOfMemoryError:
-        r = {"variant": variant, "settings": GT_VARIANTS.get(variant), "oom": True}
+        # where it ran out, and how much was held then: a load-time shortage and an activation peak
+        # look the same from outside
+        r = {"variant": variant, "settings": variant_settings(variant), "oom": True,
+             "where": traceback.format_exc(limit=-6)[-1500:]}
     except Exception as e:  # an optional kernel that fails here must not cost the other variants
-        r = {"variant": variant, "settings": GT_VARIANTS.get(variant), "error": repr(e)[:500]}
+        r = {"variant": variant, "settings": variant_settings(variant), "error": repr(e)[:500],
+             "where": traceback.format_exc(limit=-6)[-1500:]}
     return dict(r, model=key)
 
 
@@ -246,16 +353,17 @@ def measure_in_fresh_process(key: str, variant: str, data: Path, args) -> list[d
     a crash or a hang costs that variant only."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        cmd = [sys.executable, __file__, "--in-process", "--models", key, "--variants", variant,
+        cmd = ([sys.executable, __file__, "--in-process", "--models", key, "--variants", variant,
                "--steps", str(args.steps), "--samples", str(args.samples), "--cap-gib", str(args.cap_gib),
-               "--no-loader", "--data", str(data), "--out", str(out)] + (["--ladder"] if variant == "" else [])
+               "--no-loader", "--data", str(data), "--out", str(out), "--profile", str(args.profile)]
+               + (["--ladder"] if variant == "" else []))
         try:
             rc = subprocess.run(cmd, timeout=args.variant_timeout).returncode
             failure = None if out.exists() else f"the process ended (exit code {rc}) without a result"
         except subprocess.TimeoutExpired:
             failure = f"no result within --variant-timeout {args.variant_timeout:g} s"
         if failure:
-            return [{"variant": variant or "ladder", "model": key, "settings": GT_VARIANTS.get(variant),
+            return [{"variant": variant or "ladder", "model": key, "settings": variant_settings(variant),
                      "error": failure}]
         return json.loads(out.read_text())
 
@@ -272,6 +380,7 @@ def main() -> None:
     parser.add_argument("--variant-timeout", type=float, default=600, help="seconds allowed to each variant")
     parser.add_argument("--in-process", action="store_true", help="measure here, not one process per variant")
     parser.add_argument("--data", help="samples made by an earlier run (train.jsonl) instead of new ones")
+    parser.add_argument("--profile", type=int, default=0, help="profile this many steps of each groundtune variant")
     parser.add_argument("--out")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
@@ -287,7 +396,7 @@ def main() -> None:
                 if not args.in_process:
                     rows = measure_in_fresh_process(key, variant, data, args)
                 elif variant:
-                    rows = [measure(key, variant, data, args.steps)]
+                    rows = [measure(key, variant, data, args.steps, args.profile)]
                 else:
                     rows = [dict(r, model=key) for r in step_ladder(MODELS[key], data)]
                 results += rows
@@ -317,6 +426,12 @@ def main() -> None:
         ratio = r["samples_per_s"] / base[r["model"]]["samples_per_s"] if r["model"] in base else float("nan")
         print(f"{r['model']:6s}{r['variant']:20s}{r['samples_per_s']:11.2f}{ratio:9.2f}{r['llm_tokens_per_s']:10.0f}"
               f"{r['peak_gib'] or 0:10.2f}{r['mfu']:8.3f}  {r['first_losses'][:3]}")
+    for r in results:  # where a profiled step's time goes
+        if "profile" in r:
+            p = r["profile"]
+            kinds = ", ".join(f"{k} {v:.3f}" for k, v in p["by_kind_s"].items())
+            print(f"profile {r['model']} {r['variant']}: step {p['wall_s']:.3f} s, GPU kernels {p['gpu_kernel_s']:.3f} s "
+                  f"({p['gpu_busy']:.0%} busy), {p['kernels_per_step']} kernels; {kinds}")
 
 
 if __name__ == "__main__":

@@ -1,38 +1,32 @@
-"""A training step timed one change at a time, in one run, from transformers' own code paths to
-groundtune's step: the table BENCHMARKS.md keeps of what each change gave.
+"""A training step timed one change at a time, in one run, on one fixed set of samples: the table
+BENCHMARKS.md keeps of what each change gave.
 
     from step_ladder import ladder
-    rows = ladder(model, batch, steps=20)   # model: prepared for training; batch: from groundtune's loader
+    rows = ladder(model, samples, pad_token_id, steps=5)   # model: prepared for training (not fused);
+                                                           # samples: encoded (groundtune's dataset)
 
-Rungs: (1) transformers' paths: the vision attention one call per window, M-RoPE positions
-computed by the model's loop over the batch, the LM head over every position; (2) + positions
-from the loader; (3) + the LM head on answer tokens only; (4) + vision attention grouped by window
-length: groundtune's step; then (5) + liger-kernel's fused RMSNorm/SwiGLU/M-RoPE (`kernels=liger`;
-skipped where liger-kernel or a GPU is missing). torch.compile (`compile=true`) is not a rung: it
-does not combine with liger's kernels (config.py), so sft_speed.py times it as a variant of its own.
+Rungs, each adding to the one before: (1) the step as groundtune ran it before the variable-length
+kernels: padded batch, vision windows batched by length through SDPA, peft's LoRA layers casting
+their inputs to fp32, the vision MLP at its own width; (2) + the vision attention as one
+variable-length flash call per layer; (3) + the vision MLP zero-padded to an aligned width;
+(4) + LoRA inputs left in bf16; (5) + fused LoRA layers (scale and sum inside the matmuls);
+(6) + the samples packed into one row, the text attention variable-length too (no padding);
+(7) + liger-kernel's fused RMSNorm/SwiGLU/M-RoPE (`kernels=liger`). Rungs 2, 3 and 7 need a GPU
+(and liger-kernel for 7): elsewhere they are skipped. The earlier history (transformers' own
+paths -> positions from the loader -> LM head on answer tokens only) is in BENCHMARKS.md.
 The optimizer is AdamW at a tiny learning rate: the weights barely move between rungs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
-from groundtune.models import kernels, vision_attention
+from groundtune.data.dataset import to_device
+from groundtune.models import adapt, attention, kernels, qwen
 from groundtune.train.objective import answer_loss
-
-
-def _full_head_loss(model, batch):
-    return model(**batch, use_cache=False).loss
-
-
-def _vision_attention(model, grouped: bool) -> None:
-    for m in model.modules():
-        if type(m).__name__ in vision_attention.ATTENTION_CLASSES:
-            m.__dict__.pop("forward", None)  # transformers' own forward
-    if grouped:
-        vision_attention.install(model)
 
 
 def _sync() -> None:
@@ -40,52 +34,74 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def ladder(model, batch: dict, steps: int = 20, warmup: int = 3) -> list[dict]:
+def _vision_mlp(model, padded: bool) -> None:
+    for m in model.modules():
+        if type(m).__name__ == kernels.VISION_MLP_CLASS:
+            m.__dict__.pop("forward", None)
+    if padded:
+        kernels.pad_vision_mlp(model)
+
+
+def ladder(model, samples: list[dict], pad_token_id: int, steps: int = 5, warmup: int = 3) -> list[dict]:
     cuda = torch.cuda.is_available()
+    device = next(model.parameters()).device
+    padded = to_device(qwen.collate(samples, pad_token_id), device)
+    packed = to_device(qwen.collate_packed(samples), device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-7, fused=cuda)
-    own_positions = {k: v for k, v in batch.items() if k != "position_ids"}
+    state = {"batch": padded, "uncast": False}
+    gpu = attention.varlen_usable(torch.empty(1, device=device, dtype=torch.bfloat16))
+
+    def use_varlen(on: bool):
+        attention.VARLEN_ENABLED = on
+
     rungs = [
-        ("transformers: per-window vision attention, positions per step, full LM head", False, own_positions,
-         _full_head_loss),
-        ("+ positions computed in the loader", False, batch, _full_head_loss),
-        ("+ LM head on answer tokens only", False, batch, answer_loss),
-        ("+ vision attention grouped by window length (groundtune)", True, batch, answer_loss),
-        ("+ liger-kernel RMSNorm, SwiGLU, M-RoPE (kernels=liger)", True, batch, answer_loss),
+        ("before: padded, vision windows grouped by length, peft LoRA casting to fp32, vision MLP as is",
+         lambda: (use_varlen(False), _vision_mlp(model, False)), True),
+        ("+ vision attention: one variable-length flash call per layer", lambda: use_varlen(True), gpu),
+        ("+ vision MLP zero-padded to an aligned width", lambda: _vision_mlp(model, True), gpu),
+        ("+ LoRA inputs left in bf16 (no fp32 copies)", lambda: state.update(uncast=True), True),
+        ("+ fused LoRA layers (scale and sum inside the matmuls)", lambda: kernels.fuse_lora_layers(model), True),
+        ("+ packed row, variable-length text attention (no padding)", lambda: state.update(batch=packed), True),
+        ("+ liger-kernel RMSNorm, SwiGLU, M-RoPE (kernels=liger)",
+         lambda: kernels.apply_fused_kernels(model, "liger"), kernels.liger_usable(model)),
     ]
-    n = len(batch["image_grid_thw"])
-    rows = []
-    for name, grouped, inputs, loss_fn in rungs:
-        _vision_attention(model, grouped)
-        if "kernels=liger" in name and not kernels.liger_usable(model):
-            print(f"   skipped (no liger-kernel or no GPU)  {name}", flush=True)
-            continue
 
-        def step():
+    def step():
+        uncast = adapt.lora_inputs_uncast(model) if state["uncast"] else contextlib.nullcontext()
+        with uncast:
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-                loss = loss_fn(model, inputs)
+                loss = answer_loss(model, state["batch"])
             loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
-        try:  # an optional kernel that fails must not cost the rungs measured so far
-            if "kernels=liger" in name:
-                kernels.apply_fused_kernels(model, "liger")  # stays applied for the rungs after it
-            for _ in range(warmup):
+    n = len(samples)
+    rows = []
+    try:
+        for name, change, runs_here in rungs:
+            if not runs_here:
+                print(f"   skipped (needs a GPU or liger-kernel)  {name}", flush=True)
+                continue
+            try:  # an optional kernel that fails must not cost the rungs measured so far
+                change()
+                for _ in range(warmup):
+                    step()
+            except Exception as e:
+                rows.append({"change": name, "error": repr(e)[:300]})
+                print(f"   failed: {e!r:.200}  {name}", flush=True)
+                continue
+            _sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            for _ in range(steps):
                 step()
-        except Exception as e:
-            rows.append({"change": name, "error": repr(e)[:300]})
-            print(f"   failed: {e!r:.200}  {name}", flush=True)
-            continue
-        _sync()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        _sync()
-        dt = (time.perf_counter() - t0) / steps
-        peak = round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None
-        rows.append({"change": name, "step_s": round(dt, 4), "samples_per_s": round(n / dt, 2), "peak_gib": peak})
-        print(f"{dt * 1000:8.1f} ms  {n / dt:7.1f} samples/s  peak {peak} GiB  {name}", flush=True)
+            _sync()
+            dt = (time.perf_counter() - t0) / steps
+            peak = round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None
+            rows.append({"change": name, "step_s": round(dt, 4), "samples_per_s": round(n / dt, 2), "peak_gib": peak})
+            print(f"{dt * 1000:8.1f} ms  {n / dt:7.1f} samples/s  peak {peak} GiB  {name}", flush=True)
+    finally:
+        use_varlen(True)
     return rows

@@ -13,8 +13,8 @@ import time
 import torch
 
 from groundtune.config import TrainConfig
-from groundtune.data.dataset import GroundingDataset, make_loader, open_samples
-from groundtune.models import adapt
+from groundtune.data.dataset import GroundingDataset, make_loader, open_samples, to_device
+from groundtune.models import adapt, qwen
 from groundtune.models.loading import load_model
 from groundtune.train.objective import answer_loss
 from step_ladder import ladder
@@ -49,11 +49,11 @@ def main() -> None:
     cfg = TrainConfig(train_data="synth:full", method="full", freeze_vision=False, freeze_merger=False)
     model = adapt.prepare_for_training(gm.model, cfg).float()
     ds = GroundingDataset(open_samples("synth:full", 0), gm.processor, gm.family, gm.resize, gm.prompt)
-    batch = next(iter(make_loader(ds, args.batch, 0, 0, 0, gm.processor.pad_token_id)))
-    batch = {k: v.to(model.device) for k, v in batch.items()}
+    samples = [ds[(i, i)] for i in range(args.batch)]
+    batch = to_device(qwen.collate(samples, gm.processor.pad_token_id), model.device)
 
-    # one change at a time, in the same run, from transformers' own paths to groundtune's step
-    out["ladder"] = ladder(model, batch, steps=20)
+    # one change at a time, in the same run (step_ladder.py)
+    out["ladder"] = ladder(model, samples, gm.processor.pad_token_id, steps=20)
     dt = out["ladder"][-1]["step_s"]
     out["step_s"] = round(dt, 4)
     out["model_samples_per_s"] = round(args.batch / dt, 1)

@@ -1,4 +1,5 @@
-"""The optional kernels: without liger-kernel or a GPU, kernels=auto leaves the model as it is and
+"""The kernels: fused LoRA layers and the padded vision MLP compute what peft's and transformers'
+layers compute; without liger-kernel or a GPU, kernels=auto leaves the model as it is and
 kernels=liger says what is missing; compiled decoder layers compute the same loss and gradients."""
 
 import pytest
@@ -68,3 +69,57 @@ def test_compiled_decoder_layers_give_the_same_loss_and_gradients(checkpointed):
     assert compiled_grads.keys() == eager_grads.keys() and compiled_grads
     for name in eager_grads:
         torch.testing.assert_close(compiled_grads[name], eager_grads[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_lora_layers_give_peft_loss_and_gradients(dtype):
+    gm = load_model("tiny", device="cpu", dtype=dtype)
+    model = adapt.prepare_for_training(gm.model, TrainConfig(train_data="x", method="lora"))
+    adapt.keep_trainable_fp32(model)  # fp32 adapters on a bf16 base, as training runs them
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():  # lora_B starts at 0: move it so the adapters matter
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05)
+    model.train()
+    batch = _batch(gm)
+
+    def loss_and_grads():
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            loss = answer_loss(model, batch)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    peft_loss, peft_grads = loss_and_grads()
+    assert kernels.fuse_lora_layers(model) == 7 * len(adapt.decoder_layers(model))  # q k v o gate up down
+    fused_loss, fused_grads = loss_and_grads()
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == "fp32" else dict(rtol=3e-2, atol=3e-3)
+    torch.testing.assert_close(fused_loss, peft_loss, **tol)
+    assert fused_grads.keys() == peft_grads.keys() and all("lora_" in n for n in fused_grads)
+    for name in peft_grads:
+        assert fused_grads[name].dtype == torch.float32
+        torch.testing.assert_close(fused_grads[name], peft_grads[name], **(tol if dtype == "fp32" else
+                                                                           dict(rtol=1e-1, atol=2e-3)))
+    with torch.no_grad(), model.disable_adapter():  # peft's own paths still switch the adapters off
+        off = answer_loss(model, batch)
+    assert not torch.allclose(off, fused_loss.to(off.dtype))
+
+
+def test_padded_vision_mlp_computes_the_same():
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP
+
+    config = Qwen2_5_VLConfig(vision_config=dict(hidden_size=16, intermediate_size=30, hidden_act="silu")).vision_config
+    torch.manual_seed(0)
+    mlp = Qwen2_5_VLMLP(config, bias=True).requires_grad_(False)
+    x = torch.randn(5, 16)
+    gate_w, gate_b, up_w, up_b, down_w = kernels._padded_weights(mlp)
+    assert gate_w.shape == (32, 16) and down_w.shape == (16, 32) and not gate_w[30:].any()
+    padded = torch.nn.functional.linear(mlp.act_fn(torch.nn.functional.linear(x, gate_w, gate_b))
+                                        * torch.nn.functional.linear(x, up_w, up_b), down_w, mlp.down_proj.bias)
+    torch.testing.assert_close(padded, mlp(x), rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        mlp.up_proj.weight.mul_(2)  # written in place: the copies are made again
+    assert torch.equal(kernels._padded_weights(mlp)[2][:30], mlp.up_proj.weight)
+    assert kernels.pad_vision_mlp(torch.nn.Sequential(mlp)) == 1
+    torch.testing.assert_close(mlp(x), type(mlp).forward(mlp, x))  # on a CPU the module's own forward runs

@@ -66,7 +66,7 @@ def test_packed_batch_gives_the_padded_batch_loss(any_family_model):
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     for name in a_grads:
         torch.testing.assert_close(b_grads[name], a_grads[name], rtol=1e-4, atol=1e-7)
-    # and the loss really depends on the boundaries: one sequence (no restarts) gives another loss
-    joined = dict(packed, position_ids=packed["position_ids"].clone())
-    joined["position_ids"][0, 0] = torch.arange(packed["input_ids"].shape[1])
+    # and the loss really depends on the boundaries: the same row read as one sequence gives another loss
+    total = packed["input_ids"].shape[1]
+    joined = dict(packed, cu_seq_lens_q=torch.tensor([0, total], dtype=torch.int32), max_length_q=total)
     assert not torch.allclose(answer_loss(model, joined).detach(), a)

@@ -155,3 +155,8 @@ def make_loader(dataset: GroundingDataset, batch_size: int, seed: int, start: in
         persistent_workers=num_workers > 0,
         prefetch_factor=4 if num_workers > 0 else None,
     )
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """A batch from ``make_loader`` on ``device`` (its tensors; a packed batch's lengths are ints)."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

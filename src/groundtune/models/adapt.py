@@ -87,6 +87,18 @@ def keep_trainable_fp32(model) -> None:
             p.data = p.data.float()
 
 
+def lora_inputs_uncast(model):
+    """A context in which LoRA layers take their input as it comes. peft casts a LoRA layer's input
+    to its weights' dtype: with fp32 adapters on a bf16 model, every adapted linear copies its input
+    to fp32, and autocast copies it straight back to bf16 for the matmul (bf16 -> fp32 -> bf16 is
+    exact, so only the copies go). Under autocast the result is the same. Outside autocast (eval,
+    generation) the cast is needed, so this covers the training forward and backward only (the
+    backward recomputes checkpointed layers)."""
+    from peft.helpers import disable_input_dtype_casting
+
+    return disable_input_dtype_casting(model)
+
+
 def checkpoint_last_layers(model, n: int) -> int:
     """Recompute the last ``n`` decoder layers (all when n < 0) in backward instead of keeping their
     activations. Only LLM layers: the frozen vision tower keeps no activations for backward at all,
@@ -96,13 +108,13 @@ def checkpoint_last_layers(model, n: int) -> int:
     for layer in chosen:
         if getattr(layer, "_groundtune_checkpointed", False):
             continue
-        inner = layer.forward
+        layer._groundtune_inner = layer.forward  # what checkpoint runs (kernels.compile_decoder_layers compiles it)
 
-        @functools.wraps(inner)
-        def forward(*args, _inner=inner, _layer=layer, **kwargs):
+        @functools.wraps(layer.forward)
+        def forward(*args, _layer=layer, **kwargs):
             if _layer.training and torch.is_grad_enabled():
-                return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-            return _inner(*args, **kwargs)
+                return checkpoint(_layer._groundtune_inner, *args, use_reentrant=False, **kwargs)
+            return _layer._groundtune_inner(*args, **kwargs)
 
         layer.forward = forward
         layer._groundtune_checkpointed = True

@@ -1,22 +1,143 @@
-"""Optional speed-ups of the training step that leave its results unchanged: liger-kernel's fused
-RMSNorm, SwiGLU and M-RoPE kernels, and torch.compile of the language model's decoder layers.
+"""Speed-ups of the training step that leave its results unchanged.
 
-On one GPU the step of a Qwen-VL model with LoRA is launch-bound: thousands of small kernels, the
-GPU idle between them (field-notes, "Speed"; BENCHMARKS.md). Fused kernels and compiled layers cut
-the number of launches. Both are settings of ``groundtune train``:
+Always on, where they apply (``fuse_lora_layers``, ``pad_vision_mlp``):
+- LoRA layers as one autograd function whose scale and sum run inside the matmuls (addmm's alpha
+  and beta): peft's layer adds ``lora_B(lora_A(x)) * scaling`` to the base output as separate
+  multiply and add kernels, forward, recomputation and backward, over every adapted activation.
+- the Qwen2.5-VL vision MLP at an aligned width: its 3,420-wide intermediate is no multiple of 8,
+  so cuBLAS falls back to slower kernels for all three of its matmuls; zero-padded to 3,424 the
+  arithmetic is the same (the four extra columns are 0 in, 0 out).
+
+Optional, as settings of ``groundtune train``; both cut the launches of a step that is otherwise
+bound by them (field-notes, "Speed"; BENCHMARKS.md):
 
     kernels: none | liger | auto   # auto: liger-kernel when it is installed and the model is on a GPU
     compile: false | true          # torch.compile each decoder layer (the first steps are slower)
 
 liger-kernel is an extra (``pip install 'groundtune[gpu]'``): its kernels are Triton, GPU only.
-Without it, or on CPU, ``kernels=auto`` leaves transformers' modules as they are. The default is
-``none`` until the GPU benchmark (bench/sft_speed.py --ladder) has measured both on every family.
+Without it, or on CPU, ``kernels=auto`` leaves transformers' modules as they are.
 """
 
 from __future__ import annotations
 
+import types
+
+import torch
+import torch.nn.functional as F
+
 from groundtune.config import KERNEL_MODES
 from groundtune.models.adapt import base_model, decoder_layers
+
+# --------------------------------------------------------------------------------------------
+# LoRA: y = x W^T + b + s (x A^T) B^T, the scale s and the sum inside the matmuls
+
+
+class _LoraLinear(torch.autograd.Function):
+    """The adapted linear layer, forward and backward, for a frozen base weight. Computes in the
+    input's dtype (under autocast: bf16, as peft's layer does); the adapters' gradients come back
+    in their own dtype (fp32)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float):
+        a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        h = x2 @ a.t()  # (tokens, r)
+        out = F.linear(x2, weight, bias).addmm_(h, b.t(), alpha=scaling)
+        ctx.save_for_backward(x2, weight, a, b, h)
+        ctx.scaling, ctx.dtypes, ctx.shape = scaling, (lora_a.dtype, lora_b.dtype), x.shape
+        return out.reshape(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, weight, a, b, h = ctx.saved_tensors
+        s = ctx.scaling
+        g = grad.reshape(-1, grad.shape[-1])
+        gh = g @ b  # (tokens, r): the gradient at the adapter's bottleneck, unscaled
+        grad_x = (g @ weight).addmm_(gh, a, alpha=s).reshape(ctx.shape) if ctx.needs_input_grad[0] else None
+        grad_a = (gh.t() @ x2).mul_(s).to(ctx.dtypes[0])
+        grad_b = (g.t() @ h).mul_(s).to(ctx.dtypes[1])
+        return grad_x, None, None, grad_a, grad_b, None
+
+
+def _lora_forward(self, x, *args, **kwargs):
+    """Forward of a peft ``lora.Linear``: the fused function where it computes exactly what peft
+    does (training, one plain LoRA adapter, no dropout, a frozen base in the input's dtype);
+    peft's own forward everywhere else (generation, dropout, DoRA, quantized bases, several adapters)."""
+    names = self.active_adapters
+    name = names[0] if len(names) == 1 else None
+    base = self.base_layer
+    if (torch.is_grad_enabled() and not args and not kwargs and name in self.lora_A and not self.merged
+            and not self.disable_adapters and name not in self.lora_variant
+            and isinstance(self.lora_dropout[name], torch.nn.Identity) and self.lora_B[name].bias is None
+            and type(base) is torch.nn.Linear and not base.weight.requires_grad and x.dtype == base.weight.dtype):
+        return _LoraLinear.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
+                                 self.scaling[name])
+    return type(self).forward(self, x, *args, **kwargs)
+
+
+def fuse_lora_layers(model) -> int:
+    """Give every peft LoRA linear layer of ``model`` the fused forward; returns how many."""
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+    except ImportError:
+        return 0
+    count = 0
+    for module in model.modules():
+        if type(module) is LoraLinear:
+            module.forward = types.MethodType(_lora_forward, module)
+            count += 1
+    return count
+
+
+# --------------------------------------------------------------------------------------------
+# the Qwen2.5-VL vision MLP at an aligned width
+
+VISION_MLP_CLASS = "Qwen2_5_VLMLP"  # Qwen2.5-VL's vision MLP (its text MLP is another class)
+ALIGN = 8  # bf16 matmuls take cuBLAS's fast kernels when every dimension is a multiple of 8
+
+
+def pad_vision_mlp(model) -> int:
+    """Run the vision MLPs whose width is no multiple of ALIGN on zero-padded copies of their
+    weights, when on a GPU and frozen (a tower being trained keeps its own forward). The copies
+    are made on first use and remade when the weights change. Returns the number of layers."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ == VISION_MLP_CLASS and module.gate_proj.out_features % ALIGN:
+            module.forward = types.MethodType(_padded_mlp_forward, module)
+            count += 1
+    return count
+
+
+def _padded_mlp_forward(self, hidden_state):
+    trained = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+    if not hidden_state.is_cuda or trained:  # CPUs have no alignment to gain; training needs the parameters
+        return type(self).forward(self, hidden_state)
+    gate_w, gate_b, up_w, up_b, down_w = _padded_weights(self)
+    inner = self.act_fn(F.linear(hidden_state, gate_w, gate_b)) * F.linear(hidden_state, up_w, up_b)
+    return F.linear(inner, down_w, self.down_proj.bias)
+
+
+def _padded_weights(mlp) -> tuple:
+    """gate/up weights and biases with ALIGN-padded rows of zeros, down weight with zero columns;
+    cached, and remade when a parameter changed (a new tensor, or written in place)."""
+    key = tuple((p.data_ptr(), p._version) for p in mlp.parameters())
+    cached = getattr(mlp, "_groundtune_padded", None)
+    if cached is None or cached[0] != key:
+        pad = -mlp.gate_proj.out_features % ALIGN
+        with torch.no_grad():
+            padded = (F.pad(mlp.gate_proj.weight, (0, 0, 0, pad)), _pad_bias(mlp.gate_proj.bias, pad),
+                      F.pad(mlp.up_proj.weight, (0, 0, 0, pad)), _pad_bias(mlp.up_proj.bias, pad),
+                      F.pad(mlp.down_proj.weight, (0, pad)))
+        cached = mlp._groundtune_padded = (key, padded)
+    return cached[1]
+
+
+def _pad_bias(bias, pad: int):
+    return None if bias is None else F.pad(bias, (0, pad))
+
+
+# --------------------------------------------------------------------------------------------
+# optional: liger-kernel, torch.compile
 
 
 def _liger_patch(model):
@@ -61,12 +182,19 @@ def compile_decoder_layers(model, backend: str = "inductor") -> int:
     lengths vary from batch to batch). Returns the number of layers compiled."""
     layers = decoder_layers(model)
     for layer in layers:
-        layer.compile(dynamic=True, backend=backend)
+        if getattr(layer, "_groundtune_checkpointed", False):
+            # a recomputed layer: compile what the checkpoint runs, forward and recomputation alike,
+            # and keep the checkpoint itself outside the compiled code
+            layer._groundtune_inner = torch.compile(layer._groundtune_inner, dynamic=True, backend=backend)
+        else:
+            layer.compile(dynamic=True, backend=backend)
     return len(layers)
 
 
 def apply_settings(model, cfg) -> None:
-    """The ``kernels`` and ``compile`` settings of a training run, said on the way."""
+    """The fused LoRA layers, then the ``kernels`` and ``compile`` settings of a training run, said
+    on the way."""
+    fuse_lora_layers(model)
     if apply_fused_kernels(model, cfg.kernels):
         print("kernels: liger-kernel's fused RMSNorm, SwiGLU and M-RoPE")
     if cfg.compile:

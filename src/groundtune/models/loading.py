@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from groundtune.boxes import ResizeSpec
-from groundtune.models import qwen, vision_attention
+from groundtune.models import attention, kernels, qwen
 from groundtune.models.tiny import TINY_DIR
 
 METADATA_FILE = "groundtune.json"
@@ -157,7 +157,8 @@ def load_model(
             model = _random_architecture(name[len("random:"):], processor, torch_dtype)
         else:
             model = _load_weights(source, kind, torch_dtype, dev if quantize_4bit else None)
-        vision_attention.install(model)  # one attention call per window length, not per window
+        attention.install(model)  # one attention call per layer, not per window or per padded row
+        kernels.pad_vision_mlp(model)  # Qwen2.5-VL's vision MLP at a width cuBLAS runs fast
         family = qwen.family_of(model.config)
         # an adapter trained on these weights applies to THESE weights (for a full fine-tuning run,
         # not the model that run started from), named so that it loads from any working directory

@@ -237,17 +237,20 @@ def collate(samples: list[dict[str, torch.Tensor]], pad_token_id: int, padding_s
 
 def collate_packed(samples: list[dict[str, torch.Tensor]]) -> dict:
     """All samples in ONE row without padding (training only): their tokens one after another, the
-    M-RoPE positions of each as computed for it alone, and a fourth row of plain text positions
-    that starts again at 0 with every sample. transformers reads those restarts as the samples'
-    boundaries and keeps attention within each (tests/test_objective.py: packed loss == padded)."""
-    positions = torch.cat([s["position_ids"] for s in samples], dim=1)  # (3, total)
-    text_positions = torch.cat([torch.arange(len(s["input_ids"])) for s in samples])
+    M-RoPE positions of each as computed for it alone, and where each sample starts, in the names
+    transformers' variable-length attention reads (``cu_seq_lens_q``/``_k``: the starts and the
+    end; ``max_length_q``/``_k``: the longest sample). models/attention.py keeps attention within
+    each sample (tests/test_objective.py: packed loss == padded loss)."""
+    lengths = torch.tensor([len(s["input_ids"]) for s in samples])
+    starts = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    longest = int(lengths.max())
     out = {
         "input_ids": torch.cat([s["input_ids"] for s in samples])[None],
         "mm_token_type_ids": torch.cat([s["mm_token_type_ids"] for s in samples])[None],
-        "position_ids": torch.cat([text_positions[None], positions])[:, None],  # (4, 1, total)
+        "position_ids": torch.cat([s["position_ids"] for s in samples], dim=1)[:, None],  # (3, 1, total)
         "pixel_values": torch.cat([s["pixel_values"] for s in samples]),
         "image_grid_thw": torch.cat([s["image_grid_thw"] for s in samples]),
+        "cu_seq_lens_q": starts, "cu_seq_lens_k": starts, "max_length_q": longest, "max_length_k": longest,
     }
     if "labels" in samples[0]:
         # a sample's first token is never labelled, so nothing learns to predict across a boundary

@@ -92,7 +92,8 @@ def rl(cfg: RLConfig | None = None, resume: str | Path | None = None, on_step=No
             batch = rollouts(gm, [samples[index] for index in keys], keys, cfg, weights)
             t1 = time.time()
             adv = advantages(batch.rewards, batch.prompt_keys, cfg, baselines)
-            stats = update(model, reference, batch, adv, optimizer, cfg, autocast, gm.processor.pad_token_id)
+            with adapt.lora_inputs_uncast(model):  # the update's forward and backward (adapt.py says why)
+                stats = update(model, reference, batch, adv, optimizer, cfg, autocast, gm.processor.pad_token_id)
             t2 = time.time()
             state["samples"] += drawn
             if cfg.curriculum:

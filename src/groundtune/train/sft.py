@@ -19,7 +19,7 @@ import torch
 
 from groundtune.boxes import ResizeSpec
 from groundtune.config import TrainConfig
-from groundtune.data.dataset import GroundingDataset, SyntheticStream, make_loader, open_samples
+from groundtune.data.dataset import GroundingDataset, SyntheticStream, make_loader, open_samples, to_device
 from groundtune.models import adapt, kernels
 from groundtune.models.loading import GroundingModel, load_model, pick_device
 from groundtune.progress import progress_bar
@@ -57,12 +57,13 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
             # ---- one optimizer step: grad_accum micro-batches
             step_loss, finite = 0.0, True
             for _ in range(cfg.grad_accum):
-                batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-                with autocast:  # the LM head runs on the answer tokens only (train/objective.py)
-                    loss = answer_loss(model, batch) / cfg.grad_accum
-                finite = finite and bool(torch.isfinite(loss))
-                if finite:
-                    loss.backward()
+                batch = to_device(next(batches), device)
+                with adapt.lora_inputs_uncast(model):  # forward and the backward's recomputation
+                    with autocast:  # the LM head runs on the answer tokens only (train/objective.py)
+                        loss = answer_loss(model, batch) / cfg.grad_accum
+                    finite = finite and bool(torch.isfinite(loss))
+                    if finite:
+                        loss.backward()
                 step_loss += loss.item()
                 samples_in_batch = len(batch["image_grid_thw"])  # one image per sample, packed or not
                 state["samples"] += samples_in_batch

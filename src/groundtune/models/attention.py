@@ -1,0 +1,191 @@
+"""Attention without padding or per-window loops, for the vision tower and the language model.
+
+Both parts of a Qwen-VL model attend within variable-length pieces of one long row of tokens: the
+vision tower within each image or 112-pixel window, the language model (in a packed training batch,
+``packing=true``) within each sample. Without flash-attention installed, transformers runs the
+first as one ``scaled_dot_product_attention`` call per window (a batch of 32 photos: ~800 calls per
+layer, the step bound by launching them) and the second as SDPA over the whole row with a dense
+block-diagonal mask, whose cost grows with the square of the row (a row of 32 samples: attention
+costs more than every linear layer together).
+
+Here both run as ONE variable-length flash-attention call per layer where PyTorch has one
+(``torch.nn.attention.varlen``, CUDA, bf16/fp16): each piece attends to itself only, nothing is
+padded or masked, and the arithmetic is that of the per-piece loop. Elsewhere (CPU, fp32, older
+PyTorch) the same results come from exact fallbacks: the vision windows batched into one SDPA call
+per window LENGTH, the packed row through SDPA with its block-diagonal causal mask.
+tests/test_attention.py checks both fallbacks against transformers' own computation; the GPU
+kernel is checked against them by bench/sft_speed.py (equal first losses).
+
+The language model's attention is registered with transformers as ``groundtune`` (its
+AttentionInterface). A batch that carries ``cu_seq_lens_q`` (qwen.collate_packed: the names
+transformers' flash-attention path reads) is attended per sample; any other batch (padded
+training, generation with a KV cache) goes to transformers' own SDPA function with the SDPA mask,
+unchanged. With flash-attention installed and selected, transformers' own paths already do all of
+this and nothing is replaced.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # PyTorch < 2.10
+    _varlen_attn = None
+_VARLEN_PARAMS = inspect.signature(_varlen_attn).parameters if _varlen_attn is not None else {}
+
+# The vision attention classes of the three families: same fields (qkv, proj, num_heads,
+# scaling), same forward signature, and a module-level apply_rotary_pos_emb_vision.
+ATTENTION_CLASSES = ("Qwen2_5_VLVisionAttention", "VisionAttention", "Qwen3VLVisionAttention")
+TEXT_ATTENTION = "groundtune"  # the name our language-model attention is registered under
+VARLEN_ENABLED = True  # the benchmarks switch the kernel off to measure what it gives (bench/step_ladder.py)
+
+
+def install(model: torch.nn.Module) -> int:
+    """Use this module's attention in ``model``'s vision tower and language model (a freshly loaded
+    Qwen-VL model, not yet wrapped by PEFT); returns how many vision layers were replaced."""
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if config is not None else None
+    if text_config is not None and "flash" not in str(text_config._attn_implementation):
+        _register_text_attention()
+        text_config._attn_implementation = TEXT_ATTENTION
+    vision_config = getattr(config, "vision_config", None)
+    if "flash" in str(getattr(vision_config, "_attn_implementation", "")):
+        return 0
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ in ATTENTION_CLASSES and hasattr(module, "qkv"):
+            module.forward = types.MethodType(vision_forward, module)
+            count += 1
+    return count
+
+
+def varlen_usable(t: torch.Tensor) -> bool:
+    """Whether the variable-length flash kernel can take ``t`` (q, k or v) here."""
+    return VARLEN_ENABLED and _varlen_attn is not None and t.is_cuda and t.dtype in (torch.float16, torch.bfloat16)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
+                     causal: bool, scale: float) -> torch.Tensor:
+    """q (tokens, heads, dim), k/v (tokens, kv_heads, dim), the pieces one after another as
+    ``cu_seqlens`` (int32, starts and the end) says -> (tokens, heads, dim): attention within each
+    piece. Written against the two signatures PyTorch has had (2.10: ``is_causal``; 2.11 on:
+    ``window_size``) and with or without ``enable_gqa``."""
+    extra = {}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in _VARLEN_PARAMS:
+            extra["enable_gqa"] = True
+        else:  # each key/value head serves a block of consecutive query heads (transformers' repeat_kv)
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    if causal:
+        extra.update({"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True})
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale, **extra)
+
+
+# --------------------------------------------------------------------------------------------
+# vision tower
+
+
+def vision_forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
+                   position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
+    """Drop-in forward for a vision attention layer: (tokens, dim) -> (tokens, dim); tokens are the
+    windows one after another, window i spanning cu_seqlens[i]:cu_seqlens[i+1]."""
+    apply_rotary = sys.modules[type(self).__module__].apply_rotary_pos_emb_vision
+    n = hidden_states.shape[0]
+    q, k, v = self.qkv(hidden_states).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    cos, sin = position_embeddings
+    q, k = apply_rotary(q, k, cos, sin)
+    if varlen_usable(q):
+        out = varlen_attention(q, k, v, cu_seqlens, _longest_piece(cu_seqlens), causal=False, scale=self.scaling)
+    else:
+        out = torch.empty_like(q)  # (tokens, heads, head_dim)
+        for index in _windows_by_length(cu_seqlens):  # (windows, length) token indices
+            # (windows, length, heads, head_dim) -> (windows, heads, length, head_dim) for SDPA
+            q_g, k_g, v_g = (t[index].transpose(1, 2) for t in (q, k, v))
+            out[index] = F.scaled_dot_product_attention(q_g, k_g, v_g, scale=self.scaling).transpose(1, 2)
+    return self.proj(out.reshape(n, -1))
+
+
+def _longest_piece(cu_seqlens: torch.Tensor) -> int:
+    # The kernel sizes its grid by the longest piece, so it must be exact, which costs a device->host
+    # copy. The vision tower passes the same two tensors (windows, whole images) to all its layers:
+    # the answer is kept on the tensor, one copy per tensor instead of one per layer.
+    longest = getattr(cu_seqlens, "_groundtune_longest", None)
+    if longest is None:
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        cu_seqlens._groundtune_longest = longest
+    return longest
+
+
+_GROUPS: OrderedDict = OrderedDict()  # recent window layouts -> index tensors (2 per forward: full, windowed)
+
+
+def _windows_by_length(cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
+    # One small device->host copy per layer, as in the loop this replaces (it calls .tolist() too).
+    bounds = tuple(cu_seqlens.tolist())
+    key = (bounds, cu_seqlens.device)
+    if key not in _GROUPS:
+        starts_by_length: dict[int, list[int]] = {}
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end > start:
+                starts_by_length.setdefault(end - start, []).append(start)
+        # Made outside inference mode even during generation: cached, they are reused by training
+        # steps, which cannot take inference tensors.
+        with torch.inference_mode(False):
+            _GROUPS[key] = [
+                (torch.tensor(starts)[:, None] + torch.arange(length)).to(cu_seqlens.device)
+                for length, starts in starts_by_length.items()
+            ]
+        if len(_GROUPS) > 8:
+            _GROUPS.popitem(last=False)
+    return _GROUPS[key]
+
+
+# --------------------------------------------------------------------------------------------
+# language model
+
+
+def text_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                   cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None, **kwargs):
+    """transformers' attention-function signature: query (batch, heads, length, dim), key/value
+    (batch, kv_heads, length, dim) -> ((batch, length, heads, dim), None). A packed row (batch 1,
+    ``cu_seq_lens_q`` given) is attended causally within each sample; anything else is
+    transformers' SDPA attention, unchanged."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kwargs.pop("cu_seq_lens_k", None)  # training rows attend to themselves: the same as _q
+    kwargs.pop("max_length_k", None)
+    if cu_seq_lens_q is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"a packed batch is one row; got {query.shape[0]} rows with cu_seq_lens_q")
+    if varlen_usable(query) and dropout == 0.0:
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (length, heads, dim)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return varlen_attention(q, k, v, cu_seq_lens_q, int(max_length_q), causal=True, scale=scale)[None], None
+    return sdpa_attention_forward(module, query, key, value, _block_causal_mask(cu_seq_lens_q, query.shape[2]),
+                                  dropout=dropout, scaling=scaling, is_causal=False, **kwargs)
+
+
+def _block_causal_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
+    """(1, 1, length, length) bool: token i sees token j when both are in one sample and j <= i."""
+    sample = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=cu_seqlens.device),
+                                     (cu_seqlens[1:] - cu_seqlens[:-1]).long(), output_size=length)
+    same = sample[:, None] == sample[None, :]
+    return (same & torch.ones(length, length, dtype=torch.bool, device=cu_seqlens.device).tril())[None, None]
+
+
+def _register_text_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(TEXT_ATTENTION, text_attention)
+    AttentionMaskInterface.register(TEXT_ATTENTION, sdpa_mask)  # unpacked batches get SDPA's mask, as before
