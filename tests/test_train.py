@@ -255,3 +255,8 @@ def test_lora_on_a_full_fine_tuning_run_applies_to_that_run(synth_single, tmp_pa
     shipped = load_model("tiny").model.state_dict()
     name = next(k for k in trained if k.endswith("language_model.norm.weight"))  # no adapter on it
     assert torch.equal(loaded[name], trained[name]) and not torch.equal(trained[name], shipped[name])
+
+
+def test_a_random_architecture_is_not_silently_trained_unquantized_by_qlora():
+    with pytest.raises(ValueError, match="cannot be loaded in 4-bit"):
+        load_model("random:qwen2.5-vl-7b", quantize_4bit=True)  # refused before anything is built

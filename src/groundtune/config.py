@@ -61,7 +61,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # gradient clipping; 0 = off
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     gradient_checkpointing: int = 0  # recompute the last N LLM layers in backward (-1 = all, 0 = off)
-    packing: bool = False  # a micro-batch in one row, no padding, attention masked per sample (for few long samples)
+    packing: bool = False  # a micro-batch in one row, no padding, attention within each sample: on a GPU one variable-length flash call per layer (the fast setting); on a CPU a dense mask (slow)
     kernels: str = "none"  # fused RMSNorm/SwiGLU/M-RoPE: none | liger (GPU, liger-kernel) | auto (liger where it can)
     compile: bool = False  # torch.compile the LLM decoder layers: fewer kernel launches, slower first steps
     seed: int = 0

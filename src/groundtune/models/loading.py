@@ -136,6 +136,9 @@ def load_model(
     """Load ``tiny``, a run folder, a local model folder or a hub id, ready for inference, with the
     resize settings and prompt it was saved with (callers that override them say so loudly)."""
     kind, path = resolve(name)
+    if kind == "random" and quantize_4bit:
+        raise ValueError(f"{name}: a random architecture is built in memory, not loaded, so it cannot be loaded in "
+                         "4-bit (method=qlora); use method=lora, or name weights (a model folder or a hub id)")
     dev = pick_device(device)
     torch_dtype = pick_dtype(dev, dtype)
     folder = path / "model" if kind == "run" else path
