@@ -2,6 +2,7 @@
 batches: the naive transformers + PEFT stack against `groundtune train`'s own step, in one run.
 
     python bench/sft_speed.py --models 3b,7b --out bench/results/sft_speed.json
+    python bench/sft_speed.py --models 3b --variants naive,preset:qwen2.5-vl-3b-lora-24gb --profile 1
     python bench/sft_speed.py --models tiny --steps 4          # CPU smoke test of this script
 
 Data: one image per sample, sizes drawn around COCO's 640x480 with varied aspect ratios, the
@@ -14,6 +15,9 @@ first losses must agree within bf16 noise: the objective is the same, only the s
   fused AdamW, batch 4; inputs pre-built on the GPU (its data time is not counted).
 - gt-*: `groundtune.train.sft.train` itself (the loop `groundtune train` runs, data loader
   included) with the settings in GT_VARIANTS; speed and memory read from its metrics.jsonl.
+- preset:NAME: the same with a shipped preset's batch, recomputation, packing and kernel settings.
+- --profile N: torch.profiler over N steps of each groundtune variant (not counted in its speed):
+  GPU kernel time by kind, launches, the top kernels; --ladder: the step one change at a time.
 
 Each variant (and the ladder) runs in a process of its own (liger-kernel patches transformers'
 modules process-wide); a variant that runs out of memory, fails or exceeds --variant-timeout is
@@ -337,8 +341,7 @@ def measure(key: str, variant: str, data: Path, steps: int, profile_steps: int =
         else:
             r = groundtune_step(variant, MODELS[key], data, steps, variant_settings(variant), profile_steps)
     except torch.OutOfMemoryError:
-        # where it ran out, and how much was held then: a load-time shortage and an activation peak
-        # look the same from outside
+        # where it ran out: a load-time shortage and an activation peak look the same from outside
         r = {"variant": variant, "settings": variant_settings(variant), "oom": True,
              "where": traceback.format_exc(limit=-6)[-1500:]}
     except Exception as e:  # an optional kernel that fails here must not cost the other variants

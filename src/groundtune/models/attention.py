@@ -5,16 +5,16 @@ vision tower within each image or 112-pixel window, the language model (in a pac
 ``packing=true``) within each sample. Without flash-attention installed, transformers runs the
 first as one ``scaled_dot_product_attention`` call per window (a batch of 32 photos: ~800 calls per
 layer, the step bound by launching them) and the second as SDPA over the whole row with a dense
-block-diagonal mask, whose cost grows with the square of the row (a row of 32 samples: attention
-costs more than every linear layer together).
+block-diagonal mask, whose cost grows with the square of the row (a row of 32 samples of the 3B:
+almost as many FLOPs as all the layer's linear maps, nearly all of them on masked-out pairs).
 
 Here both run as ONE variable-length flash-attention call per layer where PyTorch has one
 (``torch.nn.attention.varlen``, CUDA, bf16/fp16): each piece attends to itself only, nothing is
 padded or masked, and the arithmetic is that of the per-piece loop. Elsewhere (CPU, fp32, older
 PyTorch) the same results come from exact fallbacks: the vision windows batched into one SDPA call
 per window LENGTH, the packed row through SDPA with its block-diagonal causal mask.
-tests/test_attention.py checks both fallbacks against transformers' own computation; the GPU
-kernel is checked against them by bench/sft_speed.py (equal first losses).
+tests/test_attention.py checks both fallbacks against transformers' own computation and, on a
+GPU, the kernel against the fallbacks; bench/sft_speed.py shows equal first losses on the 3B/7B.
 
 The language model's attention is registered with transformers as ``groundtune`` (its
 AttentionInterface). A batch that carries ``cu_seq_lens_q`` (qwen.collate_packed: the names
