@@ -176,11 +176,16 @@ def text_attention(module, query, key, value, attention_mask, dropout: float = 0
 
 
 def _block_causal_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
-    """(1, 1, length, length) bool: token i sees token j when both are in one sample and j <= i."""
-    sample = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=cu_seqlens.device),
-                                     (cu_seqlens[1:] - cu_seqlens[:-1]).long(), output_size=length)
-    same = sample[:, None] == sample[None, :]
-    return (same & torch.ones(length, length, dtype=torch.bool, device=cu_seqlens.device).tril())[None, None]
+    """(1, 1, length, length) bool: token i sees token j when both are in one sample and j <= i.
+    Every layer gets the batch's same ``cu_seqlens`` tensor: the mask is kept on it, made once."""
+    mask = getattr(cu_seqlens, "_groundtune_mask", None)
+    if mask is None or mask.shape[-1] != length:
+        sample = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=cu_seqlens.device),
+                                         (cu_seqlens[1:] - cu_seqlens[:-1]).long(), output_size=length)
+        same = sample[:, None] == sample[None, :]
+        mask = (same & torch.ones(length, length, dtype=torch.bool, device=cu_seqlens.device).tril())[None, None]
+        cu_seqlens._groundtune_mask = mask
+    return mask
 
 
 def _register_text_attention() -> None:
