@@ -20,6 +20,7 @@ import torch
 from sft_speed import MODELS, _batches, make_refcoco_like
 
 from groundtune.config import TrainConfig
+from groundtune.data.dataset import to_device
 from groundtune.models import adapt
 from groundtune.models.loading import load_model
 from groundtune.train.objective import answer_loss
@@ -67,7 +68,7 @@ def probe(model_name: str, batch_size: int, cap_gib: float) -> dict:
             model.train()
             stage("prepared (LoRA r16, every LLM layer recomputed)", model)
             device = next(model.parameters()).device
-            batch = {k: v.to(device) for k, v in _batches(gm, data, batch_size, 1)[0].items()}
+            batch = to_device(_batches(gm, data, batch_size, 1)[0], device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 loss = answer_loss(model, batch)
             stage("forward")

@@ -38,7 +38,7 @@ import torch
 
 from groundtune import infer
 from groundtune.config import RLConfig
-from groundtune.data.dataset import FileSamples, ResumableBatches, open_samples
+from groundtune.data.dataset import FileSamples, ResumableBatches, open_samples, to_device
 from groundtune.data.records import sample_boxes
 from groundtune.models import adapt, kernels, qwen
 from groundtune.models.loading import GroundingModel, load_model, pick_device, resolve
@@ -228,7 +228,7 @@ def update(model, reference, batch: Rollouts, adv: torch.Tensor, optimizer, cfg:
         loss_sum = kl_sum = clipped = 0.0
         for c, rows in enumerate(chunks):
             micro = qwen.collate([batch.sequences[r] for r in rows], pad_token_id)
-            micro = {k: v.to(device) for k, v in micro.items()}
+            micro = to_device(micro, device)
             if inner == 0 and cfg.kl_coef > 0:
                 with torch.no_grad(), autocast, reference():
                     ref[c] = answer_logprobs(model, micro)[0].float()
