@@ -16,6 +16,8 @@ first losses must agree within bf16 noise: the objective is the same, only the s
 - gt-*: `groundtune.train.sft.train` itself (the loop `groundtune train` runs, data loader
   included) with the settings in GT_VARIANTS; speed and memory read from its metrics.jsonl.
 - preset:NAME: the same with a shipped preset's batch, recomputation, packing and kernel settings.
+  A QLoRA preset first writes the random architecture to disk and trains from that folder: the
+  4-bit base is made by from_pretrained, as from a user's weights (bitsandbytes needed).
 - --profile N: torch.profiler over N steps of each groundtune variant (not counted in its speed):
   GPU kernel time by kind, launches, the top kernels; --ladder: the step one change at a time.
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
 import subprocess
@@ -207,16 +210,19 @@ def groundtune_step(name: str, model_name: str, data: Path, steps: int, settings
     profiler = _StepProfiler(start=max(steps - profile_steps - 1, 2), steps=profile_steps) if profile_steps else None
 
     def on_step(step, run, model):
-        if step == 1:
+        if "counts" not in seen:
             seen["counts"] = parameter_counts(adapt.base_model(model))
         if profiler is not None:
             profiler.on_step(step)
 
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as weights:
+        model = model_name
+        if settings.get("method") == "qlora" and model_name.startswith("random:"):
+            model, seen["counts"] = _saved_weights(model_name, Path(weights))
         values = dict(method="lora", lora_r=16, lora_alpha=32, lora_targets=["llm_attn", "llm_mlp"], num_workers=8,
                       precision="bf16" if torch.cuda.is_available() else "fp32")
         values.update(settings)  # a variant's or a preset's settings; the run's length and logging are the bench's
-        cfg = TrainConfig(**values, model=model_name, train_data=str(data), out_dir=out, lr=LR, warmup_steps=0,
+        cfg = TrainConfig(**values, model=model, train_data=str(data), out_dir=out, lr=LR, warmup_steps=0,
                           min_lr_ratio=1.0, max_steps=steps, log_every=1, save_every=0)
         _reset_peak()
         run = train(cfg, on_step=on_step)
@@ -233,6 +239,22 @@ def groundtune_step(name: str, model_name: str, data: Path, steps: int, settings
     if profiler is not None and profiler.summary:
         result["profile"] = profiler.summary
     return result
+
+
+def _saved_weights(model_name: str, folder: Path) -> tuple[str, dict]:
+    """A random architecture written to disk as a model folder, so that it loads the way a user's
+    weights do: through from_pretrained, in 4-bit for QLoRA (a model built in memory cannot be
+    loaded in 4-bit). Returns the folder and the unquantized model's parameter counts (a 4-bit
+    weight's numel is that of its packed bytes, half its own)."""
+    from groundtune.train import checkpoint
+
+    gm = load_model(model_name)
+    counts = parameter_counts(gm.model)
+    checkpoint.save_model(folder, gm, gm.model)
+    del gm
+    gc.collect()
+    torch.cuda.empty_cache()  # the run that loads it must not see this copy's memory
+    return str(folder), counts
 
 
 class _StepProfiler:

@@ -1,6 +1,7 @@
 """The SFT loop on the tiny model: label mask, learning, exact resume, STOP file, NaN guard,
 the run folder and loading it back."""
 
+import importlib.util
 import json
 
 import pytest
@@ -260,3 +261,29 @@ def test_lora_on_a_full_fine_tuning_run_applies_to_that_run(synth_single, tmp_pa
 def test_a_random_architecture_is_not_silently_trained_unquantized_by_qlora():
     with pytest.raises(ValueError, match="cannot be loaded in 4-bit"):
         load_model("random:qwen2.5-vl-7b", quantize_4bit=True)  # refused before anything is built
+
+
+needs_gpu_and_bitsandbytes = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None,
+    reason="4-bit bases need a CUDA GPU and bitsandbytes")
+
+
+@needs_gpu_and_bitsandbytes
+def test_qlora_trains_adapters_on_a_4bit_base_and_the_run_loads_back(synth_single, tmp_path):
+    import bitsandbytes as bnb
+
+    seen = {}
+
+    def on_step(step, run, model):
+        base = model.get_base_model()
+        seen.setdefault("4bit", sum(isinstance(m, bnb.nn.Linear4bit) for m in base.modules()))
+        seen.setdefault("trainable", sorted({n.split(".")[-2] for n, p in model.named_parameters() if p.requires_grad}))
+
+    run = train(_cfg(synth_single, tmp_path / "qlora", method="qlora", lr=1e-3, max_steps=8), on_step=on_step)
+    decoder_linears = 7 * len(load_model("tiny").model.model.language_model.layers)  # q k v o gate up down
+    assert seen["4bit"] == decoder_linears  # every LLM linear in 4-bit, the vision tower and LM head not
+    assert seen["trainable"] == ["lora_A", "lora_B"]
+    losses = _losses(run)
+    assert losses[-1] < losses[0]
+    loaded = load_model(str(run))  # the adapter applies to the same base, here unquantized
+    assert hasattr(loaded.model, "peft_config") and loaded.model.peft_config["default"].r == 16
