@@ -241,8 +241,9 @@ def _load_weights(source, kind: str, torch_dtype: torch.dtype, quantize_on: torc
             "quantization_config": BitsAndBytesConfig(
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
                 bnb_4bit_use_double_quant=True,
-                # the vision tower is small and sensitive: keep it in bf16
-                llm_int8_skip_modules=["visual", "lm_head"],
+                # the vision tower is small and sensitive: keep it in bf16. Names match from the
+                # start of a module's path ("visual" alone would match nothing and quantize the tower)
+                llm_int8_skip_modules=["model.visual", "lm_head"],
             ),
             "device_map": {"": quantize_on.index or 0},
         }
