@@ -145,8 +145,10 @@ def test_lora_init_is_a_function_of_the_seed():
 
 
 def test_packed_training_follows_the_padded_run(synth_single, tmp_path):
-    padded = train(_cfg(synth_single, tmp_path / "padded", max_steps=3, method="lora", lr=5e-3))
-    packed = train(_cfg(synth_single, tmp_path / "packed", max_steps=3, method="lora", lr=5e-3, packing=True))
+    # fp32 on the CPU, where packing must be exact (the GPU's bf16 kernels: test_attention.py)
+    padded = train(_cfg(synth_single, tmp_path / "padded", max_steps=3, method="lora", lr=5e-3, device="cpu"))
+    packed = train(_cfg(synth_single, tmp_path / "packed", max_steps=3, method="lora", lr=5e-3, packing=True,
+                        device="cpu"))
     assert _losses(packed) == pytest.approx(_losses(padded), rel=1e-4)
     rows = [json.loads(line) for line in (packed / "metrics.jsonl").read_text().splitlines()]
     assert [r["samples"] for r in rows if "samples" in r] == [4, 8, 12]  # samples, not rows, are counted
@@ -200,7 +202,7 @@ def test_frozen_vision_tower_is_never_back_propagated():
     """LoRA on the language model with the vision tower and merger frozen: their outputs carry no
     autograd graph, so backward stops at the image embeddings and checkpointing never recomputes
     the tower (what the plain PEFT recipe's enable_input_require_grads does)."""
-    from groundtune.data.dataset import GroundingDataset, open_samples
+    from groundtune.data.dataset import GroundingDataset, open_samples, to_device
     from groundtune.models import adapt
     from groundtune.train.objective import answer_loss
 
@@ -211,7 +213,8 @@ def test_frozen_vision_tower_is_never_back_propagated():
     merger = model.get_base_model().model.visual.merger
     merger.register_forward_hook(lambda module, args, out: seen.append(out.requires_grad))
     dataset = GroundingDataset(open_samples("synth:full", 0), gm.processor, gm.family, gm.resize, gm.prompt)
-    answer_loss(model, qwen.collate([dataset[i, i] for i in range(2)], gm.processor.pad_token_id)).backward()
+    batch = qwen.collate([dataset[i, i] for i in range(2)], gm.processor.pad_token_id)
+    answer_loss(model, to_device(batch, gm.device)).backward()
     assert seen == [False]  # one vision forward, no graph behind it
     assert all(p.grad is None for n, p in model.named_parameters() if "visual" in n)
     assert any(p.grad is not None for n, p in model.named_parameters() if "lora_B" in n)
@@ -269,7 +272,7 @@ needs_gpu_and_bitsandbytes = pytest.mark.skipif(
 
 
 @needs_gpu_and_bitsandbytes
-def test_qlora_trains_adapters_on_a_4bit_base_and_the_run_loads_back(synth_single, tmp_path):
+def test_qlora_trains_adapters_on_a_4bit_base_and_the_run_loads_back(synth_wide, tmp_path):
     import bitsandbytes as bnb
 
     seen = {}
@@ -277,13 +280,14 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_the_run_loads_back(synth_singl
     def on_step(step, run, model):
         base = model.get_base_model()
         seen.setdefault("4bit", sum(isinstance(m, bnb.nn.Linear4bit) for m in base.modules()))
-        seen.setdefault("trainable", sorted({n.split(".")[-2] for n, p in model.named_parameters() if p.requires_grad}))
+        seen.setdefault("trainable", [n for n, p in model.named_parameters() if p.requires_grad])
 
-    run = train(_cfg(synth_single, tmp_path / "qlora", method="qlora", lr=1e-3, max_steps=8), on_step=on_step)
+    run = train(_cfg(synth_wide, tmp_path / "qlora", method="qlora", lr=5e-3, max_steps=12, batch_size=8),
+                on_step=on_step)
     decoder_linears = 7 * len(load_model("tiny").model.model.language_model.layers)  # q k v o gate up down
     assert seen["4bit"] == decoder_linears  # every LLM linear in 4-bit, the vision tower and LM head not
-    assert seen["trainable"] == ["lora_A", "lora_B"]
+    assert seen["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in seen["trainable"])
     losses = _losses(run)
-    assert losses[-1] < losses[0]
+    assert sum(losses[-3:]) / 3 < 0.6 * sum(losses[:3]) / 3  # (LoRA on the unquantized base, CPU: 1.40 -> 0.40)
     loaded = load_model(str(run))  # the adapter applies to the same base, here unquantized
     assert hasattr(loaded.model, "peft_config") and loaded.model.peft_config["default"].r == 16
