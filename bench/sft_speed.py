@@ -86,6 +86,11 @@ GT_VARIANTS = {
     "gt-b32-packed-ckpt-all-compile": dict(batch_size=32, gradient_checkpointing=-1, packing=True, compile=True),
     "gt-b64-packed-ckpt-all-compile": dict(batch_size=64, gradient_checkpointing=-1, packing=True, compile=True),
     "gt-b8-packed-ckpt-all-liger": dict(batch_size=8, gradient_checkpointing=-1, packing=True, kernels="liger"),
+    # QLoRA (4-bit base) at the preset's batch, without and with liger-kernel
+    "gt-qlora-b8x2-packed-ckpt-all": dict(method="qlora", batch_size=8, grad_accum=2, gradient_checkpointing=-1,
+                                          packing=True),
+    "gt-qlora-b8x2-packed-ckpt-all-liger": dict(method="qlora", batch_size=8, grad_accum=2,
+                                                gradient_checkpointing=-1, packing=True, kernels="liger"),
 }
 # what a shipped preset (variant "preset:NAME") decides about speed and memory; the rest is the bench's
 PRESET_SETTINGS = ("method", "lora_r", "lora_alpha", "lora_targets", "batch_size", "grad_accum", "gradient_checkpointing",
