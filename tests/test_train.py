@@ -278,9 +278,9 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_the_run_loads_back(synth_wide,
     seen = {}
 
     def on_step(step, run, model):
-        base = model.get_base_model()
-        seen.setdefault("4bit", sum(isinstance(m, bnb.nn.Linear4bit) for m in base.modules()))
-        seen.setdefault("trainable", [n for n, p in model.named_parameters() if p.requires_grad])
+        if step == 1:
+            seen["4bit"] = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.get_base_model().modules())
+            seen["trainable"] = [n for n, p in model.named_parameters() if p.requires_grad]
 
     run = train(_cfg(synth_wide, tmp_path / "qlora", method="qlora", lr=5e-3, max_steps=12, batch_size=8),
                 on_step=on_step)
