@@ -20,9 +20,9 @@ import torch
 from sft_speed import MODELS, _batches, make_refcoco_like
 
 from groundtune.config import TrainConfig
-from groundtune.data.dataset import to_device
-from groundtune.models import adapt
+from groundtune.models import adapt, speedups
 from groundtune.models.loading import load_model
+from groundtune.train.batches import to_device
 from groundtune.train.objective import answer_loss
 
 
@@ -65,6 +65,7 @@ def probe(model_name: str, batch_size: int, cap_gib: float) -> dict:
             cfg = TrainConfig(train_data=str(data), method="lora", gradient_checkpointing=-1)
             model = adapt.prepare_for_training(gm.model, cfg)
             adapt.keep_trainable_fp32(model)
+            speedups.install(model)  # as `groundtune train` does
             model.train()
             stage("prepared (LoRA r16, every LLM layer recomputed)", model)
             device = next(model.parameters()).device

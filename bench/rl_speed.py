@@ -33,9 +33,9 @@ from sft_speed import MODELS, make_refcoco_like
 from groundtune import infer
 from groundtune.boxes import iou, parse_answer
 from groundtune.config import RLConfig
-from groundtune.data.dataset import open_samples
+from groundtune.data.samples import open_samples
 from groundtune.data.records import sample_boxes
-from groundtune.models import adapt, qwen
+from groundtune.models import adapt, qwen, speedups
 from groundtune.models.loading import load_model
 from groundtune.train import rl
 from groundtune.train.rewards import RewardWeights
@@ -55,7 +55,7 @@ def groundtune_step(gm, model, pairs, cfg) -> dict:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.cuda.is_available())
     t0 = _now()
-    batch = rl.rollouts(gm, pairs, list(range(len(pairs))), cfg, RewardWeights())
+    batch = rl.rollouts(gm, pairs, list(range(len(pairs))), cfg.group_size, rl.rollout_decoding(cfg), RewardWeights())
     t1 = _now()  # rollouts() scores as it goes: its reward time is inside generation, and tiny
     adv = rl.advantages(batch.rewards, batch.prompt_keys, cfg, None)
     rl.update(model, model.disable_adapter, batch, adv, optimizer, cfg, autocast, gm.processor.pad_token_id)
@@ -131,16 +131,14 @@ def main() -> None:
         data = make_refcoco_like(Path(tmp), args.prompts * (args.steps + 1))
         samples = open_samples(str(data), 0)
         for impl in ("plain", "groundtune"):
-            gm = load_model(MODELS[args.model])
-            if impl == "plain":
-                for m in gm.model.modules():  # transformers' own vision attention
-                    m.__dict__.pop("forward", None)
-            model = adapt.prepare_for_training(gm.model, cfg)
+            gm = load_model(MODELS[args.model])  # no speed-up installed: transformers' own attention
+            model = adapt.add_lora(gm.model, cfg)
             if impl == "plain":
                 model.gradient_checkpointing_enable()
                 model.enable_input_require_grads()
             else:
                 adapt.checkpoint_last_layers(model, -1)
+                speedups.install(model)
             adapt.keep_trainable_fp32(model)
             gm = dataclasses.replace(gm, model=model)
             step = plain_step if impl == "plain" else groundtune_step

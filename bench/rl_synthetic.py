@@ -45,7 +45,7 @@ def _arm(kind: str, work: str, seconds: float, overrides: list[str], name: str =
 
     torch.set_num_threads(1)
     from groundtune.config import RLConfig, load_config
-    from groundtune.quickstart import preset_path
+    from groundtune.config import preset_path
     from groundtune.train.rl import rl
     from groundtune.train.sft import train
 
@@ -82,7 +82,7 @@ def main() -> None:
 
     from groundtune.config import TrainConfig, load_config
     from groundtune.data import synth
-    from groundtune.quickstart import preset_path
+    from groundtune.config import preset_path
     from groundtune.train.sft import train
 
     work = Path(args.work)

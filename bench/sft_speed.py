@@ -49,12 +49,12 @@ import torch
 import yaml
 from PIL import Image
 
-from groundtune.boxes import ResizeSpec
-from groundtune.config import TrainConfig
-from groundtune.data.dataset import GroundingDataset, ResumableBatches, open_samples
+from groundtune.config import TrainConfig, preset_path
+from groundtune.data.samples import ResumableBatches, open_samples
 from groundtune.data.records import write_samples
 from groundtune.models import adapt, qwen
 from groundtune.models.loading import load_model
+from groundtune.train.batches import GroundingDataset
 
 PEAK_FLOPS = 790e12
 MODELS = {"3b": "random:qwen2.5-vl-3b", "7b": "random:qwen2.5-vl-7b", "tiny": "tiny"}
@@ -101,8 +101,6 @@ LR = 1e-4
 def variant_settings(variant: str) -> dict | None:
     """The TrainConfig settings of a variant: a name of GT_VARIANTS, or preset:NAME (configs/NAME.yaml)."""
     if variant.startswith("preset:"):
-        from groundtune.quickstart import preset_path
-
         preset = yaml.safe_load(preset_path(variant.removeprefix("preset:")).read_text())
         return {k: v for k, v in preset.items() if k in PRESET_SETTINGS}
     return GT_VARIANTS.get(variant)
@@ -154,7 +152,7 @@ def _data_view(model_name: str):
     architectures speak the tiny model's tokenizer with their family's default pixel budget."""
     gm = load_model("tiny", device="cpu")
     if model_name.startswith("random:"):
-        gm = dataclasses.replace(gm, resize=ResizeSpec.for_family(gm.family), prompt=qwen.DEFAULT_PROMPT)
+        gm = dataclasses.replace(gm, resize=qwen.family(gm.family).default_resize(), prompt=qwen.DEFAULT_PROMPT)
     return gm
 
 
@@ -169,11 +167,8 @@ def naive(model_name: str, data: Path, steps: int, batch_size: int = 4) -> dict:
     """transformers + PEFT as peers run them. Same initial weights as groundtune's run."""
     from peft import LoraConfig, get_peft_model
 
-    gm = load_model(model_name)
+    gm = load_model(model_name)  # no speed-up installed: transformers' own attention, one call per window
     model = gm.model
-    for m in model.modules():  # transformers' own vision attention: one call per window
-        m.__dict__.pop("forward", None)
-    model.config.get_text_config()._attn_implementation = "sdpa"  # and its own text attention
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, bias="none",
                       target_modules=r".*language_model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj")
     torch.manual_seed(0)  # the LoRA init groundtune uses for seed 0 (adapt.prepare_for_training)

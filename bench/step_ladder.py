@@ -2,7 +2,8 @@
 BENCHMARKS.md keeps of what each change gave.
 
     from step_ladder import ladder
-    rows = ladder(model, samples, pad_token_id, steps=5)   # model: prepared for training (not fused);
+    rows = ladder(model, samples, pad_token_id, steps=5)   # model: prepared for training, with the
+                                                           # attention of models/attention.py only;
                                                            # samples: encoded (groundtune's dataset)
 
 Rungs, each adding to the one before: (1) the step as groundtune ran it before the variable-length
@@ -24,8 +25,8 @@ import time
 
 import torch
 
-from groundtune.data.dataset import to_device
 from groundtune.models import adapt, attention, kernels, qwen
+from groundtune.train.batches import to_device
 from groundtune.train.objective import answer_loss
 
 
@@ -36,14 +37,15 @@ def _sync() -> None:
 
 def _vision_mlp(model, padded: bool) -> None:
     for m in model.modules():
-        if type(m).__name__ == kernels.VISION_MLP_CLASS:
+        if type(m).__name__ == adapt.family_of(model).padded_vision_mlp:
             m.__dict__.pop("forward", None)
     if padded:
-        kernels.pad_vision_mlp(model)
+        kernels.pad_vision_mlp(model, adapt.family_of(model).padded_vision_mlp)
 
 
 def ladder(model, samples: list[dict], pad_token_id: int, steps: int = 5, warmup: int = 3) -> list[dict]:
     cuda = torch.cuda.is_available()
+    attention.install(model, adapt.family_of(model))  # every rung runs on it: varlen on or off
     device = next(model.parameters()).device
     padded = to_device(qwen.collate(samples, pad_token_id), device)
     packed = to_device(qwen.collate_packed(samples), device)

@@ -12,12 +12,11 @@ import json
 
 from groundtune.boxes import iou
 from groundtune.data.synth import make_sample, make_scene
-from groundtune.infer import predict
-from groundtune.models.loading import load_model
+from groundtune.infer import load, predict
 
 
 def breakdown(model: str, n: int, seed: int, task: str) -> dict:
-    gm = load_model(model)
+    gm = load(model)
     images, phrases, scenes = [], [], []
     for i in range(n):
         image, record = make_sample(seed, i, task=task, split="val")

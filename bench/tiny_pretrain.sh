@@ -5,7 +5,7 @@
 # form on 1,000 held-out full-task samples.
 #   OUT=/tmp/out SECONDS_PER_RUN=470 bash bench/tiny_pretrain.sh bench/plans/tiny_stage2_sweep.txt
 # Plan lines:
-#   arch NAME ARGS...        build a tiny architecture (python -m groundtune.models.tiny ARGS)
+#   arch NAME ARGS...        build a tiny architecture (python scripts/tiny_model.py ARGS)
 #   run NAME KEY=VALUE...    a training run; model=arch:NAME uses an architecture built above
 #   resume NAME DIR          continue run NAME from DIR/NAME.tgz.* (a previous call's output,
 #                            carried back to the machine): `groundtune train --resume`
@@ -21,7 +21,7 @@ python -m groundtune data synth --out $W/data --n 500 --seed 12 --task full --sp
 runs=()
 while read -r kind name rest; do
   case "$kind" in
-    arch) python -m groundtune.models.tiny --out $W/arch/$name $rest > /dev/null ;;
+    arch) python scripts/tiny_model.py --out $W/arch/$name $rest > /dev/null ;;
     run)
       args=$(echo "$rest" | sed "s#arch:#$W/arch/#g")
       python -m groundtune train tiny-pretrain eval_data=$W/data/val.jsonl out_dir=$W/$name $args \

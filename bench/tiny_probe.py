@@ -15,7 +15,7 @@ import argparse
 import numpy as np
 import torch
 
-from groundtune.data.dataset import encode_sample
+from groundtune.train.batches import encode_sample
 from groundtune.data.synth import DEFAULT_PALETTE, make_sample, make_scene
 from groundtune.models.loading import load_model
 

@@ -13,9 +13,10 @@ import time
 import torch
 
 from groundtune.config import TrainConfig
-from groundtune.data.dataset import GroundingDataset, make_loader, open_samples, to_device
+from groundtune.data.samples import open_samples
 from groundtune.models import adapt, qwen
 from groundtune.models.loading import load_model
+from groundtune.train.batches import GroundingDataset, make_loader, to_device
 from groundtune.train.objective import answer_loss
 from step_ladder import ladder
 

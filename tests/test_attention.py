@@ -7,7 +7,7 @@ On a GPU the variable-length flash kernel is checked against those exact paths."
 import pytest
 import torch
 
-from groundtune.models import attention, qwen
+from groundtune.models import attention, qwen, speedups
 from groundtune.models.loading import load_model
 
 SIZES = [(200, 100), (90, 180), (112, 112), (300, 60)]  # several window lengths, edge windows included
@@ -37,9 +37,12 @@ def _vision_output_and_grads(gm, pixels, grid):
 
 def test_grouped_attention_equals_the_per_window_loop(any_family_model):
     torch.manual_seed(0)
-    gm = load_model(any_family_model, device="cpu", dtype="fp32")  # load_model installs the grouped attention
-    layers = [m for m in gm.model.modules() if type(m).__name__ in attention.ATTENTION_CLASSES]
-    assert layers and all("forward" in vars(m) for m in layers)  # installed on every vision layer
+    gm = load_model(any_family_model, device="cpu", dtype="fp32")
+    vision_attention = qwen.family(gm.family).vision_attention
+    layers = [m for m in gm.model.modules() if type(m).__name__ == vision_attention]
+    assert layers and not any("forward" in vars(m) for m in layers)  # loading installs nothing
+    speedups.install(gm.model)
+    assert all("forward" in vars(m) for m in layers)  # installed on every vision layer
     pixels, grid = _vision_inputs(gm)
     grouped, grouped_grads = _vision_output_and_grads(gm, pixels, grid)
     for m in layers:
@@ -71,6 +74,8 @@ def test_block_causal_mask_keeps_attention_within_each_sample():
 
 def test_language_model_attention_is_ours_and_falls_back_to_sdpa():
     gm = load_model("tiny", device="cpu", dtype="fp32")
+    assert gm.model.config.get_text_config()._attn_implementation == "sdpa"  # transformers' own until installed
+    speedups.install(gm.model)
     assert gm.model.config.get_text_config()._attn_implementation == attention.TEXT_ATTENTION
     q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8)
     layer = next(m for n, m in gm.model.named_modules() if n.endswith("self_attn"))
@@ -114,7 +119,7 @@ def test_varlen_kernel_equals_the_fallbacks_on_the_gpu():
 def test_packed_training_loss_equals_the_padded_loss_on_the_gpu(any_family_model):
     from groundtune.config import TrainConfig
     from groundtune.data import synth
-    from groundtune.data.dataset import encode_sample, to_device
+    from groundtune.train.batches import encode_sample, to_device
     from groundtune.models import adapt
     from groundtune.train.objective import answer_loss
 

@@ -1,6 +1,7 @@
 """The box conventions, both ways: table-driven cases and round-trip properties."""
 
 import json
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -8,6 +9,10 @@ from hypothesis import strategies as st
 
 from groundtune import boxes
 from groundtune.boxes import ResizeSpec, format_target, parse_answer, smart_resize
+
+# qwen-vl-utils' own defaults (factor 28, 3,136 .. 12,845,056): the cases below are its answers
+REFERENCE = {"factor": 28, "min_pixels": 3136, "max_pixels": 12845056}
+MIN_PIXELS = REFERENCE["min_pixels"]
 
 
 # ---------------------------------------------------------------------------- smart_resize
@@ -27,53 +32,64 @@ from groundtune.boxes import ResizeSpec, format_target, parse_answer, smart_resi
         (14, 14, {"factor": 28, "min_pixels": 28 * 28}, (28, 28)),  # round(0.5)=0 -> max(factor, .)
         (42, 42, {}, (56, 56)),  # round(1.5)=2 (banker's rounding, as the reference)
         (70, 70, {}, (56, 56)),  # round(2.5)=2 (banker's rounding, as the reference)
+        # the reference floors the short side to 0 here (a crash later); transformers' smart_resize
+        # keeps it at one factor, and so do we: (28, 1988), as transformers answers
+        (39, 3092, {"max_pixels": 50176}, (28, 1988)),
+        (3092, 39, {"max_pixels": 50176}, (1988, 28)),
     ],
 )
 def test_smart_resize_table(h, w, kwargs, expected):
-    assert smart_resize(h, w, **kwargs) == expected
+    assert smart_resize(h, w, **{**REFERENCE, **kwargs}) == expected
 
 
 def test_smart_resize_rejects_extreme_aspect_ratio():
-    with pytest.raises(ValueError, match="aspect ratio"):
-        smart_resize(1, 201)
+    with pytest.raises(boxes.ResizeError, match="aspect ratio"):
+        smart_resize(1, 201, **REFERENCE)
+    with pytest.raises(boxes.ResizeError, match="positive"):
+        smart_resize(0, 20, **REFERENCE)
 
 
 @given(
     h=st.integers(1, 5000),
     w=st.integers(1, 5000),
     factor=st.sampled_from([28, 32]),
-    max_pixels=st.sampled_from([1003520, 12845056, 200704]),
+    max_pixels=st.sampled_from([1003520, 12845056, 200704, 50176]),
 )
 def test_smart_resize_properties(h, w, factor, max_pixels):
     if max(h, w) / min(h, w) > 200:
         return
-    rh, rw = smart_resize(h, w, factor=factor, max_pixels=max_pixels)
+    rh, rw = smart_resize(h, w, factor=factor, min_pixels=MIN_PIXELS, max_pixels=max_pixels)
     assert rh % factor == 0 and rw % factor == 0
+    assert rh >= factor and rw >= factor  # never a side of 0
     rounded = (max(factor, round(h / factor) * factor), max(factor, round(w / factor) * factor))
-    if boxes.MIN_PIXELS <= rounded[0] * rounded[1] <= max_pixels:
+    if MIN_PIXELS <= rounded[0] * rounded[1] <= max_pixels:
         assert (rh, rw) == rounded  # inside the budget: each side only rounded to the factor
     elif rounded[0] * rounded[1] > max_pixels:
         # scaled to the budget, never past it (a side may still grow: beta < 1 when only the
-        # rounding pushed the area over, as in the reference, e.g. 210x4495 -> 196x4620)
-        assert rh * rw <= max_pixels
+        # rounding pushed the area over, as in the reference, e.g. 210x4495 -> 196x4620), unless
+        # a side would fall under one factor: it stays one factor, the other side within budget
+        beta = math.sqrt(h * w / max_pixels)
+        scaled = (math.floor(h / beta / factor) * factor, math.floor(w / beta / factor) * factor)
+        if min(scaled) >= factor:
+            assert (rh, rw) == scaled and rh * rw <= max_pixels
+        else:  # the reference's 0 becomes one factor; the other side is the reference's
+            assert (rh, rw) == (max(factor, scaled[0]), max(factor, scaled[1]))
     else:
         # scaled up to the minimum; a side grows unless only the rounding pushed the area under (then
         # beta < 1, as in the reference, e.g. 38x85 -> 56x84)
-        assert rh * rw >= boxes.MIN_PIXELS
-        if h * w < boxes.MIN_PIXELS:
+        assert rh * rw >= MIN_PIXELS
+        if h * w < MIN_PIXELS:
             assert rh >= h and rw >= w
 
 
-def test_resize_spec_order_and_family():
-    spec = ResizeSpec.for_family("qwen2.5-vl")
-    assert spec.factor == 28 and spec.max_pixels == boxes.DEFAULT_MAX_PIXELS
+def test_resize_spec_order_and_round_trip():
+    spec = ResizeSpec(28, 3136, 1003520)
     assert spec.resized_size((640, 427)) == (644, 420)  # (width, height) order, unlike smart_resize
-    assert ResizeSpec.for_family("qwen3-vl").factor == 32
     assert ResizeSpec.from_dict(spec.to_dict()) == spec
     with pytest.raises(ValueError, match="min_pixels"):
-        ResizeSpec(min_pixels=10, max_pixels=5)
+        ResizeSpec(28, min_pixels=10, max_pixels=5)
     with pytest.raises(ValueError, match="unknown model family"):
-        ResizeSpec.for_family("llava")
+        boxes.check_family("llava")
 
 
 # ---------------------------------------------------------------------------- geometry
@@ -241,11 +257,14 @@ def image_and_box(draw, max_side=2000):
     return (w, h), [x1, y1, x2, y2]
 
 
+FACTOR = {"qwen2.5-vl": 28, "qwen2-vl": 28, "qwen3-vl": 32}  # checked against the records in test_families.py
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     data=image_and_box(),
     family=st.sampled_from(boxes.FAMILIES),
-    max_pixels=st.sampled_from([boxes.DEFAULT_MAX_PIXELS, boxes.MAX_PIXELS, 256 * 28 * 28]),
+    max_pixels=st.sampled_from([1003520, 12845056, 256 * 28 * 28]),
 )
 def test_round_trip_original_text_parse_original(data, family, max_pixels):
     """original -> target text -> parse -> original, within 1 px while the model's coordinate
@@ -253,12 +272,12 @@ def test_round_trip_original_text_parse_original(data, family, max_pixels):
     at least half the original size); in general within half a grid step (one and a half for a
     box smaller than the grid)."""
     size, box = data
-    spec = ResizeSpec.for_family(family, max_pixels=max_pixels)
+    spec = ResizeSpec(FACTOR[family], 3136, max_pixels)
     resized = spec.resized_size(size)
     text = format_target([box], "thing", family, size, resized)
     parsed = parse_answer(text, family, size, resized)
     assert parsed.ok, (text, parsed.error)
-    if family in boxes.NORM_FAMILIES:
+    if boxes.COORDINATES[family] == boxes.NORM_1000:
         step_x, step_y = size[0] / 1000, size[1] / 1000
     else:
         step_x, step_y = size[0] / resized[0], size[1] / resized[1]

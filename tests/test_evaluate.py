@@ -166,7 +166,7 @@ def test_eval_cli_writes_report_and_gallery(dataset, tmp_path, capsys):
 
 
 def test_eval_compare_and_pixel_override(dataset, tmp_path):
-    with pytest.warns(UserWarning, match="evaluated with"):
+    with pytest.warns(UserWarning, match="eval: tiny has its pixel budget in groundtune.json .* but runs with"):
         result = evaluate.run_eval("tiny", dataset, limit=2, compare="tiny", max_pixels=28 * 28 * 16,
                                    device="cpu", out=tmp_path / "both.json")
     assert json.loads((tmp_path / "both.json").read_text()) == result

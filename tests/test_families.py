@@ -12,13 +12,13 @@ import math
 
 import pytest
 import torch
-from family_models import PATCH
+from family_models import MAX_PIXELS, MIN_PIXELS, PATCH
 from PIL import Image
 
 from groundtune import boxes, infer
 from groundtune.config import TrainConfig
 from groundtune.data import synth
-from groundtune.data.dataset import encode_sample
+from groundtune.train.batches import encode_sample
 from groundtune.models import adapt, qwen
 from groundtune.models.loading import load_model
 from groundtune.train.sft import train
@@ -54,8 +54,10 @@ def test_load_reports_family_and_resize(family_folder):
     family, folder = family_folder
     gm = load_model(str(folder), device="cpu")
     assert gm.family == family
-    assert gm.resize == boxes.ResizeSpec(FACTOR[family], boxes.MIN_PIXELS, boxes.DEFAULT_MAX_PIXELS)
-    assert type(gm.model).__name__ == qwen.MODEL_CLASS_NAME[family]
+    # no groundtune.json: the budget of the folder's own preprocessor_config.json, at the family's factor
+    assert gm.resize == boxes.ResizeSpec(FACTOR[family], MIN_PIXELS, MAX_PIXELS)
+    assert gm.resize_source == "preprocessor_config.json"
+    assert type(gm.model).__name__ == qwen.family(family).model_class
     assert gm.processor.image_processor.patch_size == PATCH[family]
     assert sum(p.numel() for p in gm.model.parameters()) < 1_000_000
 
@@ -136,7 +138,7 @@ def test_lora_training_run_saves_and_loads_back(family_folder, synth_small, tmp_
     trained = {n: p for n, p in gm.model.named_parameters() if "lora_B" in n}
     assert trained and any(p.abs().sum() > 0 for p in trained.values())  # lora_B starts at zero
     adapted = [n for n in trained if ".visual." in n]  # the merger was adapted too, not the tower
-    assert adapted and all(adapt.part_of(n) == "merger" for n in adapted)
+    assert adapted and all(qwen.family(family).part_of(n) == "merger" for n in adapted)
     if family == "qwen3-vl":  # DeepStack's mergers count as merger
         assert any("deepstack" in n for n in adapted)
     preds = infer.predict(gm, [_image()], [PHRASE], max_new_tokens=8)
@@ -151,7 +153,7 @@ def test_answers_map_back_to_original_pixels(family_folder):
     assert resized_size != image.size  # the resize really happens, so a wrong mapping would show
     tok = gm.processor.tokenizer
     ids = tok(ANSWER[family], add_special_tokens=False)["input_ids"]
-    ids += [gm.processor.token_id(qwen.IM_END)] + [gm.processor.pad_token_id] * 3  # a finished batch row
+    ids += [gm.processor.token_id(qwen.TOKENS.im_end)] + [gm.processor.pad_token_id] * 3  # a finished batch row
     pred = infer.read_answer(ids, gm.processor, family, image.size, resized_size)
     assert pred.error is None and pred.label == PHRASE
     assert pred.bbox == pytest.approx(BOX)

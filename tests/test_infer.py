@@ -124,7 +124,7 @@ ORIGINAL = (200, 100)
 
 def _answer_ids(gm, text: str) -> list[int]:
     """Token ids as generate returns them for a finished row of a batch: answer, <|im_end|>, pads."""
-    ids = gm.processor.tokenizer(text + qwen.IM_END, add_special_tokens=False)["input_ids"]
+    ids = gm.processor.tokenizer(text + qwen.TOKENS.im_end, add_special_tokens=False)["input_ids"]
     return ids + [gm.processor.pad_token_id] * 3
 
 

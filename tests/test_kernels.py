@@ -7,7 +7,7 @@ import torch
 
 from groundtune.config import ConfigError, TrainConfig
 from groundtune.data import synth
-from groundtune.data.dataset import encode_sample
+from groundtune.train.batches import encode_sample
 from groundtune.models import adapt, kernels, qwen
 from groundtune.models.loading import load_model
 from groundtune.train.objective import answer_loss
@@ -121,5 +121,5 @@ def test_padded_vision_mlp_computes_the_same():
     with torch.no_grad():
         mlp.up_proj.weight.mul_(2)  # written in place: the copies are made again
     assert torch.equal(kernels._padded_weights(mlp)[2][:30], mlp.up_proj.weight)
-    assert kernels.pad_vision_mlp(torch.nn.Sequential(mlp)) == 1
+    assert kernels.pad_vision_mlp(torch.nn.Sequential(mlp), "Qwen2_5_VLMLP") == 1
     torch.testing.assert_close(mlp(x), type(mlp).forward(mlp, x))  # on a CPU the module's own forward runs

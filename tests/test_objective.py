@@ -6,8 +6,8 @@ import torch
 
 from groundtune.config import TrainConfig
 from groundtune.data import synth
-from groundtune.data.dataset import encode_sample
-from groundtune.models import adapt, qwen
+from groundtune.train.batches import encode_sample
+from groundtune.models import adapt, qwen, speedups
 from groundtune.models.loading import load_model
 from groundtune.train.objective import answer_loss
 
@@ -47,6 +47,7 @@ def test_packed_batch_gives_the_padded_batch_loss(any_family_model):
     batch, so attention does not cross from one sample into the next."""
     gm = load_model(any_family_model, device="cpu", dtype="fp32")
     model = adapt.prepare_for_training(gm.model, TrainConfig(train_data="x", method="lora"))
+    speedups.install(model)  # packing's attention within each sample (models/attention.py)
     model.train()
     encoded = []
     for i, size in enumerate([(112, 112), (168, 84), (84, 140)]):

@@ -86,7 +86,7 @@ def test_quickstart_command_runs(tmp_path, monkeypatch, capsys):
 
 
 def test_presets_named_in_the_readme_exist():
-    from groundtune.quickstart import preset_path
+    from groundtune.config import preset_path
 
     for name in re.findall(r"`([a-z0-9.\-]+)` \((?:tiny|the tiny)", README) + ["qwen2.5-vl-3b-lora-24gb"]:
         assert preset_path(name).exists()

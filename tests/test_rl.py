@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from groundtune.config import ConfigError, RLConfig, TrainConfig
+from groundtune.config import ConfigError, RLConfig, TrainConfig, load_config
 from groundtune.data import synth
-from groundtune.infer import encode_prompts, generate, predict
+from groundtune.infer import Decoding, encode_prompts, generate, predict
 from groundtune.models.loading import load_model
 from groundtune.train import checkpoint as ckpt
 from groundtune.train.rewards import RewardWeights, reward
@@ -74,12 +74,16 @@ def test_policy_loss_is_the_clipped_surrogate_plus_kl():
 def test_rl_settings_are_checked():
     with pytest.raises(ConfigError, match="advantage='ppo'"):
         RLConfig(train_data="synth:full", advantage="ppo")
-    with pytest.raises(ConfigError, match="method=full"):
-        RLConfig(train_data="synth:full", method="full")
+    with pytest.raises(ConfigError, match="method: rl always trains a LoRA adapter"):
+        load_config(RLConfig, None, ["train_data=synth:full", "method=full"])
     with pytest.raises(ConfigError, match="group_size=1"):
         RLConfig(train_data="synth:full", group_size=1)
-    with pytest.raises(ConfigError, match="hflip_prob"):
-        RLConfig(train_data="synth:full", hflip_prob=0.5)
+    with pytest.raises(ConfigError, match="hflip_prob: augmentations would change the truth"):
+        load_config(RLConfig, None, ["train_data=synth:full", "hflip_prob=0.5"])
+    with pytest.raises(ConfigError, match="top_k=-1"):
+        RLConfig(train_data="synth:full", top_k=-1)
+    with pytest.raises(ConfigError, match="temperature=0"):
+        RLConfig(train_data="synth:full", temperature=0)
     with pytest.raises(ConfigError, match="curriculum=true with train_data=synth:full"):
         RLConfig(train_data="synth:full", curriculum=True)
 
@@ -101,13 +105,13 @@ def test_sampled_generation_gives_group_size_answers_per_prompt():
     encoded, sizes = encode_prompts(gm, [(image, sample["phrase"]) for image, sample in pairs])
     torch.manual_seed(0)
     # a temperature high enough that even the trained model's surest answers vary
-    answers = generate(gm, encoded, sizes, max_new_tokens=40, num_samples=3, temperature=4.0)
+    answers = generate(gm, encoded, sizes, Decoding.sampled(40, temperature=4.0), num_samples=3)
     assert len(answers) == 6
     stop = set(gm.processor.eos_token_ids) | {gm.processor.pad_token_id}
     for ids, _ in answers:
         assert not stop.intersection(ids[:-1])  # cut at the first stop token, which is kept
     assert len({tuple(ids) for ids, _ in answers[:3]}) > 1  # sampling varies the answers
-    greedy = generate(gm, encoded, sizes, max_new_tokens=40)
+    greedy = generate(gm, encoded, sizes, Decoding.greedy(40))
     assert [p.raw for _, p in greedy] == [p.raw for p in predict(gm, [i for i, _ in pairs], [s["phrase"] for _, s in pairs])]
 
 
@@ -116,7 +120,7 @@ def test_sampled_generation_on_every_family(any_family_model):
     gm = load_model(any_family_model)
     pairs = [synth.make_sample(3, i, width=84 + 28 * i, height=112) for i in range(2)]  # two image sizes
     encoded, sizes = encode_prompts(gm, [(image, sample["phrase"]) for image, sample in pairs])
-    answers = generate(gm, encoded, sizes, max_new_tokens=8, num_samples=2, temperature=1.0)
+    answers = generate(gm, encoded, sizes, Decoding.sampled(8, temperature=1.0), num_samples=2)
     assert len(answers) == 4 and all(1 <= len(ids) <= 8 for ids, _ in answers)
 
 
@@ -172,7 +176,8 @@ def test_rl_from_an_sft_run_moves_the_adapter_and_keeps_the_reference(sft_run, v
         assert 0 <= r["reward/mean"] <= 1.1 and 0 <= r["rollout/parse_fail_rate"] <= 1
         assert r["kl"] >= 0 and sum(r["rollout/iou_histogram"]) == 8
     assert any(r["kl"] > 0 for r in steps[1:])  # the policy left the reference after the first update
-    assert "eval/acc@0.5" in rows[0] and "eval/acc@0.5" in rows[-1]  # before and after
+    evals = [r for r in rows if "eval/acc@0.5" in r]
+    assert [r["step"] for r in evals] == [0, 3]  # before and after
     # the trained adapter moved; the reference is the SFT adapter, untouched
     assert before.keys() == seen["policy"].keys() and before
     assert any(not torch.equal(before[k], seen["policy"][k]) for k in before)

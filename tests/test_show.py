@@ -9,6 +9,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from groundtune.boxes import ResizeSpec, original_to_resized
+
+RESIZE = ResizeSpec(factor=28, min_pixels=3136, max_pixels=1003520)  # groundtune's presets' budget
 from groundtune.data import show, synth
 
 
@@ -25,7 +27,7 @@ def test_grid_with_broken_records_does_not_crash(tmp_path):
         f.write(json.dumps({**good, "id": "missing", "image": "images/nope.png"}) + "\n")
         f.write(json.dumps({**good, "id": "garbage", "image": "images/garbage.png"}) + "\n")
         f.write("{this is not json\n")
-    out = show.show_grid(path, tmp_path / "grid.png", n=16)
+    out = show.show_grid(path, tmp_path / "grid.png", RESIZE, n=16)
     grid = Image.open(out)
     assert out == tmp_path / "grid.png"
     assert grid.size == show.grid_size(8) == (3 * show.CELL_W, 3 * show.CELL_H)
@@ -39,9 +41,9 @@ def test_grid_with_broken_records_does_not_crash(tmp_path):
 
 def test_random_choice_is_reproducible(tmp_path):
     path = synth.make_synthetic_set(tmp_path, n=12, seed=1, workers=1)
-    a = show.show_grid(path, tmp_path / "a.png", n=4, seed=7).read_bytes()
-    b = show.show_grid(path, tmp_path / "b.png", n=4, seed=7).read_bytes()
-    c = show.show_grid(path, tmp_path / "c.png", n=4, seed=8).read_bytes()
+    a = show.show_grid(path, tmp_path / "a.png", RESIZE, n=4, seed=7).read_bytes()
+    b = show.show_grid(path, tmp_path / "b.png", RESIZE, n=4, seed=7).read_bytes()
+    c = show.show_grid(path, tmp_path / "c.png", RESIZE, n=4, seed=8).read_bytes()
     assert Image.open(tmp_path / "a.png").size == show.grid_size(4) == (2 * show.CELL_W, 2 * show.CELL_H)
     assert a == b and a != c
 
@@ -54,7 +56,7 @@ def test_model_panel_box_is_the_resized_box(tmp_path):
     box = [20.0, 10.0, 60.0, 30.0]
     rec = {"id": "x", "image": "x.png", "width": 100, "height": 50, "phrase": "the green box", "bbox": box}
     (tmp_path / "d.jsonl").write_text(json.dumps(rec) + "\n")
-    resize = ResizeSpec(factor=28)
+    resize = ResizeSpec(factor=28, min_pixels=3136, max_pixels=1003520)
     assert resize.resized_size((100, 50)) == (112, 56)
     grid = np.asarray(Image.open(show.show_grid(tmp_path / "d.jsonl", tmp_path / "g.png", resize=resize)))
 

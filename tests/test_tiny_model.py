@@ -12,7 +12,7 @@ from groundtune.cli import main
 from groundtune.data import synth
 from groundtune.infer import predict
 from groundtune.models.loading import load_model
-from groundtune.models.tiny import TINY_DIR
+from groundtune.models.loading import TINY_DIR
 
 
 def test_shipped_weights_log_and_commands():

@@ -72,7 +72,7 @@ def test_loss_falls(synth_wide, tmp_path):
     assert [p.name for p in ckpt.list_checkpoints(run)] == ["step-000025"]
     # the run folder loads back as a model, with the training resize settings
     gm = load_model(str(run))
-    assert gm.resize == boxes.ResizeSpec(28, boxes.MIN_PIXELS, 224 * 224)
+    assert gm.resize == boxes.ResizeSpec(28, 3136, 224 * 224)
 
 
 def test_stop_file_then_resume_equals_uninterrupted(synth_single, tmp_path):
@@ -96,7 +96,8 @@ def test_stop_file_then_resume_equals_uninterrupted(synth_single, tmp_path):
 def test_synthetic_stream_is_the_synthetic_set_drawn_on_the_fly(synth_single):
     """train_data=synth:TASK gives sample i of the run's seed: the same pixels and target as the
     file `groundtune data synth --seed SEED` writes, in index order, never repeating."""
-    from groundtune.data.dataset import GroundingDataset, make_loader, open_samples
+    from groundtune.data.samples import open_samples
+    from groundtune.train.batches import GroundingDataset, make_loader
 
     gm = load_model("tiny")
     stream = open_samples("synth:single", 1)
@@ -202,7 +203,8 @@ def test_frozen_vision_tower_is_never_back_propagated():
     """LoRA on the language model with the vision tower and merger frozen: their outputs carry no
     autograd graph, so backward stops at the image embeddings and checkpointing never recomputes
     the tower (what the plain PEFT recipe's enable_input_require_grads does)."""
-    from groundtune.data.dataset import GroundingDataset, open_samples, to_device
+    from groundtune.data.samples import open_samples
+    from groundtune.train.batches import GroundingDataset, to_device
     from groundtune.models import adapt
     from groundtune.train.objective import answer_loss
 

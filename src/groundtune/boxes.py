@@ -11,11 +11,14 @@ The three model families and what their boxes mean:
 family         coordinate space                     answer text
 =============  ===================================  ==========================================
 qwen2.5-vl     absolute pixels of the image AFTER   ``[{"bbox_2d": [x1, y1, x2, y2], "label": ..}]``
-               smart_resize (factor 28)
-qwen2-vl       0-1000 of the image (factor 28)      ``<|object_ref_start|>label<|object_ref_end|>``
+               smart_resize
+qwen2-vl       0-1000 of the image                  ``<|object_ref_start|>label<|object_ref_end|>``
                                                     ``<|box_start|>(x1,y1),(x2,y2)<|box_end|>``
-qwen3-vl       0-1000 of the image (factor 32)      ``[{"bbox_2d": [x1, y1, x2, y2], "label": ..}]``
+qwen3-vl       0-1000 of the image                  ``[{"bbox_2d": [x1, y1, x2, y2], "label": ..}]``
 =============  ===================================  ==========================================
+
+Each family's resize factor and the pixel budget Qwen ships are in its record (models/qwen.py);
+here a resize is a ResizeSpec, whatever family it came from.
 """
 
 from __future__ import annotations
@@ -29,23 +32,24 @@ from typing import Sequence
 Box = list[float]  # [x1, y1, x2, y2]
 Size = tuple[int, int]  # (width, height): PIL's order. smart_resize alone keeps qwen-vl-utils' (h, w).
 
-# qwen-vl-utils' own defaults, so that smart_resize(h, w) with no keywords matches it exactly.
-MIN_PIXELS = 4 * 28 * 28  # 3,136
-MAX_PIXELS = 16384 * 28 * 28  # 12,845,056 (the shipped preprocessor_config.json)
-MAX_RATIO = 200
+MAX_RATIO = 200  # longer side / shorter side above which smart_resize refuses an image, as the reference does
 
-# groundtune's default pixel budget for a run: transformers' and Qwen's grounding notebook's value.
-# ~1,280 visual tokens: enough for RefCOCO-sized images, small enough to train on 24 GB.
-DEFAULT_MAX_PIXELS = 1280 * 28 * 28  # 1,003,520
-
-FAMILIES = ("qwen2.5-vl", "qwen2-vl", "qwen3-vl")
-FAMILY_FACTOR = {"qwen2.5-vl": 28, "qwen2-vl": 28, "qwen3-vl": 32}  # patch 14 (16 for Qwen3) x merge 2
-NORM_FAMILIES = ("qwen2-vl", "qwen3-vl")  # families whose boxes are 0-1000 of the image
+# The coordinate space of each family's answers, by groundtune's family name (models/qwen.py holds
+# the rest of what is known of a family: its resize factor, pixel budget, classes and tokens).
+RESIZED_PIXELS, NORM_1000 = "resized pixels", "0-1000"
+COORDINATES = {"qwen2.5-vl": RESIZED_PIXELS, "qwen2-vl": NORM_1000, "qwen3-vl": NORM_1000}
+FAMILIES = tuple(COORDINATES)
+SPECIAL_TOKEN_FAMILIES = ("qwen2-vl",)  # answers in <|box_start|>(x1,y1),(x2,y2)<|box_end|>; the others in JSON
 NORM_SCALE = 1000
 
 
 # --------------------------------------------------------------------------------------------
 # Resizing
+
+
+class ResizeError(ValueError):
+    """An image smart_resize cannot represent (aspect ratio over MAX_RATIO, or no pixels). Callers
+    that know the image's file add its name."""
 
 
 def _round_by_factor(number: float, factor: int) -> int:
@@ -60,32 +64,26 @@ def _floor_by_factor(number: float, factor: int) -> int:
     return math.floor(number / factor) * factor
 
 
-def smart_resize(
-    height: int,
-    width: int,
-    factor: int = 28,
-    min_pixels: int = MIN_PIXELS,
-    max_pixels: int = MAX_PIXELS,
-) -> tuple[int, int]:
-    """Return ``(resized_height, resized_width)`` exactly as qwen-vl-utils' ``smart_resize`` does.
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Return ``(resized_height, resized_width)`` as qwen-vl-utils' ``smart_resize`` does.
 
     Each side is rounded to a multiple of ``factor``; if the area is then above ``max_pixels`` the
     image is scaled down (sides floored), if below ``min_pixels`` scaled up (sides ceiled). Aspect
-    ratios above 200 are refused, as the reference refuses them.
+    ratios above 200 are refused, as the reference refuses them. Where the reference floors a very
+    thin image's short side to 0 (39 x 3092 at max_pixels 50,176), each side stays at least one
+    ``factor``, as transformers' own smart_resize keeps it: the area may then exceed max_pixels a little.
     """
     if height <= 0 or width <= 0:
-        raise ValueError(f"image size must be positive, got height={height}, width={width}")
+        raise ResizeError(f"image size must be positive, got height={height}, width={width}")
     if max(height, width) / min(height, width) > MAX_RATIO:
-        raise ValueError(
-            f"absolute aspect ratio must be smaller than {MAX_RATIO}, "
-            f"got {max(height, width) / min(height, width)}"
-        )
+        raise ResizeError(f"aspect ratio {max(height, width) / min(height, width):.1f} is above {MAX_RATIO}, "
+                          "which Qwen-VL's resize refuses; crop or pad the image")
     h_bar = max(factor, _round_by_factor(height, factor))
     w_bar = max(factor, _round_by_factor(width, factor))
     if h_bar * w_bar > max_pixels:
         beta = math.sqrt((height * width) / max_pixels)
-        h_bar = _floor_by_factor(height / beta, factor)
-        w_bar = _floor_by_factor(width / beta, factor)
+        h_bar = max(factor, _floor_by_factor(height / beta, factor))
+        w_bar = max(factor, _floor_by_factor(width / beta, factor))
     elif h_bar * w_bar < min_pixels:
         beta = math.sqrt(min_pixels / (height * width))
         h_bar = _ceil_by_factor(height * beta, factor)
@@ -96,11 +94,12 @@ def smart_resize(
 @dataclass(frozen=True)
 class ResizeSpec:
     """The pixel budget of a run. Saved with every checkpoint and export, read back by eval,
-    predict and serve, so the model never sees images resized differently from training."""
+    predict and serve, so the model never sees images resized differently from training. A
+    family's default (the budget Qwen ships) is ``models.qwen.Family.default_resize()``."""
 
-    factor: int = 28
-    min_pixels: int = MIN_PIXELS
-    max_pixels: int = DEFAULT_MAX_PIXELS
+    factor: int
+    min_pixels: int
+    max_pixels: int
 
     def __post_init__(self) -> None:
         if self.factor <= 0:
@@ -110,10 +109,6 @@ class ResizeSpec:
                 f"need 0 < min_pixels <= max_pixels, got min_pixels={self.min_pixels}, "
                 f"max_pixels={self.max_pixels}"
             )
-
-    @classmethod
-    def for_family(cls, family: str, min_pixels: int = MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS):
-        return cls(factor=FAMILY_FACTOR[check_family(family)], min_pixels=min_pixels, max_pixels=max_pixels)
 
     def resized_size(self, size: Size) -> Size:
         """(width, height) of the image the model sees, for an original (width, height)."""
@@ -128,9 +123,12 @@ class ResizeSpec:
     def from_dict(cls, d: dict) -> "ResizeSpec":
         return cls(factor=int(d["factor"]), min_pixels=int(d["min_pixels"]), max_pixels=int(d["max_pixels"]))
 
+    def __str__(self) -> str:
+        return f"factor {self.factor}, {self.min_pixels:,}..{self.max_pixels:,} pixels"
+
 
 def check_family(family: str) -> str:
-    if family not in FAMILIES:
+    if family not in COORDINATES:
         raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILIES)}")
     return family
 
@@ -216,14 +214,21 @@ def giou(a: Sequence[float], b: Sequence[float]) -> float:
     return inter / union - (hull - union) / hull
 
 
+def best_iou(pred_box: Sequence[float] | None, true_boxes: Sequence[Sequence[float]], overlap=iou) -> float:
+    """The overlap (IoU, or ``giou``) of a predicted box with the best-matching true box: how eval
+    scores an answer and RL rewards it. 0 without a prediction: a missing box is never guessed."""
+    if pred_box is None or not true_boxes:
+        return 0.0
+    return max(overlap(pred_box, t) for t in true_boxes)
+
+
 # --------------------------------------------------------------------------------------------
 # Model coordinates: original pixels <-> what a family reads and writes
 
 
 def to_model_coords(box: Sequence[float], family: str, original_size: Size, resized_size: Size) -> list[int]:
     """Original-pixel xyxy -> the integer coordinates the family writes in its answer."""
-    check_family(family)
-    if family in NORM_FAMILIES:
+    if COORDINATES[check_family(family)] == NORM_1000:
         coords = to_norm1000(box, original_size)
         limit = (NORM_SCALE, NORM_SCALE)
     else:
@@ -248,8 +253,7 @@ def _keep_one_unit(lo: int, hi: int, limit: int) -> tuple[int, int]:
 
 def from_model_coords(coords: Sequence[float], family: str, original_size: Size, resized_size: Size) -> Box:
     """The family's answer coordinates -> original-pixel xyxy (not clipped)."""
-    check_family(family)
-    if family in NORM_FAMILIES:
+    if COORDINATES[check_family(family)] == NORM_1000:
         return from_norm1000(coords, original_size)
     return resized_to_original(coords, resized_size, original_size)
 
@@ -264,7 +268,7 @@ def format_target(
     """The answer text a model of ``family`` should produce for these original-pixel boxes.
     ``label=None`` leaves the phrase out of the answer (shorter answers, the same boxes)."""
     coords = [to_model_coords(b, family, original_size, resized_size) for b in boxes]
-    if family == "qwen2-vl":
+    if family in SPECIAL_TOKEN_FAMILIES:
         spans = "".join(f"<|box_start|>({c[0]},{c[1]}),({c[2]},{c[3]})<|box_end|>" for c in coords)
         ref = f"<|object_ref_start|>{label}<|object_ref_end|>" if label is not None else ""
         return ref + spans

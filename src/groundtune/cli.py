@@ -1,10 +1,14 @@
 """The command line: an explicit table of commands, each calling one Python function.
 
     groundtune data convert|check|show|synth
-    groundtune train | eval | predict
+    groundtune train | rl | eval | predict | quickstart
 
 Each handler only turns flags into arguments; the work is in the function it calls, which is
 what Python users call too. Imports are inside handlers so `groundtune --help` starts fast.
+
+A mistake of the user's (a groundtune error: a bad setting, file, record or model name) is one
+line on stderr and exit code 2; anything else (a bug, CUDA out of memory, a broken install) keeps
+its traceback and exits 1. ``groundtune --debug COMMAND`` shows the traceback of every error.
 """
 
 from __future__ import annotations
@@ -12,12 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 
-from groundtune.boxes import DEFAULT_MAX_PIXELS, MIN_PIXELS
+from groundtune.boxes import FAMILIES
+from groundtune.errors import GroundtuneError
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+    def _get_help_string(self, action):  # no "(default: None)": such a help says what happens unset
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 # --------------------------------------------------------------------------------------------
@@ -57,8 +64,11 @@ def _data_check(args: argparse.Namespace) -> int:
 def _data_show(args: argparse.Namespace) -> int:
     from groundtune.boxes import ResizeSpec
     from groundtune.data import show
+    from groundtune.models import qwen
 
-    resize = ResizeSpec(factor=args.factor, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+    family = qwen.family(args.family)
+    resize = ResizeSpec(factor=family.factor, min_pixels=args.min_pixels or family.min_pixels,
+                        max_pixels=args.max_pixels or family.max_pixels)
     path = show.show_grid(args.file, args.out, n=args.n, resize=resize, seed=args.seed)
     print(f"wrote {path}")
     return 0
@@ -79,6 +89,13 @@ def _data_synth(args: argparse.Namespace) -> int:
     )
     print(f"wrote {args.n} samples to {path}")
     return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _require(args: argparse.Namespace, *names: str) -> None:
@@ -149,9 +166,10 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="PNG file to write")
     p.add_argument("--n", type=int, default=16, help="number of samples to draw")
     p.add_argument("--seed", type=int, default=0, help="which samples: a random choice with this seed")
-    p.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, help="pixel budget of the model")
-    p.add_argument("--min-pixels", type=int, default=MIN_PIXELS, help="minimum pixels of the model")
-    p.add_argument("--factor", type=int, default=28, help="resize factor: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL")
+    p.add_argument("--family", default="qwen2.5-vl", choices=FAMILIES,
+                   help="model family: its resize factor, and its shipped pixel budget unless given below")
+    p.add_argument("--max-pixels", type=_positive_int, help="the run's pixel budget (default: the family's shipped one)")
+    p.add_argument("--min-pixels", type=_positive_int, help="the run's minimum pixels (default: the family's)")
     p.set_defaults(handler=_data_show)
 
     p = dsub.add_parser(
@@ -185,13 +203,6 @@ _MODEL_HELP = (
 )
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _eval(args: argparse.Namespace) -> int:
     from groundtune.evaluate import run_eval
 
@@ -206,6 +217,7 @@ def _eval(args: argparse.Namespace) -> int:
         max_pixels=args.max_pixels,
         min_pixels=args.min_pixels,
         device=args.device,
+        max_new_tokens=args.max_new_tokens,
     )
     return 0
 
@@ -220,15 +232,15 @@ def _predict(args: argparse.Namespace) -> int:
     from groundtune import infer
     from groundtune.data.images import load_image
     from groundtune.data.records import atomic_write
-    from groundtune.models.loading import load_model
 
-    gm = load_model(args.model, device=args.device)
+    gm = infer.load(args.model, device=args.device)
     if args.jsonl is not None:
-        n = infer.predict_jsonl(gm, args.jsonl, args.out, batch_size=args.batch_size)
+        n = infer.predict_jsonl(gm, args.jsonl, args.out, batch_size=args.batch_size,
+                                max_new_tokens=args.max_new_tokens)
         print(f"wrote {n} predictions to {args.out}", file=sys.stderr)
         return 0
     image = load_image(args.image)
-    pred = infer.predict(gm, [image], [args.phrase])[0]
+    pred = infer.predict(gm, [image], [args.phrase], max_new_tokens=args.max_new_tokens, names=[args.image])[0]
     print(json.dumps(pred.to_json(), ensure_ascii=False))
     if args.draw:
         from groundtune.evaluate import draw_boxes
@@ -266,8 +278,16 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-pixels", type=_positive_int, help="override the model's saved pixel budget (warned: "
                    "a budget other than training's usually costs accuracy)")
     p.add_argument("--min-pixels", type=_positive_int, help="override the model's saved minimum pixels")
+    _add_max_new_tokens(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.set_defaults(handler=_eval)
+
+
+def _add_max_new_tokens(p: argparse.ArgumentParser) -> None:
+    from groundtune.infer import DEFAULT_MAX_NEW_TOKENS  # torch is imported on the way: only when asked
+
+    p.add_argument("--max-new-tokens", type=_positive_int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help="longest answer in tokens (greedy decoding; a longer one is cut and usually unparsable)")
 
 
 def _add_predict(sub: argparse._SubParsersAction) -> None:
@@ -295,6 +315,7 @@ def _add_predict(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jsonl", metavar="IN", help="predict every line of this JSONL file instead")
     p.add_argument("--out", help="with --jsonl: the JSONL file to write")
     p.add_argument("--batch-size", type=_positive_int, default=16, help="with --jsonl: samples per generate call")
+    _add_max_new_tokens(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.set_defaults(handler=_predict)
 
@@ -308,8 +329,7 @@ def _add_predict(sub: argparse._SubParsersAction) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     """`groundtune train` and `groundtune rl`: the same command line, each with its settings class."""
-    from groundtune.config import RLConfig, TrainConfig, load_config
-    from groundtune.quickstart import preset_path
+    from groundtune.config import RLConfig, TrainConfig, load_config, preset_path
 
     if args.command == "rl":
         from groundtune.train.rl import rl as run_fn
@@ -333,8 +353,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from groundtune.config import RLConfig, TrainConfig, describe
-    from groundtune.quickstart import PRESETS
+    from groundtune.config import PRESETS, RLConfig, TrainConfig, describe
 
     presets = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
     commands = {
@@ -406,21 +425,45 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fine-tune Qwen-VL models for visual grounding: image + phrase -> bounding box.",
         formatter_class=_Formatter,
     )
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of every error, the user's mistakes included")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS.values():
         add(sub)
     return parser
 
 
+# Errors that name what the user gave, whoever raised them: a file or folder that is not there or
+# cannot be read (their message holds the path).
+_USER_OS_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    # the command line's own bars say what is loading; transformers' draw one per weight file
+    hf_logging.disable_progress_bar()
     try:
         return args.handler(args)
-    except (ValueError, FileNotFoundError, FileExistsError, ImportError, RuntimeError) as e:
-        # Bad input, a missing file or package, a run that cannot go on: one line that says what
-        # and where, not a traceback (DataError, ConfigError and TrainingError are among these).
+    except (GroundtuneError, *_USER_OS_ERRORS) as e:
+        if args.debug:
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a bug or the machine: the traceback is what a report needs
+        traceback.print_exc()
+        print(f"\nerror: {type(e).__name__} (above). {_hint(e)}", file=sys.stderr)
+        return 1
+
+
+def _hint(error: Exception) -> str:
+    import torch
+
+    if isinstance(error, torch.OutOfMemoryError):
+        return ("Out of GPU memory: lower batch_size (or eval_batch_size / --batch-size), max_pixels, or set "
+                "gradient_checkpointing=-1; the presets in configs/ are measured for 24 GB cards.")
+    return "This is not a known mistake in the input; please report it with the command and the traceback."
 
 
 if __name__ == "__main__":

@@ -1,8 +1,16 @@
 """Typed settings, one dataclass per stage. The dataclass IS the config: its fields, defaults and
-comments are the documentation; YAML files and ``key=value`` overrides fill it; ``__post_init__``
-refuses invalid combinations naming the setting.
+comments are the documentation (``groundtune train --help`` prints them); YAML files and
+``key=value`` overrides fill it; ``__post_init__`` refuses invalid combinations naming the setting,
+before anything is loaded.
 
-    cfg = load_config(TrainConfig, "configs/quickstart.yaml", ["lr=1e-3", "max_steps=50"])
+Each stage's class is assembled from the groups of settings it reads, each group defined once:
+
+    TrainConfig = target + method + lora + optimisation + step + data + loop      (groundtune train)
+    RLConfig    = target + lora + optimisation + rollouts + reward + update + loop (groundtune rl)
+
+so RL has no setting it ignores, and a setting both read has one definition.
+
+    cfg = load_config(TrainConfig, preset_path("quickstart"), ["lr=1e-3", "max_steps=50"])
 """
 
 from __future__ import annotations
@@ -15,38 +23,83 @@ from pathlib import Path
 
 import yaml
 
+from groundtune.errors import ConfigError, MissingError
+
 MODEL_PARTS = ("vision", "merger", "llm")
 LORA_TARGETS = ("llm_attn", "llm_mlp", "merger", "vision")
 KERNEL_MODES = ("auto", "liger", "none")
+ADVANTAGES = ("grpo", "ema")
+PRESETS = Path(__file__).resolve().parent / "configs"  # shipped YAML presets (also at ./configs)
+
+__all__ = ["ConfigError", "TrainConfig", "RLConfig", "load_config", "preset_path", "to_yaml", "describe"]
 
 
-class ConfigError(ValueError):
-    """A setting that is unknown, of the wrong type, or clashes with another; names the setting."""
+class _Settings:
+    """What every group shares: types are checked, then each group's ``check`` runs, base first."""
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        for klass in reversed(type(self).__mro__):
+            check = klass.__dict__.get("check")
+            if check is not None:
+                check(self)
+
+
+# --------------------------------------------------------------------------------------------
+# the groups (listed in reverse in a class's bases: a dataclass orders fields from the last base on)
 
 
 @dataclass
-class TrainConfig:
-    """Supervised fine-tuning (``groundtune train``)."""
-
-    command: typing.ClassVar[str] = "train"  # the CLI command these settings belong to
-
+class _Target(_Settings):
     # --- what to train on
     model: str = "tiny"  # tiny | a training run folder | a local HF folder | a hub id (Qwen/Qwen2.5-VL-3B-Instruct)
     train_data: str = ""  # canonical JSONL (groundtune data convert / synth), or synth:TASK drawn on the fly (full, single, attribute, multi; TASK+TASK alternates)
     eval_data: str = ""  # canonical JSONL for generation eval during training; "" = none
     out_dir: str = "runs/sft"  # the run folder: model/, checkpoints/, metrics.jsonl, tb/
 
+    def check(self) -> None:
+        if not self.train_data:
+            raise ConfigError("train_data is not set: give a canonical JSONL file (train_data=FILE.jsonl) "
+                              "or a synthetic stream (train_data=synth:full)")
+
+
+@dataclass
+class _Method(_Settings):
     # --- what to adapt
     method: str = "lora"  # lora | qlora (4-bit base, GPU + bitsandbytes) | full
+    freeze_vision: bool = True  # method=full: keep the vision tower fixed
+    freeze_merger: bool = True  # method=full: keep the vision->LLM merger fixed
+    freeze_llm: bool = False  # method=full: keep the language model fixed
+
+    def check(self) -> None:
+        if self.method not in ("lora", "qlora", "full"):
+            raise ConfigError(f"method={self.method!r}: expected lora, qlora or full")
+        if self.method in ("lora", "qlora") and not self.lora_targets:
+            raise ConfigError(f"lora_targets is empty: method={self.method} would train nothing")
+        if self.method == "full" and self.freeze_vision and self.freeze_merger and self.freeze_llm:
+            raise ConfigError("method=full with freeze_vision, freeze_merger and freeze_llm all true trains nothing")
+
+
+@dataclass
+class _Lora(_Settings):
+    # --- the LoRA adapter
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0
     lora_targets: list[str] = field(default_factory=lambda: ["llm_attn", "llm_mlp"])  # of LORA_TARGETS
     lora_last_n_layers: int = 0  # adapt only the last N LLM layers; 0 = all
-    freeze_vision: bool = True  # method=full: keep the vision tower fixed
-    freeze_merger: bool = True  # method=full: keep the vision->LLM merger fixed
-    freeze_llm: bool = False  # method=full: keep the language model fixed
 
+    def check(self) -> None:
+        bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if bad:
+            raise ConfigError(f"lora_targets: unknown {bad}; expected some of {list(LORA_TARGETS)}")
+        _positive(self, "lora_r", "lora_alpha")
+        _at_least_zero(self, "lora_last_n_layers")
+        _fraction(self, "lora_dropout")
+
+
+@dataclass
+class _Optimisation(_Settings):
     # --- optimisation
     lr: float = 2e-4  # peak learning rate
     lr_vision: float = 0.0  # per-part peak learning rates; 0 = use lr
@@ -57,17 +110,47 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     max_steps: int = 1000  # optimizer steps; the data is cycled as needed
     batch_size: int = 8  # samples per micro-batch
-    grad_accum: int = 1  # micro-batches per optimizer step
     max_grad_norm: float = 1.0  # gradient clipping; 0 = off
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     gradient_checkpointing: int = 0  # recompute the last N LLM layers in backward (-1 = all, 0 = off)
-    packing: bool = False  # a micro-batch in one row, no padding, attention within each sample: on a GPU one variable-length flash call per layer (the fast setting); on a CPU a dense mask (slow)
     kernels: str = "none"  # fused RMSNorm/SwiGLU/M-RoPE: none | liger (GPU, liger-kernel) | auto (liger where it can)
-    compile: bool = False  # torch.compile the LLM decoder layers: fewer kernel launches, slower first steps
     seed: int = 0
 
+    def check(self) -> None:
+        _positive(self, "lr", "max_steps", "batch_size")
+        _at_least_zero(self, "lr_vision", "lr_merger", "lr_llm", "weight_decay", "warmup_steps", "max_grad_norm")
+        _fraction(self, "min_lr_ratio")
+        if self.kernels not in KERNEL_MODES:
+            raise ConfigError(f"kernels={self.kernels!r}: expected one of {', '.join(KERNEL_MODES)}")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ConfigError(f"precision={self.precision!r}: expected auto, bf16 or fp32")
+        if self.gradient_checkpointing < -1:
+            raise ConfigError(f"gradient_checkpointing={self.gradient_checkpointing}: expected -1 (all layers), "
+                              "0 (off) or the number of last layers")
+
+    def part_lr(self, part: str) -> float:
+        return getattr(self, f"lr_{part}") or self.lr
+
+
+@dataclass
+class _Step(_Settings):
+    # --- the SFT step
+    grad_accum: int = 1  # micro-batches per optimizer step
+    packing: bool = False  # a micro-batch in one row, no padding, attention within each sample: on a GPU one variable-length flash call per layer (the fast setting); on a CPU a dense mask (slow)
+    compile: bool = False  # torch.compile the LLM decoder layers: fewer kernel launches, slower first steps
+
+    def check(self) -> None:
+        _positive(self, "grad_accum")
+        if self.compile and self.kernels != "none":
+            # measured on an H200: liger-kernel 0.8.5's RMSNorm fails to build inside torch 2.11's compile
+            raise ConfigError(f"compile=true with kernels={self.kernels}: liger-kernel's Triton kernels do not "
+                              "compile inside torch.compile; use one of them (kernels=none or compile=false)")
+
+
+@dataclass
+class _Data(_Settings):
     # --- data
-    min_pixels: int = 0  # pixel budget; 0 = the model's saved/default value
+    min_pixels: int = 0  # pixel budget; 0 = the model's own (its groundtune.json, else its preprocessor_config.json)
     max_pixels: int = 0
     prompt: str = ""  # "" = the model's saved prompt or the official grounding prompt; must hold {phrase}
     answer_label: bool = True  # the answer repeats the phrase as "label" (Qwen's format); false: boxes only
@@ -75,125 +158,178 @@ class TrainConfig:
     scale_crop_prob: float = 0.0  # crop that keeps the target inside and moves the box
     num_workers: int = 0  # data loader worker processes
 
-    # --- loop
+    def check(self) -> None:
+        _at_least_zero(self, "min_pixels", "max_pixels", "num_workers")
+        _fraction(self, "hflip_prob", "scale_crop_prob")
+        if self.max_pixels and self.min_pixels and self.min_pixels > self.max_pixels:
+            raise ConfigError(f"min_pixels={self.min_pixels} > max_pixels={self.max_pixels}")
+        if self.prompt and "{phrase}" not in self.prompt:
+            raise ConfigError("prompt must contain {phrase}, where the referring expression goes")
+
+
+@dataclass
+class _Loop(_Settings):
+    # --- eval, checkpoints, monitoring
     log_every: int = 10  # steps between metrics.jsonl lines
     eval_every: int = 0  # steps between generation evals (0 = only at the end, when eval_data is set)
     eval_samples: int = 200  # fixed subset of eval_data used during training
     eval_batch_size: int = 32
+    eval_max_new_tokens: int = 64  # longest eval answer (greedy decoding, as groundtune eval)
     save_every: int = 200  # steps between resumable checkpoints (0 = only at the end)
     keep_last: int = 2  # resumable checkpoints kept
     max_bad_steps: int = 5  # stop after this many non-finite losses in a row (each one is skipped)
     thermal_pause_c: int = 0  # wait while the GPU is above this temperature (°C); 0 = off; read only
     thermal_resume_c: int = 75  # ... until it is back at or below this
-    device: str = "auto"
+    device: str = "auto"  # auto (a CUDA GPU when there is one) | cpu | cuda | cuda:N
 
-    def __post_init__(self) -> None:
-        _check_types(self)
-        if self.method not in ("lora", "qlora", "full"):
-            raise ConfigError(f"method={self.method!r}: expected lora, qlora or full")
-        bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
-        if bad:
-            raise ConfigError(f"lora_targets: unknown {bad}; expected some of {list(LORA_TARGETS)}")
-        if self.method in ("lora", "qlora") and not self.lora_targets:
-            raise ConfigError(f"lora_targets is empty: method={self.method} would train nothing")
-        if self.method == "full" and self.freeze_vision and self.freeze_merger and self.freeze_llm:
-            raise ConfigError("method=full with freeze_vision, freeze_merger and freeze_llm all true trains nothing")
-        if self.kernels not in KERNEL_MODES:
-            raise ConfigError(f"kernels={self.kernels!r}: expected one of {', '.join(KERNEL_MODES)}")
-        if self.compile and self.kernels != "none":
-            # measured on an H200: liger-kernel 0.8.5's RMSNorm fails to build inside torch 2.11's compile
-            raise ConfigError(f"compile=true with kernels={self.kernels}: liger-kernel's Triton kernels do not "
-                              "compile inside torch.compile; use one of them (kernels=none or compile=false)")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise ConfigError(f"precision={self.precision!r}: expected auto, bf16 or fp32")
-        for name in ("lr", "max_steps", "batch_size", "grad_accum", "lora_r", "keep_last", "max_bad_steps"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be positive")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
-        for name in ("hflip_prob", "scale_crop_prob", "lora_dropout"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1]")
-        if self.max_pixels and self.min_pixels and self.min_pixels > self.max_pixels:
-            raise ConfigError(f"min_pixels={self.min_pixels} > max_pixels={self.max_pixels}")
-        if self.prompt and "{phrase}" not in self.prompt:
-            raise ConfigError("prompt must contain {phrase}, where the referring expression goes")
+    def check(self) -> None:
+        _positive(self, "log_every", "eval_samples", "eval_batch_size", "eval_max_new_tokens", "keep_last",
+                  "max_bad_steps")
+        _at_least_zero(self, "eval_every", "save_every", "thermal_pause_c")
         if self.thermal_pause_c and self.thermal_resume_c >= self.thermal_pause_c:
             raise ConfigError("thermal_resume_c must be below thermal_pause_c")
-        if not self.train_data:
-            raise ConfigError("train_data is not set: give a canonical JSONL file (train_data=FILE.jsonl) "
-                              "or a synthetic stream (train_data=synth:full)")
-
-    def part_lr(self, part: str) -> float:
-        return getattr(self, f"lr_{part}") or self.lr
-
-
-ADVANTAGES = ("grpo", "ema")
 
 
 @dataclass
-class RLConfig(TrainConfig):
-    """Reinforcement learning with the box's IoU as reward (``groundtune rl``). The training
-    settings above apply as in SFT; these differ or are new."""
-
-    command: typing.ClassVar[str] = "rl"
-
-    model: str = "tiny"  # an SFT run folder (its LoRA adapter trains on), or a model as for train (a new LoRA)
-    train_data: str = ""  # the prompts: canonical JSONL (boxes are the truth rewards are scored on) or synth:TASK
-    out_dir: str = "runs/rl"
-    lr: float = 2e-4
-    warmup_steps: int = 0
-    max_steps: int = 200  # policy updates (each on batch_size x group_size fresh answers)
-    batch_size: int = 8  # prompts per step
-    micro_batch: int = 16  # answers per forward/backward pass of the update (memory, not results)
-
-    # --- rollouts
+class _Rollouts(_Settings):
+    # --- rollouts: the answers sampled for each prompt
     group_size: int = 8  # sampled answers per prompt (GRPO's G)
     temperature: float = 1.0  # sampling temperature of the answers
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling; 1 = off
+    top_k: int = 0  # sample among the k most likely tokens; 0 = off (never the checkpoint's own top_k)
     max_new_tokens: int = 48  # longer answers are cut (and usually unparsable: reward 0)
 
+    def check(self) -> None:
+        _positive(self, "group_size", "max_new_tokens")
+        _at_least_zero(self, "top_k")
+        if self.temperature <= 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"temperature={self.temperature}, top_p={self.top_p}: need temperature > 0 "
+                              "and 0 < top_p <= 1 (rollouts are sampled)")
+
+
+@dataclass
+class _Reward(_Settings):
     # --- reward (train/rewards.py)
     reward_box: float = 1.0  # weight of IoU with the true box
     reward_format: float = 0.1  # weight of "a box was parsed and lies inside the image"
     reward_giou: bool = False  # GIoU instead of IoU: disjoint boxes still get a signal
 
+
+@dataclass
+class _Update(_Settings):
     # --- policy update
     advantage: str = "grpo"  # grpo: (reward - group mean) / group std | ema: reward - moving-average baseline per prompt
     ema_decay: float = 0.9  # advantage=ema: weight of a prompt's previous baseline
     inner_updates: int = 1  # gradient steps per batch of answers; the clipped ratio acts from the second on
     clip: float = 0.2  # policy-ratio clip range, PPO's epsilon
     kl_coef: float = 0.0  # KL penalty to the starting policy (the SFT model); 0 = none, no reference pass
+    micro_batch: int = 16  # answers per forward/backward pass of the update (memory, not results)
     curriculum: bool = False  # a prompt whose last group was all solved or all hopeless sits out its next turn
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.method != "lora":
-            raise ConfigError(f"method={self.method}: groundtune rl trains a LoRA adapter (method=lora); the "
-                              "reference policy for kl_coef is the same weights with the adapter switched off")
-        for name in ("group_size", "micro_batch", "inner_updates", "max_new_tokens"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be positive")
-        if self.group_size < 2 and self.advantage == "grpo":
-            raise ConfigError("group_size=1 with advantage=grpo: a group of one answer has no spread to learn from")
+    def check(self) -> None:
+        _positive(self, "inner_updates", "micro_batch")
         if self.advantage not in ADVANTAGES:
             raise ConfigError(f"advantage={self.advantage!r}: expected one of {', '.join(ADVANTAGES)}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError(f"temperature={self.temperature}, top_p={self.top_p}: need temperature >= 0 "
-                              "and 0 < top_p <= 1")
         if self.kl_coef < 0 or self.clip <= 0 or not 0 <= self.ema_decay < 1:
             raise ConfigError("need kl_coef >= 0, clip > 0 and 0 <= ema_decay < 1")
+
+
+# --------------------------------------------------------------------------------------------
+# the stages
+
+
+@dataclass
+class TrainConfig(_Loop, _Data, _Step, _Optimisation, _Lora, _Method, _Target):
+    """Supervised fine-tuning (``groundtune train``)."""
+
+    command: typing.ClassVar[str] = "train"  # the CLI command these settings belong to
+
+
+@dataclass
+class RLConfig(_Loop, _Update, _Reward, _Rollouts, _Optimisation, _Lora, _Target):
+    """Reinforcement learning with the box's IoU as reward (``groundtune rl``). It trains a LoRA
+    adapter: an SFT run's (which trains on) or a new one on any other model."""
+
+    command: typing.ClassVar[str] = "rl"
+
+    model: str = "tiny"  # an SFT run folder (its LoRA adapter trains on; the lora_* settings must stay as they are), or a model as for train (a new LoRA)
+    train_data: str = ""  # the prompts: canonical JSONL (boxes are the truth rewards are scored on) or synth:TASK
+    out_dir: str = "runs/rl"
+    max_steps: int = 200  # policy updates (each on batch_size x group_size fresh answers)
+    batch_size: int = 8  # prompts per step
+
+    # train's settings that rl has not, and why (load_config says it for a setting given anyway)
+    not_settings: typing.ClassVar[dict[str, str]] = {
+        "method": "rl always trains a LoRA adapter (the reference policy for kl_coef is the same weights with "
+                  "the adapter off)",
+        "grad_accum": "micro_batch bounds the update's memory",
+        "packing": "the update runs on padded micro-batches",
+        "compile": "generation with compiled layers is not measured yet",
+        "hflip_prob": "augmentations would change the truth rewards are scored on",
+        "scale_crop_prob": "augmentations would change the truth rewards are scored on",
+        "min_pixels": "the pixel budget is the starting model's, as it was trained",
+        "max_pixels": "the pixel budget is the starting model's, as it was trained",
+        "prompt": "the prompt is the starting model's, as it was trained",
+        "answer_label": "rollouts are sampled answers, not targets",
+        "num_workers": "prompts are read in the main process between generations",
+        "freeze_vision": "rl trains a LoRA adapter only", "freeze_merger": "rl trains a LoRA adapter only",
+        "freeze_llm": "rl trains a LoRA adapter only",
+    }
+
+    def check(self) -> None:
+        if self.group_size < 2 and self.advantage == "grpo":
+            raise ConfigError("group_size=1 with advantage=grpo: a group of one answer has no spread to learn from")
         if self.curriculum and self.train_data.startswith("synth:"):
             raise ConfigError(f"curriculum=true with train_data={self.train_data}: a synthetic stream never repeats "
                               "a prompt, so none has a last turn to judge; write the prompts to a file "
                               "(groundtune data synth) or set curriculum=false")
-        unsupported = {"grad_accum": self.grad_accum != 1, "packing": self.packing, "compile": self.compile,
-                       "hflip_prob": self.hflip_prob > 0, "scale_crop_prob": self.scale_crop_prob > 0}
-        bad = [name for name, is_set in unsupported.items() if is_set]
-        if bad:
-            raise ConfigError(f"{', '.join(bad)}: not available in groundtune rl (micro_batch bounds memory; "
-                              "augmentations would change the truth rewards are scored on; generation "
-                              "with compiled layers is not measured yet)")
+        if _adapter_folder(self.model) is not None:
+            lora = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                    for f in dataclasses.fields(_Lora)}
+            changed = [name for name, default in lora.items() if getattr(self, name) != default]
+            if changed:
+                raise ConfigError(f"{', '.join(changed)}: model={self.model} is an SFT run whose LoRA adapter "
+                                  "trains on as it was made; leave the lora_* settings out, or start a new adapter "
+                                  "from that run's base model")
+
+
+def _adapter_folder(model: str) -> Path | None:
+    """The adapter folder of a model setting that names one (an SFT run with LoRA, or the adapter
+    itself), else None. Read from the file system only: no model is loaded to judge settings."""
+    for folder in (Path(model) / "model", Path(model)):
+        if (folder / "adapter_config.json").is_file():
+            return folder
+    return None
+
+
+def _positive(cfg, *names: str) -> None:
+    for name in names:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{name}={getattr(cfg, name)} must be positive")
+
+
+def _at_least_zero(cfg, *names: str) -> None:
+    for name in names:
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name}={getattr(cfg, name)} must be 0 or more")
+
+
+def _fraction(cfg, *names: str) -> None:
+    for name in names:
+        if not 0 <= getattr(cfg, name) <= 1:
+            raise ConfigError(f"{name}={getattr(cfg, name)} must be in [0, 1]")
+
+
+def preset_path(name_or_path: str) -> Path:
+    """A YAML path as given, or the name of a preset shipped with groundtune (configs/NAME.yaml)."""
+    path = Path(name_or_path)
+    if path.is_file():  # not is_dir: `groundtune quickstart` itself makes a folder named quickstart
+        return path
+    shipped = PRESETS / f"{name_or_path}.yaml"
+    if shipped.exists():
+        return shipped
+    names = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
+    raise MissingError(f"{name_or_path}: no such file, and not a shipped preset ({names})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,8 +354,9 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] | tupl
     unknown = sorted(set(values) - known)
     if unknown:
         where = f" in {path}" if path else ""
-        command = getattr(cls, "command", "train")
-        raise ConfigError(f"unknown setting(s){where}: {', '.join(unknown)}; see `groundtune {command} --help`")
+        reasons = getattr(cls, "not_settings", {})
+        why = "".join(f"; {name}: {reasons[name]}" for name in unknown if name in reasons)
+        raise ConfigError(f"unknown setting(s){where}: {', '.join(unknown)}{why}; see `groundtune {cls.command} --help`")
     return cls(**values)
 
 

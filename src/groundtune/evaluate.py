@@ -11,19 +11,17 @@ and scores IoU 0: it is never replaced by a guessed box.
 
 from __future__ import annotations
 
-import dataclasses
 import html
 import json
 import random
 import sys
-import warnings
 from pathlib import Path
 
 from PIL import Image, ImageDraw
 
 from groundtune import boxes, infer
 from groundtune.data.images import load_image
-from groundtune.data.records import atomic_write, image_path, read_samples, sample_boxes
+from groundtune.data.records import atomic_write, image_path, read_samples, record_size, sample_boxes
 from groundtune.progress import track
 
 THRESHOLDS = [round(0.5 + 0.05 * i, 2) for i in range(10)]  # 0.5, 0.55, ..., 0.95 (COCO's)
@@ -36,7 +34,7 @@ PRED_COLOUR = (230, 0, 0)
 
 def score(pred_box: list[float] | None, true_boxes: list[list[float]]) -> dict:
     """IoU of the predicted box with the best-matching true box (0 when there is no prediction)."""
-    best = max((boxes.iou(pred_box, t) for t in true_boxes), default=0.0) if pred_box is not None else 0.0
+    best = boxes.best_iou(pred_box, true_boxes)
     return {"iou": best, "hit@0.5": best >= 0.5, "hit@0.75": best >= 0.75}
 
 
@@ -73,8 +71,9 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def evaluate(gm, samples: list[dict], data_path, batch_size: int = 16, limit: int | None = None,
-             progress: bool = True) -> tuple[dict, list[dict]]:
-    """Predict and score every sample; returns (report, one row per sample).
+             progress: bool = True, max_new_tokens: int = infer.DEFAULT_MAX_NEW_TOKENS) -> tuple[dict, list[dict]]:
+    """Predict (greedy) and score every sample; returns (report, one row per sample). The report
+    records what was measured and how: model, data, family, pixel budget, prompt, decoding.
 
     Images are opened one batch at a time so a large eval set never sits in memory at once.
     """
@@ -87,8 +86,10 @@ def evaluate(gm, samples: list[dict], data_path, batch_size: int = 16, limit: in
         starts = track(starts, f"eval ({batch_size}/batch)")
     for start in starts:
         chunk = samples[start : start + batch_size]
-        images = [load_image(image_path(s, data_path), (int(s["width"]), int(s["height"]))) for s in chunk]
-        preds = infer.predict(gm, images, [str(s["phrase"]) for s in chunk], batch_size=batch_size)
+        files = [image_path(s, data_path) for s in chunk]
+        images = [load_image(file, record_size(s)) for file, s in zip(files, chunk)]
+        preds = infer.predict(gm, images, [str(s["phrase"]) for s in chunk], batch_size=batch_size,
+                              max_new_tokens=max_new_tokens, names=[str(f) for f in files])
         for sample, pred in zip(chunk, preds):
             true = sample_boxes(sample)
             rows.append({
@@ -111,6 +112,7 @@ def evaluate(gm, samples: list[dict], data_path, batch_size: int = 16, limit: in
         "family": gm.family,
         "resize": gm.resize.to_dict(),
         "prompt": gm.prompt,
+        "decoding": infer.Decoding.greedy(max_new_tokens).to_dict(),
         **summarise(rows),
     }
     return report, rows
@@ -183,14 +185,14 @@ pre {{ white-space: pre-wrap; word-break: break-all; background: #f4f4f4; font-s
 
 def run_eval(model: str, data, limit: int | None = None, out=None, gallery=None, compare: str | None = None,
              batch_size: int = 16, max_pixels: int | None = None, min_pixels: int | None = None,
-             device: str = "auto") -> dict:
+             device: str = "auto", max_new_tokens: int = infer.DEFAULT_MAX_NEW_TOKENS) -> dict:
     """Evaluate ``model`` (and ``compare`` on the same samples) on a canonical JSONL file, print
     the metrics, and write report.json / the gallery when asked. Returns the report."""
     samples = read_samples(data)
     reports = []
     for i, name in enumerate([model] + ([compare] if compare else [])):
-        gm = _load(name, device, max_pixels, min_pixels)
-        report, rows = evaluate(gm, samples, data, batch_size=batch_size, limit=limit)
+        gm = infer.load(name, device, min_pixels, max_pixels, who="eval")
+        report, rows = evaluate(gm, samples, data, batch_size=batch_size, limit=limit, max_new_tokens=max_new_tokens)
         reports.append(report)
         if gallery:
             folder = Path(gallery) if i == 0 else Path(gallery) / "compare"
@@ -203,30 +205,6 @@ def run_eval(model: str, data, limit: int | None = None, out=None, gallery=None,
             f.write(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}")
     return result
-
-
-def _load(name: str, device: str, max_pixels: int | None, min_pixels: int | None):
-    """Load with the model's own resize settings; the pixel flags override them, loudly."""
-    from groundtune.models.loading import load_model
-
-    gm = load_model(name, device=device)
-    if max_pixels is None and min_pixels is None:
-        return gm
-    # The factor is the family's and the flags not given keep the saved values, so only what the
-    # user asked for changes. load_model cannot take this before loading: the family is unknown.
-    override = dataclasses.replace(
-        gm.resize,
-        max_pixels=max_pixels if max_pixels is not None else gm.resize.max_pixels,
-        min_pixels=min_pixels if min_pixels is not None else gm.resize.min_pixels,
-    )
-    if override != gm.resize:
-        warnings.warn(
-            f"{name} is saved with {gm.resize} but evaluated with {override}: boxes stay correct "
-            "(mapped with the resize actually used) but accuracy may differ from the saved setting.",
-            stacklevel=2,
-        )
-    gm.resize = override
-    return gm
 
 
 def print_table(reports: list[dict]) -> None:

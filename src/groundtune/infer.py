@@ -2,7 +2,8 @@
 
 This is the one generation path: eval, predict, training-time eval and serve call ``predict``
 (greedy), RL rollouts call ``encode_prompts`` + ``generate`` (sampled), so the prompt, the resize
-and the box parsing can never drift apart between stages.
+and the box parsing can never drift apart between stages. Every call decodes with a complete
+``Decoding``: nothing is taken from a checkpoint's generation_config.json (models/loading.py).
 
     groundtune predict --model tiny --image cat.jpg --phrase "the cat on the left"
     groundtune predict --model runs/sft --jsonl val.jsonl --out predictions.jsonl
@@ -16,7 +17,7 @@ different-length prompts generates exactly what one-at-a-time generation does.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -24,9 +25,52 @@ from PIL import Image
 
 from groundtune import boxes
 from groundtune.data.images import load_image, to_rgb
-from groundtune.data.records import DataError, atomic_write, image_path, iter_jsonl
+from groundtune.data.records import atomic_write, image_path, iter_jsonl, record_size
+from groundtune.errors import DataError
 from groundtune.models import qwen
 from groundtune.progress import track
+
+DEFAULT_MAX_NEW_TOKENS = 64  # a grounding answer of one box and its label is ~20-40 tokens
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """Every setting ``generate`` decodes with, all passed on each call. transformers takes any
+    field a call leaves unset from the checkpoint's generation_config.json, and Qwen's differ from
+    what grounding needs (Qwen2.5-VL: top_k=1, repetition_penalty 1.05; Qwen3-VL: top_k=20,
+    top_p=0.8), so none is left unset. Reports and metrics record it (``to_dict``)."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS  # longer answers are cut (and usually unparsable)
+    do_sample: bool = False  # False: greedy, deterministic
+    temperature: float = 1.0  # sampling only
+    top_p: float = 1.0  # sampling only; 1 = off
+    top_k: int = 0  # sampling only; 0 = off
+    repetition_penalty: float = 1.0  # 1 = off: a box may repeat a digit
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.do_sample and (self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0):
+            raise ValueError(f"sampling needs temperature > 0, 0 < top_p <= 1 and top_k >= 0; got {self}")
+
+    @classmethod
+    def greedy(cls, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> "Decoding":
+        return cls(max_new_tokens=max_new_tokens)
+
+    @classmethod
+    def sampled(cls, max_new_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = 0) -> "Decoding":
+        return cls(max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+
+    def to_dict(self) -> dict:
+        """What was used, for reports: greedy decoding has no temperature, top_p or top_k."""
+        values = asdict(self)
+        if not self.do_sample:
+            for name in ("temperature", "top_p", "top_k"):
+                values.pop(name)
+        return values
+
+    def generate_kwargs(self) -> dict:
+        return {**asdict(self), "num_beams": 1}
 
 
 @dataclass
@@ -71,19 +115,35 @@ def read_answer(
     )
 
 
+def load(name: str, device: str = "auto", min_pixels: int | None = None, max_pixels: int | None = None,
+         who: str = "predict"):
+    """A model ready for inference: loaded (``models.loading.load_model``) with its own pixel budget,
+    overridden where ``min_pixels``/``max_pixels`` are given (``who`` warns: it is not what the
+    model was trained at), and the speed-ups installed."""
+    from groundtune.models import speedups
+    from groundtune.models.loading import load_model, with_resize
+
+    gm = with_resize(load_model(name, device=device), min_pixels, max_pixels, who)
+    speedups.install(gm.model)
+    return gm
+
+
 def predict(
     gm,
     images: list[Image.Image],
     phrases: list[str],
     batch_size: int = 16,
-    max_new_tokens: int = 64,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     progress: bool = False,
+    names: list[str] | None = None,
 ) -> list[Prediction]:
-    """Ground each phrase in its image with greedy decoding, ``batch_size`` samples per generate.
+    """Ground each phrase in its image with greedy decoding (``Decoding.greedy``), ``batch_size``
+    samples per generate.
 
     ``gm`` is a loaded GroundingModel; images are resized with ITS ResizeSpec and prompted with ITS
     prompt, as in training. The model is put in eval mode and given back in the mode it was in,
-    because training calls this in the middle of a run.
+    because training calls this in the middle of a run. ``names`` (each image's file) go into
+    the error about an image the model cannot take.
     """
     if len(images) != len(phrases):
         raise ValueError(f"got {len(images)} images but {len(phrases)} phrases")
@@ -97,47 +157,50 @@ def predict(
     predictions = []
     try:
         for start in starts:
-            chunk = zip(images[start : start + batch_size], phrases[start : start + batch_size])
-            predictions += _generate(gm, list(chunk), max_new_tokens)
+            chunk = list(zip(images[start : start + batch_size], phrases[start : start + batch_size]))
+            chunk_names = names[start : start + batch_size] if names is not None else None
+            encoded, sizes = encode_prompts(gm, chunk, chunk_names)
+            predictions += [p for _, p in generate(gm, encoded, sizes, Decoding.greedy(max_new_tokens))]
     finally:
         gm.model.train(was_training)
     return predictions
 
 
-def _generate(gm, chunk: list[tuple[Image.Image, str]], max_new_tokens: int) -> list[Prediction]:
-    encoded, sizes = encode_prompts(gm, chunk)
-    return [prediction for _, prediction in generate(gm, encoded, sizes, max_new_tokens)]
-
-
-def encode_prompts(gm, chunk: list[tuple[Image.Image, str]]) -> tuple[list[dict], list[tuple]]:
+def encode_prompts(gm, chunk: list[tuple[Image.Image, str]],
+                   names: list[str] | None = None) -> tuple[list[dict], list[tuple]]:
     """(image, phrase) pairs -> the encoded prompts (image resized with the model's ResizeSpec, the
-    model's prompt) and each image's (original size, resized size) for reading the answers back."""
+    model's prompt) and each image's (original size, resized size) for reading the answers back.
+    An image the resize cannot take is a DataError naming it (``names[i]``, or its place)."""
     sizes, encoded = [], []
-    for image, phrase in chunk:
+    for i, (image, phrase) in enumerate(chunk):
         image = to_rgb(image)
-        resized, resized_size = qwen.resize_image(image, gm.resize)
+        try:
+            resized, resized_size = qwen.resize_image(image, gm.resize)
+        except boxes.ResizeError as e:
+            where = names[i] if names is not None else f"image {i + 1} of the batch"
+            raise DataError(f"{where} ({image.width}x{image.height}): {e}") from None
         prompt = qwen.prompt_text(gm.processor, phrase, gm.prompt)
         encoded.append(qwen.encode(gm.processor, resized, prompt))
         sizes.append((image.size, resized_size))
     return encoded, sizes
 
 
-def generate(gm, encoded: list[dict], sizes: list[tuple], max_new_tokens: int, num_samples: int = 1,
-             temperature: float = 0.0, top_p: float = 1.0) -> list[tuple[list[int], Prediction]]:
-    """Answer encoded prompts in one batch: greedy (temperature 0), or ``num_samples`` sampled
+def generate(gm, encoded: list[dict], sizes: list[tuple], decoding: Decoding,
+             num_samples: int = 1) -> list[tuple[list[int], Prediction]]:
+    """Answer encoded prompts in one batch with ``decoding``: greedy, or ``num_samples`` sampled
     answers per prompt (RL rollouts). Returns, prompt by prompt and sample by sample, the answer's
     token ids (up to and including its end-of-turn token, exactly as generated) and what they say."""
+    if num_samples > 1 and not decoding.do_sample:
+        raise ValueError(f"{num_samples} answers per prompt need sampling: greedy gives the same one each time")
     batch = qwen.collate(encoded, gm.processor.pad_token_id, padding_side="left")
     # generate derives the positions itself, with the offsets its KV cache continues from
     batch.pop("position_ids")
     batch = {k: v.to(gm.device) for k, v in batch.items()}
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
     with torch.inference_mode():
         out = gm.model.generate(
             **batch,
-            **sampling,
+            **decoding.generate_kwargs(),
             num_return_sequences=num_samples,
-            max_new_tokens=max_new_tokens,
             eos_token_id=gm.processor.eos_token_ids,
             pad_token_id=gm.processor.pad_token_id,
             use_cache=True,
@@ -160,7 +223,8 @@ def _answer_length(ids: list[int], processor: qwen.Processor) -> int:
     return next((i for i, t in enumerate(ids) if t in stop), len(ids))
 
 
-def predict_jsonl(gm, in_path: str | Path, out_path: str | Path, batch_size: int = 16, progress: bool = True) -> int:
+def predict_jsonl(gm, in_path: str | Path, out_path: str | Path, batch_size: int = 16,
+                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, progress: bool = True) -> int:
     """Predict every line of a JSONL file (canonical, or just ``image`` + ``phrase``) and write
     each input record with a ``prediction`` object added; returns the number of lines written.
 
@@ -181,14 +245,10 @@ def predict_jsonl(gm, in_path: str | Path, out_path: str | Path, batch_size: int
     with atomic_write(out_path) as f:
         for start in starts:
             chunk = records[start : start + batch_size]
-            images = [load_image(image_path(r, in_path), _recorded_size(r)) for r in chunk]
-            preds = predict(gm, images, [str(r["phrase"]) for r in chunk], batch_size=batch_size)
+            files = [image_path(r, in_path) for r in chunk]
+            images = [load_image(file, record_size(r)) for file, r in zip(files, chunk)]
+            preds = predict(gm, images, [str(r["phrase"]) for r in chunk], batch_size=batch_size,
+                            max_new_tokens=max_new_tokens, names=[str(f) for f in files])
             for record, pred in zip(chunk, preds):
                 f.write(json.dumps({**record, "prediction": pred.to_json()}, ensure_ascii=False) + "\n")
     return len(records)
-
-
-def _recorded_size(record: dict) -> tuple[int, int] | None:
-    if "width" in record and "height" in record:
-        return int(record["width"]), int(record["height"])
-    return None

@@ -11,34 +11,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from groundtune.config import TrainConfig, load_config
+from groundtune.config import TrainConfig, load_config, preset_path
 from groundtune.data import synth
 from groundtune.data.records import atomic_write, read_samples
 from groundtune.train import checkpoint as ckpt
 
-PRESETS = Path(__file__).resolve().parent / "configs"
 # The variant: the full task (1-3 shapes, relational phrases) on a canvas the model has not seen.
 VARIANT = {"width": 168, "height": 168, "task": "full"}
-
-
-def preset_path(name_or_path: str) -> Path:
-    """A YAML path as given, or the name of a preset shipped with groundtune (configs/NAME.yaml)."""
-    path = Path(name_or_path)
-    if path.is_file():  # not is_dir: `groundtune quickstart` itself makes a folder named quickstart
-        return path
-    shipped = PRESETS / f"{name_or_path}.yaml"
-    if shipped.exists():
-        return shipped
-    names = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
-    raise FileNotFoundError(f"{name_or_path}: no such file, and not a shipped preset ({names})")
 
 
 def quickstart(out: str | Path = "quickstart", n_train: int = 8000, n_eval: int = 200,
                overrides: tuple[str, ...] = ()) -> dict:
     """Variant data -> eval the tiny model -> LoRA fine-tune -> eval again + gallery. Re-running
     resumes an unfinished run and re-evaluates a finished one. Returns {"before", "after", "gain"}."""
-    from groundtune import evaluate
-    from groundtune.models.loading import load_model
+    from groundtune import evaluate, infer
     from groundtune.train.sft import train
 
     out = Path(out)
@@ -52,7 +38,7 @@ def quickstart(out: str | Path = "quickstart", n_train: int = 8000, n_eval: int 
     val = read_samples(data / "val.jsonl")
 
     print(f"before: {cfg.model} on {n_eval} held-out samples of the variant ({VARIANT['width']}x{VARIANT['height']} px)")
-    before, _ = evaluate.evaluate(load_model(cfg.model), val, data / "val.jsonl")
+    before, _ = evaluate.evaluate(infer.load(cfg.model), val, data / "val.jsonl")
     print(f"before: Acc@0.5 {before['acc@0.5']:.3f}")
 
     run = Path(cfg.out_dir)
@@ -62,7 +48,7 @@ def quickstart(out: str | Path = "quickstart", n_train: int = 8000, n_eval: int 
     elif not ckpt.is_finished(checkpoints[-1]):
         train(resume=run)
 
-    after, rows = evaluate.evaluate(load_model(str(run)), val, data / "val.jsonl")
+    after, rows = evaluate.evaluate(infer.load(str(run)), val, data / "val.jsonl")
     gallery = evaluate.write_gallery(rows, data / "val.jsonl", out / "gallery")
     evaluate.print_table([before, after])
     result = {"before": before, "after": after, "gain": after["acc@0.5"] - before["acc@0.5"]}

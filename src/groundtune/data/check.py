@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import html
 import io
-import math
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -58,7 +57,7 @@ from pathlib import Path
 from PIL import Image
 
 from groundtune.boxes import MAX_RATIO, as_box, box_area, clip_box, xywh_to_xyxy
-from groundtune.data.records import DataError, image_path, iter_jsonl, write_samples
+from groundtune.data.records import DataError, image_path, iter_jsonl, missing_fields, record_size, write_samples
 from groundtune.progress import track
 
 ERROR, WARNING = "error", "warning"
@@ -270,13 +269,8 @@ def _check_record(record: dict, image: ImageInfo | None) -> tuple[list[str], dic
 
 
 def check_fields(record: dict, image: ImageInfo | None) -> list[Finding]:
-    missing = [k for k in ("id", "image", "phrase") if record.get(k) is None]
-    if not (isinstance(record.get("image"), str) and record["image"]) and "image" not in missing:
-        missing.append("image")
-    boxes = record.get("bboxes", record.get("bbox"))
-    if boxes is None or boxes == []:
-        missing.append("bbox")
-    return [("missing_field", None)] if missing else []
+    # width/height are not required here: a missing size is a warning, filled in from the image
+    return [("missing_field", None)] if missing_fields(record, ("id", "image", "phrase", "bbox")) else []
 
 
 def check_image(record: dict, image: ImageInfo | None) -> list[Finding]:
@@ -285,7 +279,7 @@ def check_image(record: dict, image: ImageInfo | None) -> list[Finding]:
     if image.error:
         return [(image.error, None)]
     findings: list[Finding] = []
-    recorded = _recorded_size(record)
+    recorded = record_size(record)
     if recorded is None:
         record = _with_size(record, image.size)
         findings.append(("missing_size", record))
@@ -330,7 +324,7 @@ def check_boxes(record: dict, image: ImageInfo | None) -> list[Finding]:
     if key == "bboxes" and not isinstance(value, list):
         return [("bbox_nan", None)]
     boxes = value if key == "bboxes" else [value]
-    size = _recorded_size(record)  # None when the image is unreadable and no size is recorded
+    size = record_size(record)  # None when the image is unreadable and no size is recorded
     kinds, fixed_boxes = [], []
     for box in boxes:
         kind, fixed_box = _check_box(box, size)
@@ -372,15 +366,6 @@ def _overshoot(box, size: tuple[int, int]) -> float:
     """How far (px) the box goes past the image's edges; <= 0 when it is inside."""
     w, h = size
     return max(-box[0], -box[1], box[2] - w, box[3] - h)
-
-
-def _recorded_size(record: dict) -> tuple[int, int] | None:
-    w, h = record.get("width"), record.get("height")
-    ok = all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 and v == int(v)
-        for v in (w, h)
-    )
-    return (int(w), int(h)) if ok else None
 
 
 def _with_size(record: dict, size: tuple[int, int]) -> dict:

@@ -14,19 +14,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
-import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
-REQUIRED_FIELDS = ("id", "image", "width", "height", "phrase")
-_UMASK = os.umask(0)
-os.umask(_UMASK)
+from groundtune.errors import DataError
 
+# What a canonical record must have (design.md); "bbox" stands for "bbox or bboxes".
+REQUIRED_FIELDS = ("id", "image", "width", "height", "phrase", "bbox")
 
-class DataError(ValueError):
-    """A bad input record or file. The message names the file and line and says what to do."""
+__all__ = ["DataError", "REQUIRED_FIELDS", "Line", "iter_jsonl", "read_samples", "missing_fields", "record_size",
+           "sample_boxes", "image_path", "atomic_write", "dumps_sample", "write_samples"]
 
 
 @dataclass
@@ -62,9 +63,7 @@ def read_samples(path: str | Path) -> list[dict]:
     for line in iter_jsonl(path):
         if line.error:
             raise DataError(f"{path}:{line.number}: {line.error}; run `groundtune data check {path}`")
-        missing = [k for k in REQUIRED_FIELDS if k not in line.record]
-        if "bbox" not in line.record and "bboxes" not in line.record:
-            missing.append("bbox")
+        missing = missing_fields(line.record)
         if missing:
             raise DataError(
                 f"{path}:{line.number}: missing field(s) {', '.join(missing)}; "
@@ -72,6 +71,40 @@ def read_samples(path: str | Path) -> list[dict]:
             )
         samples.append(line.record)
     return samples
+
+
+def missing_fields(record: dict, fields: Iterable[str] = REQUIRED_FIELDS) -> list[str]:
+    """Which of ``fields`` a record lacks: absent or null; an image that is not a non-empty path; a
+    width/height that is not a positive whole number; ``bbox`` when it has neither a box nor a
+    non-empty ``bboxes``. The one rule of "has what it needs" for reading, checking and converting
+    (whether the values are right is ``groundtune data check``'s: data/check.py)."""
+    missing = []
+    for name in fields:
+        if name == "bbox":
+            value = record.get("bboxes", record.get("bbox"))
+            absent = value is None or value == []
+        elif name == "image":
+            absent = not (isinstance(record.get("image"), str) and record["image"])
+        elif name in ("width", "height"):
+            absent = _positive_int(record.get(name)) is None
+        else:
+            absent = record.get(name) is None
+        if absent:
+            missing.append(name)
+    return missing
+
+
+def record_size(record: dict) -> tuple[int, int] | None:
+    """The (width, height) a record gives its image, when both are positive whole numbers (640 or
+    640.0), else None."""
+    width, height = _positive_int(record.get("width")), _positive_int(record.get("height"))
+    return (width, height) if width is not None and height is not None else None
+
+
+def _positive_int(value) -> int | None:
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+          and value == int(value))
+    return int(value) if ok else None
 
 
 def sample_boxes(sample: dict) -> list[list[float]]:
@@ -93,10 +126,10 @@ def atomic_write(path: str | Path, mode: str = "w") -> Iterator[IO]:
     crash or kill never leaves a half-written file where a finished one is expected."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; finished files get the usual mode
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
     try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+        # "x": a new file, with the usual mode (the umask's), never an existing one
+        with open(tmp, mode.replace("w", "x"), **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())

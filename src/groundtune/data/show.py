@@ -121,12 +121,13 @@ def _cell(line: Line, jsonl_path: Path, resize: ResizeSpec, font) -> Image.Image
 def show_grid(
     jsonl_path: str | Path,
     out_png: str | Path,
+    resize: ResizeSpec,
     n: int = 16,
-    resize: ResizeSpec = ResizeSpec(),
     seed: int = 0,
 ) -> Path:
     """Draw n records of a JSONL file (a random choice with ``seed``, in file order; all of them if
-    fewer) into one PNG. A record that cannot be drawn becomes a red "unreadable: ..." cell."""
+    fewer) into one PNG, each beside its image resized with ``resize`` (the model's pixel budget).
+    A record that cannot be drawn becomes a red "unreadable: ..." cell."""
     jsonl_path = Path(jsonl_path)
     lines = list(iter_jsonl(jsonl_path))
     if not lines:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import math
 import os
 import pickle
 from pathlib import Path
@@ -36,7 +35,7 @@ from PIL import Image
 from groundtune.boxes import as_box, xywh_to_xyxy
 from groundtune.progress import track
 
-from .records import DataError, atomic_write, image_path, iter_jsonl, write_samples
+from .records import DataError, atomic_write, image_path, iter_jsonl, missing_fields, record_size, write_samples
 
 
 def _sample(id, image, width, height, phrase, bbox, split, source, **extras) -> dict:
@@ -298,10 +297,6 @@ def convert_coco(instances: str | Path, images: str | Path, out: str | Path, spl
 # Canonical JSONL -> validated, normalised canonical JSONL
 
 
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _box(value) -> list[float] | None:
     """A box as four finite floats, or None when it is not one (JSON lists only)."""
     return as_box(value) if isinstance(value, list) else None
@@ -311,13 +306,6 @@ def _boxes(value) -> list[list[float]] | None:
     """A non-empty list of boxes as floats, or None when it is not one."""
     boxes = [_box(b) for b in value] if isinstance(value, list) else []
     return boxes if boxes and None not in boxes else None
-
-
-def _size(value) -> int | None:
-    """A positive integral width/height (640 or 640.0) as int, or None."""
-    if _is_number(value) and value > 0 and float(value).is_integer():
-        return int(value)
-    return None
 
 
 def convert_jsonl(path: str | Path, out: str | Path) -> int:
@@ -340,10 +328,9 @@ def convert_jsonl(path: str | Path, out: str | Path) -> int:
             n, r = line.number, line.record
             if line.error:
                 fail(n, line.error)
-            if not isinstance(r.get("phrase"), str) or not r["phrase"].strip():
-                fail(n, "no phrase")
-            if not isinstance(r.get("image"), str) or not r["image"]:
-                fail(n, "no image")
+            missing = missing_fields(r, ("image", "phrase"))  # id and width/height are filled in
+            if missing or not isinstance(r["phrase"], str) or not r["phrase"].strip():
+                fail(n, f"no {(missing or ['phrase'])[0]}")
             if ("bbox" in r) == ("bboxes" in r):
                 fail(n, "needs exactly one of bbox or bboxes")
             key = "bbox" if "bbox" in r else "bboxes"
@@ -354,10 +341,11 @@ def convert_jsonl(path: str | Path, out: str | Path) -> int:
             image = image_path(r, path)
             if not image.is_file():
                 fail(n, f"image file {image} not found")
-            width, height = _size(r.get("width")), _size(r.get("height"))
-            if ("width" in r and width is None) or ("height" in r and height is None):
+            size = record_size(r)
+            if any(key in r and missing_fields(r, (key,)) for key in ("width", "height")):
                 fail(n, f"width/height {r.get('width')!r}/{r.get('height')!r} are not positive integers")
-            if width is None or height is None:
+            width, height = size or (None, None)
+            if size is None:
                 try:
                     with Image.open(image) as im:  # the header is enough for the size
                         width, height = im.size

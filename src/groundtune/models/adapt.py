@@ -1,29 +1,21 @@
 """What to train: LoRA adapters or full weights per model part, per-part learning rates, and
 selective gradient checkpointing.
 
-Parts are told apart by parameter name, the same for Qwen2-VL, Qwen2.5-VL and Qwen3-VL in
-transformers: ``visual.merger``/``visual.deepstack`` (merger), ``visual.`` (vision tower),
-everything else (language model and LM head).
+Parts are told apart by parameter name, as the model's family record says
+(``qwen.Family.part_of``): the merger (vision -> LLM projection), the vision tower, and everything
+else (language model and LM head).
 """
 
 from __future__ import annotations
 
 import functools
-import re
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from groundtune.config import TrainConfig
-
-
-def part_of(name: str) -> str:
-    """vision | merger | llm, from a parameter or module name."""
-    if re.search(r"(^|\.)visual\.(merger|deepstack)", name):
-        return "merger"
-    if re.search(r"(^|\.)visual\.", name):
-        return "vision"
-    return "llm"
+from groundtune.errors import ConfigError
+from groundtune.models import qwen
 
 
 def base_model(model):
@@ -31,49 +23,59 @@ def base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def family_of(model) -> qwen.Family:
+    """The family record of a model (a PEFT wrapper included)."""
+    return qwen.family_of(base_model(model).config)
+
+
 def decoder_layers(model) -> torch.nn.ModuleList:
-    for name, module in model.named_modules():
-        if name.endswith("language_model.layers") and isinstance(module, torch.nn.ModuleList):
-            return module
-    raise ValueError("no language_model.layers in this model; is it a Qwen-VL model?")
+    return family_of(model).decoder_layer_list(model)
 
 
 def lora_target_modules(model, targets: list[str], last_n_layers: int = 0) -> list[str]:
     """Names of every Linear layer in the targeted parts (peft's ``target_modules``)."""
-    first = len(decoder_layers(model)) - last_n_layers if last_n_layers else 0
+    family = family_of(model)
+    first = len(family.decoder_layer_list(model)) - last_n_layers if last_n_layers else 0
     names = []
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
-        layer = re.search(r"language_model\.layers\.(\d+)\.(self_attn|mlp)\.", name)
-        if layer:
-            target = "llm_attn" if layer.group(2) == "self_attn" else "llm_mlp"
-            wanted = target in targets and int(layer.group(1)) >= first
+        layer = family.llm_layer(name)
+        if layer is not None:
+            index, kind = layer
+            wanted = f"llm_{kind}" in targets and index >= first
         else:
-            wanted = part_of(name) in targets  # "merger" / "vision"; the LM head is never adapted
+            wanted = family.part_of(name) in targets  # "merger" / "vision"; the LM head is never adapted
         if wanted:
             names.append(name)
     return names
 
 
+def add_lora(model, cfg):
+    """A new LoRA adapter on the parts ``cfg.lora_targets`` names (initialised to change nothing),
+    everything else frozen. ``cfg`` is a TrainConfig or an RLConfig: both carry the lora_* settings."""
+    torch.manual_seed(cfg.seed)  # the adapters' initial weights: a function of the seed alone
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=lora_target_modules(model, cfg.lora_targets, cfg.lora_last_n_layers),
+        bias="none",
+    )
+    return get_peft_model(model, lora)
+
+
 def prepare_for_training(model, cfg: TrainConfig):
     """Freeze, wrap with LoRA or unfreeze parts, per the config. Returns the model to train."""
     if cfg.method in ("lora", "qlora"):
-        torch.manual_seed(cfg.seed)  # the adapters' initial weights: a function of the seed alone
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(
-            r=cfg.lora_r,
-            lora_alpha=cfg.lora_alpha,
-            lora_dropout=cfg.lora_dropout,
-            target_modules=lora_target_modules(model, cfg.lora_targets, cfg.lora_last_n_layers),
-            bias="none",
-        )
-        model = get_peft_model(model, lora)
+        model = add_lora(model, cfg)
     else:
         frozen = {"vision": cfg.freeze_vision, "merger": cfg.freeze_merger, "llm": cfg.freeze_llm}
+        family = family_of(model)
         for name, p in model.named_parameters():
-            p.requires_grad_(not frozen[part_of(name)])
+            p.requires_grad_(not frozen[family.part_of(name)])
     if cfg.gradient_checkpointing:
         checkpoint_last_layers(model, cfg.gradient_checkpointing)
     return model
@@ -121,20 +123,23 @@ def checkpoint_last_layers(model, n: int) -> int:
     return len(chosen)
 
 
-def _no_decay(name: str, param: torch.nn.Parameter) -> bool:
+def _no_decay(name: str, param: torch.nn.Parameter, family: qwen.Family) -> bool:
     # Decay shrinks weights toward zero: right for matrices, wrong for norm gains, biases, the
     # embedding table and the LM head (which is tied to it in small models).
-    return param.ndim < 2 or "norm" in name or name.endswith(".bias") or "embed" in name or "lm_head" in name
+    return (param.ndim < 2 or "norm" in name or name.endswith(".bias") or "embed" in name
+            or family.lm_head in name.split("."))
 
 
-def param_groups(model, cfg: TrainConfig) -> list[dict]:
-    """Trainable parameters grouped by (part, decay): each part has its own learning rate."""
+def param_groups(model, cfg) -> list[dict]:
+    """Trainable parameters grouped by (part, decay): each part has its own learning rate.
+    ``cfg``: a TrainConfig or an RLConfig (``part_lr`` and ``weight_decay``)."""
+    family = family_of(model)
     groups: dict[tuple[str, bool], list] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            groups.setdefault((part_of(name), _no_decay(name, p)), []).append(p)
+            groups.setdefault((family.part_of(name), _no_decay(name, p, family)), []).append(p)
     if not groups:
-        raise ValueError("no trainable parameters: check method, lora_targets and freeze_* settings")
+        raise ConfigError("no trainable parameters: check method, lora_targets and freeze_* settings")
     return [
         {
             "params": params,

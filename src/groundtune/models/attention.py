@@ -40,19 +40,19 @@ except ImportError:  # PyTorch < 2.10
     _varlen_attn = None
 _VARLEN_PARAMS = inspect.signature(_varlen_attn).parameters if _varlen_attn is not None else {}
 
-# The vision attention classes of the three families: same fields (qkv, proj, num_heads,
-# scaling), same forward signature, and a module-level apply_rotary_pos_emb_vision.
-ATTENTION_CLASSES = ("Qwen2_5_VLVisionAttention", "VisionAttention", "Qwen3VLVisionAttention")
 TEXT_ATTENTION = "groundtune"  # the name our language-model attention is registered under
 VARLEN_ENABLED = True  # the benchmarks switch the kernel off to measure what it gives (bench/step_ladder.py)
 
 
-def install(model: torch.nn.Module) -> int:
-    """Use this module's attention in ``model``'s vision tower and language model (a freshly loaded
-    Qwen-VL model, not yet wrapped by PEFT); returns how many vision layers were replaced."""
-    config = getattr(model, "config", None)
-    text_config = config.get_text_config() if config is not None else None
-    if text_config is not None and "flash" not in str(text_config._attn_implementation):
+def install(model: torch.nn.Module, family) -> int:
+    """Use this module's attention in ``model``'s vision tower and language model; returns how many
+    vision layers were replaced. ``family`` is the model's ``qwen.Family``: the vision attention
+    class of each family has the same fields (qkv, proj, num_heads, scaling), the same forward
+    signature, and its modeling module a ``family.vision_rotary`` function (models/speedups.py
+    checks all of it before anything is replaced)."""
+    config = model.config
+    text_config = config.get_text_config()
+    if "flash" not in str(text_config._attn_implementation):
         _register_text_attention()
         text_config._attn_implementation = TEXT_ATTENTION
     vision_config = getattr(config, "vision_config", None)
@@ -60,8 +60,10 @@ def install(model: torch.nn.Module) -> int:
         return 0
     count = 0
     for module in model.modules():
-        if type(module).__name__ in ATTENTION_CLASSES and hasattr(module, "qkv"):
+        if type(module).__name__ == family.vision_attention and not getattr(module, "_groundtune_varlen", False):
+            module._groundtune_rotary = getattr(sys.modules[type(module).__module__], family.vision_rotary)
             module.forward = types.MethodType(vision_forward, module)
+            module._groundtune_varlen = True
             count += 1
     return count
 
@@ -97,7 +99,7 @@ def vision_forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
                    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
     """Drop-in forward for a vision attention layer: (tokens, dim) -> (tokens, dim); tokens are the
     windows one after another, window i spanning cu_seqlens[i]:cu_seqlens[i+1]."""
-    apply_rotary = sys.modules[type(self).__module__].apply_rotary_pos_emb_vision
+    apply_rotary = self._groundtune_rotary  # the family's own function (install found it)
     n = hidden_states.shape[0]
     q, k, v = self.qkv(hidden_states).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
     cos, sin = position_embeddings

@@ -1,12 +1,13 @@
-"""Speed-ups of the training step that leave its results unchanged.
+"""Speed-ups of the training step that leave its results unchanged (installed by
+``models.speedups.install``, with the attention of models/attention.py).
 
 Always on, where they apply (``fuse_lora_layers``, ``pad_vision_mlp``):
 - LoRA layers as one autograd function whose scale and sum run inside the matmuls (addmm's alpha
   and beta): peft's layer adds ``lora_B(lora_A(x)) * scaling`` to the base output as separate
   multiply and add kernels, forward, recomputation and backward, over every adapted activation.
-- the Qwen2.5-VL vision MLP at an aligned width: its 3,420-wide intermediate is no multiple of 8,
-  so cuBLAS falls back to slower kernels for all three of its matmuls; zero-padded to 3,424 the
-  arithmetic is the same (the four extra columns are 0 in, 0 out).
+- a vision MLP at an aligned width (the family record's ``padded_vision_mlp``: Qwen2.5-VL's 3,420-wide
+  intermediate is no multiple of 8, so cuBLAS falls back to slower kernels for all three of its
+  matmuls); zero-padded to 3,424 the arithmetic is the same (the four extra columns are 0 in, 0 out).
 
 Optional, as settings of ``groundtune train``; both cut the launches of a step that is otherwise
 bound by them (field-notes, "Speed"; BENCHMARKS.md):
@@ -26,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from groundtune.config import KERNEL_MODES
-from groundtune.models.adapt import base_model, decoder_layers
+from groundtune.errors import MissingPackageError, TrainingError
+from groundtune.models.adapt import base_model, decoder_layers, family_of
 
 # --------------------------------------------------------------------------------------------
 # LoRA: y = x W^T + b + s (x A^T) B^T, the scale s and the sum inside the matmuls
@@ -90,19 +92,19 @@ def fuse_lora_layers(model) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# the Qwen2.5-VL vision MLP at an aligned width
+# a vision MLP at an aligned width
 
-VISION_MLP_CLASS = "Qwen2_5_VLMLP"  # Qwen2.5-VL's vision MLP (its text MLP is another class)
 ALIGN = 8  # bf16 matmuls take cuBLAS's fast kernels when every dimension is a multiple of 8
 
 
-def pad_vision_mlp(model) -> int:
-    """Run the vision MLPs whose width is no multiple of ALIGN on zero-padded copies of their
-    weights, when on a GPU and frozen (a tower being trained keeps its own forward). The copies
-    are made on first use and remade when the weights change. Returns the number of layers."""
+def pad_vision_mlp(model, mlp_class: str | None) -> int:
+    """Run the vision MLPs of class ``mlp_class`` (the family record's ``padded_vision_mlp``) whose
+    width is no multiple of ALIGN on zero-padded copies of their weights, when on a GPU and frozen
+    (a tower being trained keeps its own forward). The copies are made on first use and remade
+    when the weights change. Returns the number of layers."""
     count = 0
     for module in model.modules():
-        if type(module).__name__ == VISION_MLP_CLASS and module.gate_proj.out_features % ALIGN:
+        if type(module).__name__ == mlp_class and module.gate_proj.out_features % ALIGN:
             module.forward = types.MethodType(_padded_mlp_forward, module)
             count += 1
     return count
@@ -146,8 +148,8 @@ def _liger_patch(model):
         import liger_kernel.transformers as liger
     except ImportError:
         return None
-    # qwen2_vl, qwen2_5_vl, qwen3_vl: liger names its patches after the model type
-    return getattr(liger, f"apply_liger_kernel_to_{base_model(model).config.model_type}", None)
+    # liger names its patches after the model type (qwen2_vl, qwen2_5_vl, qwen3_vl)
+    return getattr(liger, f"apply_liger_kernel_to_{family_of(model).model_type}", None)
 
 
 def liger_usable(model) -> bool:
@@ -167,11 +169,11 @@ def apply_fused_kernels(model, mode: str) -> bool:
         return False
     patch = _liger_patch(model)
     if patch is None:
-        raise ImportError(f"kernels=liger needs liger-kernel with kernels for {base_model(model).config.model_type}: "
-                          "pip install 'groundtune[gpu]' (or kernels=auto to use it only where it can run)")
+        raise MissingPackageError(f"kernels=liger needs liger-kernel with kernels for {family_of(model).model_type}: "
+                                  "pip install 'groundtune[gpu]' (or kernels=auto to use it only where it can run)")
     if base_model(model).device.type != "cuda":
-        raise ValueError("kernels=liger needs the model on a CUDA GPU (liger-kernel is Triton); "
-                         "use kernels=auto or kernels=none")
+        raise TrainingError("kernels=liger needs the model on a CUDA GPU (liger-kernel is Triton); "
+                            "use kernels=auto or kernels=none")
     # swiglu keeps liger's per-family default (on for Qwen2/2.5-VL, off for Qwen3-VL)
     patch(rope=True, rms_norm=True, cross_entropy=False, fused_linear_cross_entropy=False, model=base_model(model))
     return True
@@ -189,13 +191,3 @@ def compile_decoder_layers(model, backend: str = "inductor") -> int:
         else:
             layer.compile(dynamic=True, backend=backend)
     return len(layers)
-
-
-def apply_settings(model, cfg) -> None:
-    """The fused LoRA layers, then the ``kernels`` and ``compile`` settings of a training run, said
-    on the way."""
-    fuse_lora_layers(model)
-    if apply_fused_kernels(model, cfg.kernels):
-        print("kernels: liger-kernel's fused RMSNorm, SwiGLU and M-RoPE")
-    if cfg.compile:
-        print(f"kernels: {compile_decoder_layers(model)} decoder layers compiled (the first steps are slower)")

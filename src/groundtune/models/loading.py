@@ -3,7 +3,14 @@ Face folder (an export included), or a hub id.
 
 Every loaded model comes with its family (which box convention), its ResizeSpec (which pixel
 budget) and its prompt. Those three are saved in ``groundtune.json`` beside every model groundtune
-writes and read back here, so eval, predict and serve see images exactly as training did.
+writes and read back here, so eval, predict and serve see images exactly as training did. A model
+groundtune did not write (a base checkpoint) is resized with the pixel budget of its OWN
+preprocessor_config.json, as Qwen's processor would resize for it; the family's shipped budget
+(``qwen.Family``) only when it has none.
+
+Loading installs nothing: the speed-ups are one explicit call (``models.speedups.install``). The
+checkpoint's own decoding settings (generation_config.json: Qwen2.5-VL ships top_k=1 and
+repetition_penalty 1.05) are set aside, so that generation uses only what ``infer.Decoding`` passes.
 """
 
 from __future__ import annotations
@@ -16,16 +23,14 @@ from pathlib import Path
 import torch
 
 from groundtune.boxes import ResizeSpec
-from groundtune.models import attention, kernels, qwen
-from groundtune.models.tiny import TINY_DIR
+from groundtune.errors import MissingError, MissingPackageError, ModelError
+from groundtune.models import qwen
 
 METADATA_FILE = "groundtune.json"
-
-# transformers draws a bar per weight file loaded or written; ours already say what is going on
-from transformers.utils import logging as _hf_logging  # noqa: E402
-
-_hf_logging.disable_progress_bar()
+TINY_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny"  # the built-in tiny model
 TINY_SEED = 0  # the randomly initialised tiny model is the same everywhere
+# where a model's pixel budget came from, in the order they are tried
+RESIZE_SAVED, RESIZE_PROCESSOR, RESIZE_FAMILY = "groundtune.json", "preprocessor_config.json", "family default"
 
 
 @dataclass
@@ -39,6 +44,7 @@ class GroundingModel:
     prompt: str = qwen.DEFAULT_PROMPT
     source: str = ""  # what the user named, for reports
     base_model: str = ""  # the base weights an adapter applies to (same as source for full models)
+    resize_source: str = RESIZE_SAVED  # where ``resize`` came from: RESIZE_SAVED, _PROCESSOR or _FAMILY
 
     @property
     def device(self) -> torch.device:
@@ -94,14 +100,29 @@ def load_processor(folder_or_id: str | Path) -> qwen.Processor:
 
 def _load_image_processor(folder_or_id):
     # The PIL backend needs no torchvision and gives the same patches; prefer it where it exists.
+    import transformers
+
+    cls = getattr(transformers, qwen.Family.image_processor_class, transformers.AutoImageProcessor)
+    return cls.from_pretrained(folder_or_id)
+
+
+def processor_resize(folder_or_id, family: qwen.Family) -> ResizeSpec | None:
+    """The pixel budget a model's own preprocessor_config.json sets (``min_pixels``/``max_pixels``,
+    or the newer ``size`` with ``shortest_edge``/``longest_edge``), with its factor (patch x merge);
+    None when it sets none, so that the library's class defaults are never mistaken for the model's."""
+    import transformers
+
     try:
-        from transformers import Qwen2VLImageProcessorPil
-
-        return Qwen2VLImageProcessorPil.from_pretrained(folder_or_id)
-    except ImportError:
-        from transformers import AutoImageProcessor
-
-        return AutoImageProcessor.from_pretrained(folder_or_id)
+        config, _ = transformers.ImageProcessingMixin.get_image_processor_dict(str(folder_or_id))
+    except OSError:
+        return None
+    size = config.get("size") if isinstance(config.get("size"), dict) else {}
+    low = config.get("min_pixels") or size.get("shortest_edge")
+    high = config.get("max_pixels") or size.get("longest_edge")
+    if not (low and high):
+        return None
+    factor = int(config.get("patch_size", family.patch_size)) * int(config.get("merge_size", family.merge_size))
+    return ResizeSpec(factor=factor, min_pixels=int(low), max_pixels=int(high))
 
 
 def resolve(name: str) -> tuple[str, Path | None]:
@@ -110,7 +131,7 @@ def resolve(name: str) -> tuple[str, Path | None]:
         return "tiny", TINY_DIR
     if name.startswith("random:"):
         if name[len("random:"):] not in qwen.ARCHITECTURES:
-            raise ValueError(f"{name}: known architectures are "
+            raise ModelError(f"{name}: known architectures are "
                              + ", ".join(f"random:{a}" for a in qwen.ARCHITECTURES))
         return "random", TINY_DIR
     path = Path(name)
@@ -119,11 +140,9 @@ def resolve(name: str) -> tuple[str, Path | None]:
             return "run", path
         if (path / "config.json").exists() or (path / "adapter_config.json").exists():
             return "folder", path
-        raise FileNotFoundError(
-            f"{path}: neither a training run (model/{METADATA_FILE}) nor a model folder (config.json)"
-        )
+        raise MissingError(f"{path}: neither a training run (model/{METADATA_FILE}) nor a model folder (config.json)")
     if path.exists():
-        raise FileNotFoundError(f"{path}: a file, not a model folder")
+        raise MissingError(f"{path}: a file, not a model folder")
     return "hub", None
 
 
@@ -137,7 +156,7 @@ def load_model(
     resize settings and prompt it was saved with (callers that override them say so loudly)."""
     kind, path = resolve(name)
     if kind == "random" and quantize_4bit:
-        raise ValueError(f"{name}: a random architecture is built in memory, not loaded, so it cannot be loaded in "
+        raise ModelError(f"{name}: a random architecture is built in memory, not loaded, so it cannot be loaded in "
                          "4-bit (method=qlora); use method=lora, or name weights (a model folder or a hub id)")
     dev = pick_device(device)
     torch_dtype = pick_dtype(dev, dtype)
@@ -151,7 +170,8 @@ def load_model(
 
         model = PeftModel.from_pretrained(base.model, folder)
         processor = base.processor
-        family = meta.get("family", base.family)
+        family = qwen.family(meta.get("family", base.family))
+        own_resize = (base.resize, base.resize_source)
         base_meta = base.metadata()
     else:
         source = folder if folder is not None else name
@@ -160,57 +180,88 @@ def load_model(
             model = _random_architecture(name[len("random:"):], processor, torch_dtype)
         else:
             model = _load_weights(source, kind, torch_dtype, dev if quantize_4bit else None)
-        attention.install(model)  # one attention call per layer, not per window or per padded row
-        kernels.pad_vision_mlp(model)  # Qwen2.5-VL's vision MLP at a width cuBLAS runs fast
         family = qwen.family_of(model.config)
+        from_processor = processor_resize(source, family) if kind != "random" else None
+        own_resize = ((from_processor, RESIZE_PROCESSOR) if from_processor is not None
+                      else (family.default_resize(), RESIZE_FAMILY))
         # an adapter trained on these weights applies to THESE weights (for a full fine-tuning run,
         # not the model that run started from), named so that it loads from any working directory
         base_name = str(path.resolve()) if kind in ("run", "folder") else name
         base_meta = {}
+        _set_aside_decoding_defaults(model)
     if not quantize_4bit:  # a 4-bit model is placed by from_pretrained and cannot be moved
         model.to(dev)
     model.eval()
 
     saved_resize = meta.get("resize") or base_meta.get("resize")
+    resize, resize_source = (ResizeSpec.from_dict(saved_resize), RESIZE_SAVED) if saved_resize else own_resize
     return GroundingModel(
         model=model,
         processor=processor,
-        family=family,
-        resize=ResizeSpec.from_dict(saved_resize) if saved_resize else ResizeSpec.for_family(family),
+        family=family.name,
+        resize=resize,
         prompt=meta.get("prompt") or base_meta.get("prompt") or qwen.DEFAULT_PROMPT,
         source=name,
         base_model=base_name,
+        resize_source=resize_source,
     )
+
+
+def with_resize(gm: GroundingModel, min_pixels: int | None, max_pixels: int | None, who: str,
+                pins_base_budget: bool = False) -> GroundingModel:
+    """``gm`` resized with another pixel budget where ``min_pixels``/``max_pixels`` are given (the
+    factor stays the family's). Overriding the budget groundtune saved with a model changes what it
+    sees from what it was trained on: ``who`` (eval, train) warns. So does overriding a base
+    checkpoint's own budget, unless ``pins_base_budget`` (training pins one to fit its GPU: said,
+    not warned). Boxes stay right either way: they are mapped with the resize actually used."""
+    import dataclasses
+
+    override = dataclasses.replace(gm.resize, min_pixels=min_pixels or gm.resize.min_pixels,
+                                   max_pixels=max_pixels or gm.resize.max_pixels)
+    if override == gm.resize:
+        return gm
+    if gm.resize_source == RESIZE_SAVED or (gm.resize_source == RESIZE_PROCESSOR and not pins_base_budget):
+        what = "it was trained at" if gm.resize_source == RESIZE_SAVED else "its own processor gives"
+        warnings.warn(f"{who}: {gm.source} has its pixel budget in {gm.resize_source} ({gm.resize}) but runs with "
+                      f"{override}: it sees images at other sizes than {what}, which usually costs accuracy and "
+                      "makes scores incomparable", stacklevel=2)
+    else:
+        print(f"{who}: pixel budget {override} (the model's {gm.resize_source}: {gm.resize})")
+    return dataclasses.replace(gm, resize=override, resize_source=f"{who} setting")
+
+
+def _set_aside_decoding_defaults(model) -> None:
+    """Keep only the token ids of the checkpoint's generation_config.json. transformers fills every
+    decoding field a ``generate`` call leaves unset from it: Qwen2.5-VL ships top_k=1 (every sampled
+    answer the same, so RL learns nothing) and repetition_penalty 1.05 (greedy answers change where
+    a digit repeats). ``infer.Decoding`` passes every field explicitly; this makes sure nothing else
+    comes in."""
+    from transformers import GenerationConfig
+
+    shipped = getattr(model, "generation_config", None)
+    if shipped is None:
+        return
+    model.generation_config = GenerationConfig(
+        bos_token_id=shipped.bos_token_id, eos_token_id=shipped.eos_token_id, pad_token_id=shipped.pad_token_id)
 
 
 def _random_architecture(arch: str, processor: qwen.Processor, torch_dtype: torch.dtype):
     """A published architecture, randomly initialised, speaking the tiny model's tokenizer (the real
     one cannot be downloaded here); its embedding keeps the real vocabulary size, so every matrix
     has its real shape and cost."""
-    from transformers import Qwen2_5_VLConfig
-
-    spec = qwen.ARCHITECTURES[arch]
-    tok = processor.tokenizer
-    ids = {t: processor.token_id(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
-                                              "<|vision_end|>", "<|im_end|>")}
-    config = Qwen2_5_VLConfig(
-        text_config=dict(spec["text_config"], bos_token_id=tok.eos_token_id, eos_token_id=ids["<|im_end|>"],
-                         pad_token_id=processor.pad_token_id),
-        vision_config=spec["vision_config"],
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=spec["tie_word_embeddings"],
-    )
+    family_name, text, vision, tied = qwen.ARCHITECTURES[arch]
+    family = qwen.family(family_name)
+    config = family.build_config(processor.config_token_ids(), text, vision, tied)
     torch.manual_seed(TINY_SEED)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # init on the GPU: minutes faster
-        return qwen.model_class("qwen2.5-vl")._from_config(config, dtype=torch_dtype)
+        return family.transformers_class()._from_config(config, dtype=torch_dtype)
 
 
 def _adapter_base(folder: Path) -> str:
     config = json.loads((folder / "adapter_config.json").read_text())
     base = config.get("base_model_name_or_path")
     if not base:
-        raise FileNotFoundError(f"{folder}: adapter without a base model reference")
+        raise MissingError(f"{folder}: adapter without a base model reference")
     return base
 
 
@@ -220,7 +271,8 @@ def _load_weights(source, kind: str, torch_dtype: torch.dtype, quantize_on: torc
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(source)
-    cls = qwen.model_class(qwen.family_of(config))
+    family = qwen.family_of(config)
+    cls = family.transformers_class()
     has_weights = any(Path(source).glob("*.safetensors")) if kind != "hub" else True
     if kind in ("tiny", "folder") and not has_weights:
         # a folder with a config and no weights is an architecture to train from scratch
@@ -236,25 +288,23 @@ def _load_weights(source, kind: str, torch_dtype: torch.dtype, quantize_on: torc
 
             import bitsandbytes  # noqa: F401  (fail here with a clear message, not deep in transformers)
         except ImportError:
-            raise ImportError("method=qlora needs bitsandbytes: pip install 'groundtune[gpu]'") from None
+            raise MissingPackageError("method=qlora needs bitsandbytes: pip install 'groundtune[gpu]'") from None
         extra = {
             "quantization_config": BitsAndBytesConfig(
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
                 bnb_4bit_use_double_quant=True,
-                # the vision tower is small and sensitive: keep it in bf16. Names match from the
-                # start of a module's path ("visual" alone would match nothing and quantize the tower)
-                llm_int8_skip_modules=["model.visual", "lm_head"],
+                llm_int8_skip_modules=family.keep_in_bf16,
             ),
             "device_map": {"": quantize_on.index or 0},
         }
     try:
         return cls.from_pretrained(source, dtype=torch_dtype, **extra)
     except OSError as e:
-        raise FileNotFoundError(
+        raise MissingError(
             f"could not load weights for {source!r} ({e}). On a machine without network, download "
             "the model first (huggingface-cli download) and pass its folder."
         ) from None
 
 
-__all__ = ["GroundingModel", "load_model", "load_processor", "resolve", "write_metadata", "read_metadata",
-           "METADATA_FILE"]
+__all__ = ["GroundingModel", "load_model", "load_processor", "resolve", "with_resize", "write_metadata",
+           "read_metadata", "METADATA_FILE", "TINY_DIR"]

@@ -1,25 +1,144 @@
-"""Everything Qwen-VL-specific: families, model classes, special tokens by name, the grounding
-prompt, the chat template, and turning (image, phrase, answer) into model inputs.
+"""Everything Qwen-VL-specific: one record per family (transformers' class and module names, the
+vision tower's layout, the special tokens, the resize factor and pixel budget Qwen ships, the
+config builder), the grounding prompt, and turning (image, phrase, answer) into model inputs.
 
-Box conventions are not here: they live in groundtune.boxes, keyed by the family name this
-module reports.
+Every other module asks a ``Family`` record instead of spelling a Qwen class name, module path,
+token or factor itself, so a new family (or a renamed class in a transformers release) is one
+record here. Box conventions are not here: they live in groundtune.boxes, keyed by ``Family.name``.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 from PIL import Image
 
 from groundtune.boxes import ResizeSpec, Size
+from groundtune.errors import ModelError
 
-# config.model_type -> groundtune family name (the key of every box convention)
-FAMILY_BY_MODEL_TYPE = {"qwen2_5_vl": "qwen2.5-vl", "qwen2_vl": "qwen2-vl", "qwen3_vl": "qwen3-vl"}
-MODEL_CLASS_NAME = {
-    "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration",
-    "qwen2-vl": "Qwen2VLForConditionalGeneration",
-    "qwen3-vl": "Qwen3VLForConditionalGeneration",
+
+@dataclass(frozen=True)
+class Tokens:
+    """The special tokens of every Qwen-VL tokenizer, looked up by name (never by id: ids differ
+    between tokenizers, the tiny model's included)."""
+
+    end_of_text: str = "<|endoftext|>"
+    im_start: str = "<|im_start|>"
+    im_end: str = "<|im_end|>"  # ends a turn: the answer's stop token
+    image: str = "<|image_pad|>"  # one per merged image patch
+    video: str = "<|video_pad|>"
+    vision_start: str = "<|vision_start|>"
+    vision_end: str = "<|vision_end|>"
+    # the tokenizer's full list, in Qwen's order (the tiny model's tokenizer is built with it)
+    all: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
+                            "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>",
+                            "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
+                            "<|video_pad|>")
+
+
+TOKENS = Tokens()
+
+
+@dataclass(frozen=True)
+class Family:
+    """What groundtune knows of one Qwen-VL family, in transformers 5's names."""
+
+    name: str  # groundtune's name, the key of its box convention (groundtune.boxes)
+    model_type: str  # config.model_type
+    model_class: str  # the image-text-to-text model class in transformers
+    config_class: str
+    patch_size: int  # vision patch side in pixels
+    min_pixels: int  # the pixel budget of the processor Qwen ships (preprocessor_config.json)
+    max_pixels: int
+    vision_attention: str  # class of the vision tower's attention layers (models/attention.py replaces their forward)
+    merger_modules: tuple[str, ...]  # modules under the vision tower that project into the LLM (the "merger" part)
+    padded_vision_mlp: str | None = None  # vision MLP class with a width cuBLAS runs slowly (models/kernels.py pads it)
+    merge_size: int = 2  # patches merged per side into one LLM token
+    tokens: Tokens = TOKENS
+    # Module paths, the same in the three families (transformers 5):
+    vision_tower: str = "visual"  # model.visual: the vision tower, merger included
+    decoder_layers: str = "language_model.layers"  # the LLM's decoder layers, each with self_attn and mlp
+    lm_head: str = "lm_head"
+    # apply_rotary_pos_emb_vision: the function of the modeling module our vision attention calls
+    vision_rotary: str = "apply_rotary_pos_emb_vision"
+    image_processor_class: str = "Qwen2VLImageProcessorPil"  # the PIL backend: no torchvision needed
+
+    @property
+    def factor(self) -> int:
+        """The resize factor: image sides are multiples of it (one merged patch per LLM token)."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def modeling_module(self) -> str:
+        return f"transformers.models.{self.model_type}.modeling_{self.model_type}"
+
+    @property
+    def keep_in_bf16(self) -> list[str]:
+        """Module paths QLoRA leaves unquantized: the vision tower (small and sensitive) and the LM
+        head. bitsandbytes matches from the start of a module's path, so the path is written whole."""
+        return [f"model.{self.vision_tower}", self.lm_head]
+
+    def default_resize(self) -> ResizeSpec:
+        return ResizeSpec(factor=self.factor, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+
+    def transformers_class(self, attribute: str = "model_class"):
+        import transformers
+
+        return getattr(transformers, getattr(self, attribute))
+
+    def part_of(self, name: str) -> str:
+        """vision | merger | llm, from a parameter or module name (PEFT prefixes included)."""
+        tower = rf"(^|\.){self.vision_tower}\."
+        if re.search(tower + "(" + "|".join(self.merger_modules) + r")(\.|$)", name):
+            return "merger"
+        return "vision" if re.search(tower, name) else "llm"
+
+    def llm_layer(self, name: str) -> tuple[int, str] | None:
+        """(layer index, "attn" | "mlp") of a module inside an LLM decoder layer, else None."""
+        match = re.search(rf"{re.escape(self.decoder_layers)}\.(\d+)\.(self_attn|mlp)\.", name)
+        if match is None:
+            return None
+        return int(match.group(1)), "attn" if match.group(2) == "self_attn" else "mlp"
+
+    def decoder_layer_list(self, model) -> torch.nn.ModuleList:
+        """The LLM's decoder layers of ``model`` (a PEFT wrapper included)."""
+        for name, module in model.named_modules():
+            if name.endswith(self.decoder_layers) and isinstance(module, torch.nn.ModuleList):
+                return module
+        raise ModelError(f"no {self.decoder_layers} in this model; is it a {self.name} model?")
+
+    def build_config(self, token_ids: dict[str, int], text: dict, vision: dict, tie_word_embeddings: bool):
+        """A transformers config of this family: ``text``/``vision`` give the sizes, ``token_ids`` the
+        ids of TOKENS' fields in the tokenizer the model will speak (for ``random:`` architectures,
+        the tiny model and test models)."""
+        return self.transformers_class("config_class")(
+            text_config=dict(text, bos_token_id=token_ids["end_of_text"], eos_token_id=token_ids["im_end"],
+                             pad_token_id=token_ids["end_of_text"], tie_word_embeddings=tie_word_embeddings),
+            vision_config=dict(vision, patch_size=self.patch_size, spatial_merge_size=self.merge_size),
+            image_token_id=token_ids["image"], video_token_id=token_ids["video"],
+            vision_start_token_id=token_ids["vision_start"], vision_end_token_id=token_ids["vision_end"],
+            tie_word_embeddings=tie_word_embeddings,
+        )
+
+
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family(name="qwen2-vl", model_type="qwen2_vl", model_class="Qwen2VLForConditionalGeneration",
+               config_class="Qwen2VLConfig", patch_size=14, min_pixels=3_136, max_pixels=12_845_056,
+               vision_attention="VisionAttention", merger_modules=("merger",)),
+        Family(name="qwen2.5-vl", model_type="qwen2_5_vl", model_class="Qwen2_5_VLForConditionalGeneration",
+               config_class="Qwen2_5_VLConfig", patch_size=14, min_pixels=3_136, max_pixels=12_845_056,
+               vision_attention="Qwen2_5_VLVisionAttention", merger_modules=("merger",),
+               # its 3,420-wide intermediate is no multiple of 8
+               padded_vision_mlp="Qwen2_5_VLMLP"),
+        # Qwen3-VL: patch 16, and DeepStack mergers that feed vision features into early LLM layers
+        Family(name="qwen3-vl", model_type="qwen3_vl", model_class="Qwen3VLForConditionalGeneration",
+               config_class="Qwen3VLConfig", patch_size=16, min_pixels=65_536, max_pixels=16_777_216,
+               vision_attention="Qwen3VLVisionAttention", merger_modules=("merger", "deepstack_merger_list")),
+    )
 }
 
 # The official grounding prompt (QwenLM/Qwen3-VL issue 1721). Scores are prompt-sensitive, so the
@@ -31,48 +150,44 @@ DEFAULT_PROMPT = (
 
 # Published architectures, for benchmarking them randomly initialised where weights cannot be
 # downloaded (speed and memory do not depend on weight values): `--model random:qwen2.5-vl-3b`.
+# (family, text sizes, vision sizes, tied embeddings)
 ARCHITECTURES = {
-    "qwen2.5-vl-3b": dict(
-        text_config=dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=128000,
-                         rms_norm_eps=1e-6, tie_word_embeddings=True,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
-        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                           fullatt_block_indexes=[7, 15, 23, 31]),
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-vl-7b": dict(
-        text_config=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                         num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000,
-                         rms_norm_eps=1e-6, tie_word_embeddings=False,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
-        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                           fullatt_block_indexes=[7, 15, 23, 31]),
-        tie_word_embeddings=False,
-    ),
+    "qwen2.5-vl-3b": ("qwen2.5-vl",
+                      dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                           num_key_value_heads=2, vocab_size=151936, max_position_embeddings=128000,
+                           rms_norm_eps=1e-6,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
+                      dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                           temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
+                      True),
+    "qwen2.5-vl-7b": ("qwen2.5-vl",
+                      dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                           num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000,
+                           rms_norm_eps=1e-6,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
+                      dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                           temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
+                      False),
 }
 
-IMAGE_TOKEN = "<|image_pad|>"
-IM_END = "<|im_end|>"
 IGNORE_INDEX = -100  # label value that carries no loss (PyTorch cross-entropy's default)
 
 
-def model_class(family: str):
-    import transformers
+def family(name: str) -> Family:
+    """The record of a family by groundtune's name."""
+    if name not in FAMILIES:
+        raise ModelError(f"unknown model family {name!r}; expected one of {', '.join(FAMILIES)}")
+    return FAMILIES[name]
 
-    return getattr(transformers, MODEL_CLASS_NAME[family])
 
-
-def family_of(config) -> str:
+def family_of(config) -> Family:
+    """The record of a transformers config's family (a PEFT model's ``config`` included)."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILY_BY_MODEL_TYPE:
-        raise ValueError(
-            f"model type {model_type!r} is not a Qwen-VL model; groundtune supports "
-            f"{', '.join(sorted(FAMILY_BY_MODEL_TYPE))}"
-        )
-    return FAMILY_BY_MODEL_TYPE[model_type]
+    for record in FAMILIES.values():
+        if record.model_type == model_type:
+            return record
+    raise ModelError(f"model type {model_type!r} is not a Qwen-VL model; groundtune supports "
+                     f"{', '.join(f.model_type for f in FAMILIES.values())}")
 
 
 @dataclass
@@ -91,22 +206,28 @@ class Processor:
 
     def token_id(self, token: str) -> int:
         tid = self.tokenizer.convert_tokens_to_ids(token)
-        if tid is None or tid == self.tokenizer.unk_token_id:
-            raise ValueError(f"the tokenizer has no {token} token; is this a Qwen-VL tokenizer?")
+        # an unknown token maps to the unknown token's id (Qwen's is <|endoftext|>, a real token)
+        if tid is None or self.tokenizer.convert_ids_to_tokens(tid) != token:
+            raise ModelError(f"the tokenizer has no {token} token; is this a Qwen-VL tokenizer?")
         return tid
 
     @property
     def image_token_id(self) -> int:
-        return self.token_id(IMAGE_TOKEN)
+        return self.token_id(TOKENS.image)
 
     @property
     def eos_token_ids(self) -> list[int]:
-        return sorted({self.token_id(IM_END), self.tokenizer.eos_token_id} - {None})
+        return sorted({self.token_id(TOKENS.im_end), self.tokenizer.eos_token_id} - {None})
 
     @property
     def pad_token_id(self) -> int:
         pad = self.tokenizer.pad_token_id
         return pad if pad is not None else self.tokenizer.eos_token_id
+
+    def config_token_ids(self) -> dict[str, int]:
+        """The ids of the tokens a model config names (Family.build_config's ``token_ids``)."""
+        names = ("end_of_text", "im_end", "image", "video", "vision_start", "vision_end")
+        return {name: self.token_id(getattr(TOKENS, name)) for name in names}
 
 
 def resize_image(image: Image.Image, resize: ResizeSpec) -> tuple[Image.Image, Size]:
@@ -145,9 +266,9 @@ def encode(
     vision = processor.image_processor(images=[resized_image], do_resize=False, return_tensors="pt")
     grid = vision["image_grid_thw"]
     n_image_tokens = int(grid[0].prod()) // processor.merge_size**2
-    prompt = prompt.replace(IMAGE_TOKEN, IMAGE_TOKEN * n_image_tokens, 1)
+    prompt = prompt.replace(TOKENS.image, TOKENS.image * n_image_tokens, 1)
     prompt_ids = processor.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    answer_ids = (processor.tokenizer(answer + IM_END + "\n", add_special_tokens=False)["input_ids"]
+    answer_ids = (processor.tokenizer(answer + TOKENS.im_end + "\n", add_special_tokens=False)["input_ids"]
                   if answer is not None else None)
     return _sample(processor, prompt_ids, answer_ids, vision["pixel_values"], grid)
 

@@ -18,33 +18,33 @@ import torch
 
 from groundtune.config import TrainConfig, load_config, to_yaml
 from groundtune.data.records import read_samples
+from groundtune.errors import MissingError, RunExistsError, TrainingError
+from groundtune.infer import Decoding
 from groundtune.models import adapt
 from groundtune.models.loading import GroundingModel
 from groundtune.train import checkpoint as ckpt
 from groundtune.train.monitor import MetricsLog, StopRequest, thermal_pause
 
-
-class TrainingError(RuntimeError):
-    pass
+__all__ = ["Loop", "TrainingError", "prepare_run", "seed_everything", "use_bf16", "lr_lambda"]
 
 
-def prepare_run(cfg: TrainConfig | None, resume, cls: type = TrainConfig) -> tuple[Path, TrainConfig, Path | None]:
+def prepare_run(cfg, resume, cls: type = TrainConfig) -> tuple[Path, TrainConfig, Path | None]:
     """The run folder of a new run (refusing one that already holds a run) or of a resumed one
     (its saved ``cls`` settings and newest checkpoint)."""
     if resume is not None:
         run = Path(resume)
         saved = run / "config.yaml"
         if not saved.exists():
-            raise FileNotFoundError(f"{run}: no config.yaml; is this a groundtune run folder?")
+            raise MissingError(f"{run}: no config.yaml; is this a groundtune run folder?")
         cfg = load_config(cls, saved)
         checkpoints = ckpt.list_checkpoints(run)
         if not checkpoints:
-            raise FileNotFoundError(f"{run}: no checkpoint to resume from in {run / ckpt.CHECKPOINTS}")
+            raise MissingError(f"{run}: no checkpoint to resume from in {run / ckpt.CHECKPOINTS}")
         (run / "STOP").unlink(missing_ok=True)
         return run, cfg, checkpoints[-1]
     run = Path(cfg.out_dir)
     if ckpt.list_checkpoints(run):
-        raise FileExistsError(f"{run} already holds a run; resume it with `groundtune {cfg.command} --resume {run}` "
+        raise RunExistsError(f"{run} already holds a run; resume it with `groundtune {cfg.command} --resume {run}` "
                               f"or choose another out_dir")
     run.mkdir(parents=True, exist_ok=True)
     (run / "STOP").unlink(missing_ok=True)
@@ -64,11 +64,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def use_bf16(cfg: TrainConfig, device: torch.device) -> bool:
+def use_bf16(cfg, device: torch.device) -> bool:
     return cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
 
 
-def lr_lambda(cfg: TrainConfig):
+def lr_lambda(cfg):
     """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
 
     def factor(step: int) -> float:
@@ -85,7 +85,8 @@ def lr_lambda(cfg: TrainConfig):
 class Loop:
     """A run between its updates. ``gm.model`` is the model being trained; ``state`` is what a
     checkpoint keeps besides weights, optimizer, scheduler and RNG (step, samples seen, best eval,
-    non-finite steps in a row, and whatever the loop adds)."""
+    non-finite steps in a row, and whatever the loop adds). ``cfg`` is a TrainConfig or RLConfig:
+    the settings used here are the ones both have."""
 
     run: Path
     cfg: TrainConfig
@@ -98,7 +99,7 @@ class Loop:
     on_step: Callable | None = None  # on_step(step, run, model) after every update (tests drop a STOP file)
 
     @classmethod
-    def start(cls, run: Path, cfg: TrainConfig, gm: GroundingModel, resume_from: Path | None,
+    def start(cls, run: Path, cfg, gm: GroundingModel, resume_from: Path | None,
               on_step: Callable | None = None, **extra_state) -> "Loop":
         """The optimizer (AdamW over ``adapt.param_groups``), the schedule, the loop state (plus
         ``extra_state``) and the eval subset of a new run, or all of them restored from
@@ -112,7 +113,10 @@ class Loop:
             state = {**state, **ckpt.load_checkpoint(resume_from, gm.model, optimizer, scheduler)}
             print(f"resumed from {resume_from} at step {state['step']}")
         eval_samples = read_samples(cfg.eval_data)[: cfg.eval_samples] if cfg.eval_data else []
-        return cls(run, cfg, gm, optimizer, scheduler, state, eval_samples, MetricsLog(run), on_step)
+        log = MetricsLog(run)
+        if eval_samples:
+            log.log(state["step"], {"eval/decoding": Decoding.greedy(cfg.eval_max_new_tokens).to_dict()})
+        return cls(run, cfg, gm, optimizer, scheduler, state, eval_samples, log, on_step)
 
     def autocast(self):
         """bf16 autocast where the run trains in bf16 (trainable weights stay fp32), else nothing."""
@@ -126,13 +130,15 @@ class Loop:
 
         step = self.state["step"]
         report, _ = evaluate.evaluate(self.gm, self.eval_samples, self.cfg.eval_data,
-                                      batch_size=self.cfg.eval_batch_size, progress=False)
+                                      batch_size=self.cfg.eval_batch_size, progress=False,
+                                      max_new_tokens=self.cfg.eval_max_new_tokens)
         metrics = {k: report[k] for k in ("acc@0.5", "acc@0.75", "miou", "parse_fail_rate")}
         self.log.log(step, {f"eval/{k}": v for k, v in metrics.items()})
         say(f"step {step}: eval Acc@0.5 {metrics['acc@0.5']:.3f} mIoU {metrics['miou']:.3f}")
         if metrics["acc@0.5"] > self.state["best_acc"]:
             self.state["best_acc"] = metrics["acc@0.5"]
-            ckpt.save_model(self.run, self.gm, self.gm.model, {"step": step, "eval": metrics})
+            ckpt.save_model(self.run, self.gm, self.gm.model,
+                            {"step": step, "eval": {**metrics, "n": report["n"], "decoding": report["decoding"]}})
         return metrics
 
     def skip_nonfinite(self, values: dict, hint: str) -> None:

@@ -30,10 +30,7 @@ def format_reward(pred_box: boxes.Box | None, image_size: boxes.Size) -> float:
 
 def box_reward(pred_box: boxes.Box | None, true_boxes: list[boxes.Box], use_giou: bool = False) -> float:
     """IoU (or GIoU) of the predicted box with the best-matching true box; 0 without a box."""
-    if pred_box is None:
-        return 0.0
-    overlap = boxes.giou if use_giou else boxes.iou
-    return max(overlap(pred_box, t) for t in true_boxes)
+    return boxes.best_iou(pred_box, true_boxes, boxes.giou if use_giou else boxes.iou)
 
 
 def reward(pred_box: boxes.Box | None, true_boxes: list[boxes.Box], image_size: boxes.Size,

@@ -6,7 +6,9 @@
 
 One step, as the code below reads:
   1. rollouts: ``batch_size`` prompts, ``group_size`` sampled answers each, through the one
-     generation path (``infer.generate``: same resize, prompt and box parser as eval);
+     generation path (``infer.generate``: same resize, prompt and box parser as eval), with every
+     decoding setting given (``temperature``, ``top_p``, ``top_k`` off unless set): none comes from
+     the checkpoint, whose top_k=1 (Qwen2.5-VL) would make every answer of a group the same;
   2. rewards: ``rewards.reward`` of each answer (IoU with the true box plus a format term; an
      answer without a box earns 0);
   3. advantages: GRPO's group normalisation, (r - mean) / std over a prompt's answers, or REINFORCE
@@ -38,12 +40,13 @@ import torch
 
 from groundtune import infer
 from groundtune.config import RLConfig
-from groundtune.data.dataset import FileSamples, ResumableBatches, open_samples, to_device
 from groundtune.data.records import sample_boxes
-from groundtune.models import adapt, kernels, qwen
+from groundtune.data.samples import FileSamples, ResumableBatches, open_samples
+from groundtune.models import adapt, qwen, speedups
 from groundtune.models.loading import GroundingModel, load_model, pick_device, resolve
 from groundtune.progress import progress_bar
-from groundtune.train.loop import Loop, TrainingError, prepare_run, seed_everything, use_bf16
+from groundtune.train.batches import to_device
+from groundtune.train.loop import Loop, prepare_run, seed_everything, use_bf16
 from groundtune.train.monitor import StopRequest, gpu_stats
 from groundtune.train.objective import answer_logprobs
 from groundtune.train.rewards import RewardWeights, reward
@@ -72,6 +75,8 @@ def rl(cfg: RLConfig | None = None, resume: str | Path | None = None, on_step=No
     samples = open_samples(cfg.train_data, cfg.seed)
     loop = Loop.start(run, cfg, gm, resume_from, on_step, baselines={}, sitting_out=[])
     optimizer, scheduler, state = loop.optimizer, loop.scheduler, loop.state
+    decoding = rollout_decoding(cfg)
+    loop.log.log(state["step"], {"rollout/decoding": decoding.to_dict()})
     order = ResumableBatches(len(samples), cfg.batch_size, cfg.seed, state["samples"], samples.shuffle)
     prompts = (item for batch in order for item in batch)  # (sample index, position in the order)
     # a synthetic stream never repeats a prompt: no baseline per prompt to keep
@@ -89,7 +94,7 @@ def rl(cfg: RLConfig | None = None, resume: str | Path | None = None, on_step=No
         while state["step"] < cfg.max_steps:
             t0 = time.time()
             keys, drawn = next_prompts(prompts, cfg.batch_size, state["sitting_out"] if cfg.curriculum else None)
-            batch = rollouts(gm, [samples[index] for index in keys], keys, cfg, weights)
+            batch = rollouts(gm, [samples[index] for index in keys], keys, cfg.group_size, decoding, weights)
             t1 = time.time()
             adv = advantages(batch.rewards, batch.prompt_keys, cfg, baselines)
             with adapt.lora_inputs_uncast(model):  # the update's forward and backward (adapt.py says why)
@@ -149,22 +154,28 @@ def mark_finished_groups(sitting_out: list[int], keys: list[int], ious: torch.Te
             sitting_out.append(key)
 
 
-def rollouts(gm: GroundingModel, pairs: list[tuple], keys: list[int], cfg: RLConfig,
+def rollout_decoding(cfg: RLConfig) -> infer.Decoding:
+    """How rollouts are sampled: the config's temperature, top_p and top_k, and nothing else (no
+    repetition penalty: a box may repeat a digit)."""
+    return infer.Decoding.sampled(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
+
+
+def rollouts(gm: GroundingModel, pairs: list[tuple], keys: list[int], group_size: int, decoding: infer.Decoding,
              weights: RewardWeights) -> Rollouts:
     """Sample ``group_size`` answers with ``gm.model`` for each (image, sample) pair and score them."""
     encoded, sizes = infer.encode_prompts(gm, [(image, sample["phrase"]) for image, sample in pairs])
     was_training = gm.model.training
     gm.model.eval()
     try:
-        answers = infer.generate(gm, encoded, sizes, cfg.max_new_tokens, cfg.group_size, cfg.temperature, cfg.top_p)
+        answers = infer.generate(gm, encoded, sizes, decoding, group_size)
     finally:
         gm.model.train(was_training)
     scores, sequences = [], []
     for k, (ids, prediction) in enumerate(answers):
-        image, sample = pairs[k // cfg.group_size]
+        image, sample = pairs[k // group_size]
         scores.append(reward(prediction.bbox, sample_boxes(sample), image.size, weights))
-        sequences.append(qwen.with_answer_ids(gm.processor, encoded[k // cfg.group_size], ids))
-    shape = (len(pairs), cfg.group_size)
+        sequences.append(qwen.with_answer_ids(gm.processor, encoded[k // group_size], ids))
+    shape = (len(pairs), group_size)
     return Rollouts(
         sequences=sequences,
         rewards=torch.tensor([s["reward"] for s in scores]).view(shape),
@@ -271,25 +282,22 @@ def _setup_policy(cfg: RLConfig):
     (initialised to change nothing) and the reference is the model with that adapter switched off."""
     device = pick_device(cfg.device)
     gm = load_model(cfg.model, device=cfg.device, dtype="bf16" if use_bf16(cfg, device) else "fp32")
-    if cfg.min_pixels or cfg.max_pixels or cfg.prompt:
-        raise TrainingError("min_pixels, max_pixels and prompt come from the model being improved; "
-                            "rl takes them as that model was trained")
     if hasattr(gm.model, "peft_config"):  # an SFT run's adapter: train it further
         model = gm.model
         for name, p in model.named_parameters():
             p.requires_grad_("lora_" in name)
-        if cfg.gradient_checkpointing:
-            adapt.checkpoint_last_layers(model, cfg.gradient_checkpointing)
         reference = contextlib.nullcontext
         if cfg.kl_coef > 0:
             kind, path = resolve(cfg.model)
             model.load_adapter(path / "model" if kind == "run" else path, adapter_name=REFERENCE)
             reference = functools.partial(_active_adapter, model, REFERENCE)
     else:
-        model = adapt.prepare_for_training(gm.model, cfg)
+        model = adapt.add_lora(gm.model, cfg)
         reference = model.disable_adapter
+    if cfg.gradient_checkpointing:
+        adapt.checkpoint_last_layers(model, cfg.gradient_checkpointing)
     adapt.keep_trainable_fp32(model)
-    kernels.apply_settings(model, cfg)
+    speedups.install(model, cfg.kernels, say=print)
     model.train()
     return dataclasses.replace(gm, model=model), model, reference
 

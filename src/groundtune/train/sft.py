@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from groundtune.boxes import ResizeSpec
 from groundtune.config import TrainConfig
-from groundtune.data.dataset import GroundingDataset, SyntheticStream, make_loader, open_samples, to_device
-from groundtune.models import adapt, kernels
-from groundtune.models.loading import GroundingModel, load_model, pick_device
+from groundtune.data.samples import SyntheticStream, open_samples
+from groundtune.models import adapt, speedups
+from groundtune.models.loading import GroundingModel, load_model, pick_device, with_resize
 from groundtune.progress import progress_bar
+from groundtune.train.batches import GroundingDataset, make_loader, to_device
 from groundtune.train.loop import Loop, TrainingError, prepare_run, seed_everything, use_bf16
 from groundtune.train.monitor import StopRequest, gpu_stats
 from groundtune.train.objective import answer_loss
@@ -115,13 +115,12 @@ def _setup_model(cfg: TrainConfig) -> tuple[GroundingModel, torch.nn.Module]:
         raise TrainingError("method=qlora needs a CUDA GPU (bitsandbytes 4-bit); use method=lora on CPU")
     dtype = "bf16" if use_bf16(cfg, device) else "fp32"
     gm = load_model(cfg.model, device=cfg.device, dtype=dtype, quantize_4bit=cfg.method == "qlora")
-    resize = ResizeSpec(factor=gm.resize.factor,
-                        min_pixels=cfg.min_pixels or gm.resize.min_pixels,
-                        max_pixels=cfg.max_pixels or gm.resize.max_pixels)
-    gm = dataclasses.replace(gm, resize=resize, prompt=cfg.prompt or gm.prompt)
+    # a base checkpoint's budget is pinned to fit the GPU as a matter of course; a trained one's is not
+    gm = with_resize(gm, cfg.min_pixels, cfg.max_pixels, "train", pins_base_budget=True)
+    gm = dataclasses.replace(gm, prompt=cfg.prompt or gm.prompt)
     model = adapt.prepare_for_training(gm.model, cfg)
     adapt.keep_trainable_fp32(model)
-    kernels.apply_settings(model, cfg)
+    speedups.install(model, cfg.kernels, cfg.compile, say=print)
     gm = dataclasses.replace(gm, model=model)
     return gm, model
 

@@ -1,7 +1,9 @@
-"""The built-in tiny model: the real Qwen2.5-VL architecture at 2.7 M parameters, with an offline
-tokenizer and image processor, PRE-TRAINED by groundtune itself on the synthetic shapes task and
-shipped in groundtune/assets/tiny (weights in bf16, its training log and the commands that made it
-in TRAINING.md there). A demonstration model for coloured shapes, not a general grounding model.
+"""How the built-in tiny model was made: the real Qwen2.5-VL architecture at 2.7 M parameters, with
+an offline tokenizer and image processor, PRE-TRAINED by groundtune itself on the synthetic shapes
+task and shipped in src/groundtune/assets/tiny (weights in bf16, its training log and the commands
+that made it in TRAINING.md there). A demonstration model for coloured shapes, not a general
+grounding model. The library only loads it (``groundtune.models.loading``: ``--model tiny``); this
+script writes its assets, or those of another tiny architecture to pre-train.
 
 Two settings decide whether such a small model can learn to ground (field-notes, "Learning from
 scratch"): a small BPE vocabulary in which every digit is its own token (Qwen's pre-tokenizer
@@ -15,8 +17,8 @@ The shipped setting, head_dim 64, theta 300 and mrope_section [2, 10, 20], keeps
 from 0.12 down to 0.004 radians per position: the high ones read position, the low ones match
 content (BENCHMARKS.md, "groundtune-tiny").
 
-    python -m groundtune.models.tiny --out DIR [--hidden 256 ...]    # another tiny architecture (config only)
-    python -m groundtune.models.tiny --install-weights RUN/model     # ship a pre-trained model as `tiny`
+    python scripts/tiny_model.py --out DIR [--hidden 256 ...]    # another tiny architecture (config only)
+    python scripts/tiny_model.py --install-weights RUN/model     # ship a pre-trained model as `tiny`
 """
 
 from __future__ import annotations
@@ -24,24 +26,11 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-TINY_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny"
+from groundtune.models import qwen
+from groundtune.models.loading import TINY_DIR
 
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
+FAMILY = qwen.family("qwen2.5-vl")
+SPECIAL_TOKENS = list(qwen.TOKENS.all)
 
 # The Qwen2-VL chat layout, without the default system message (it would only lengthen every
 # sequence of a model that has never seen another system prompt).
@@ -92,12 +81,10 @@ TINY_MAX_PIXELS = 224 * 224
 
 
 def _corpus() -> list[str]:
-    from groundtune.models.qwen import DEFAULT_PROMPT
-
     lines = []
     for colour, shape, other in itertools.product(_COLOURS, _SHAPES, _WORDS):
         phrase = f"the {colour} {shape} {other} the {shape}"
-        lines.append(DEFAULT_PROMPT.format(phrase=phrase))
+        lines.append(qwen.DEFAULT_PROMPT.format(phrase=phrase))
         lines.append(f'[{{"bbox_2d": [12, 34, 56, 78], "label": "{phrase}"}}]')
         lines.append(f"<|object_ref_start|>{phrase}<|object_ref_end|><|box_start|>(1,2),(3,4)<|box_end|>")
     lines += ["system\nYou are a helpful assistant.\nuser\nassistant\n", "```json\n[]\n```"] * 20
@@ -130,45 +117,25 @@ def build_tokenizer():
     model = json.loads(bpe.to_str())["model"]
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
     tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=merges)
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})  # the first is its eos
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
 def build_config(tokenizer, text: dict | None = None, vision: dict | None = None):
     """The tiny Qwen2.5-VL config; ``text``/``vision`` override sizes (other tiny architectures)."""
-    from transformers import Qwen2_5_VLConfig
-
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    vocab_size = max(len(tokenizer), VOCAB_SIZE)
-    return Qwen2_5_VLConfig(
-        text_config=dict(
-            TEXT_CONFIG,
-            **(text or {}),
-            vocab_size=vocab_size,
-            bos_token_id=ids["<|endoftext|>"],
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"],
-        ),
-        vision_config=dict(VISION_CONFIG, **(vision or {})),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True,
-    )
+    processor = qwen.Processor(tokenizer=tokenizer, image_processor=None, chat_template=CHAT_TEMPLATE)
+    text = dict(TEXT_CONFIG, **(text or {}), vocab_size=max(len(tokenizer), VOCAB_SIZE))
+    return FAMILY.build_config(processor.config_token_ids(), text, dict(VISION_CONFIG, **(vision or {})),
+                               tie_word_embeddings=True)
 
 
 def build_image_processor():
-    from transformers import Qwen2VLImageProcessorPil
-
-    from groundtune.boxes import MIN_PIXELS
-
-    # groundtune resizes images itself (ResizeSpec); the budget here only matters to callers that
-    # use this processor directly, and matches the synthetic canvas.
-    return Qwen2VLImageProcessorPil(
-        patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=MIN_PIXELS, max_pixels=TINY_MAX_PIXELS
-    )
+    # The pixel budget the tiny model is trained and served with: the 112 px synthetic canvas
+    # unchanged, larger images scaled down to about 224 x 224 (saved in groundtune.json too).
+    return FAMILY.transformers_class("image_processor_class")(
+        patch_size=FAMILY.patch_size, merge_size=FAMILY.merge_size, temporal_patch_size=2,
+        min_pixels=FAMILY.min_pixels, max_pixels=TINY_MAX_PIXELS)
 
 
 def build_assets(out_dir: str | Path = TINY_DIR, text: dict | None = None, vision: dict | None = None) -> Path:
@@ -185,14 +152,11 @@ def build_assets(out_dir: str | Path = TINY_DIR, text: dict | None = None, visio
     tokenizer.save_pretrained(out_dir)
     build_config(tokenizer, text, vision).save_pretrained(out_dir)
     build_image_processor().save_pretrained(out_dir)
-    from groundtune.boxes import MIN_PIXELS, ResizeSpec
+    from groundtune.boxes import ResizeSpec
     from groundtune.models.loading import write_metadata
-    from groundtune.models.qwen import DEFAULT_PROMPT
 
-    # The pixel budget the tiny model is trained and served with: the 112 px synthetic canvas
-    # unchanged, larger images scaled down to about 224 x 224.
-    resize = ResizeSpec(factor=28, min_pixels=MIN_PIXELS, max_pixels=TINY_MAX_PIXELS)
-    write_metadata(out_dir, {"family": "qwen2.5-vl", "resize": resize.to_dict(), "prompt": DEFAULT_PROMPT,
+    resize = ResizeSpec(factor=FAMILY.factor, min_pixels=FAMILY.min_pixels, max_pixels=TINY_MAX_PIXELS)
+    write_metadata(out_dir, {"family": FAMILY.name, "resize": resize.to_dict(), "prompt": qwen.DEFAULT_PROMPT,
                              "base_model": "tiny"})
     return out_dir
 

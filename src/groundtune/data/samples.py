@@ -1,0 +1,108 @@
+"""Training samples, model-agnostic: (image, record) pairs from a file or the synthetic stream, in
+a resumable order. (train/batches.py turns them into a model's inputs.)
+
+The order is a function of (seed, position) alone: position p is sample perm_e[p mod n] of epoch
+e = p div n. So a run resumed at position p sees exactly the samples an uninterrupted run would
+have seen.
+
+Training data is a canonical JSONL file, or ``synth:TASK`` (a task of ``synth.TASKS``: ``synth:full``,
+``synth:multi``, ...): the built-in synthetic set drawn in the loader's worker processes as it is
+consumed, sample p of the stream being synthetic sample p of the run's seed. Nothing is written to
+disk and no sample repeats, so pre-training is never bounded by how many PNGs were made beforehand.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from groundtune.data import synth
+from groundtune.data.images import load_image
+from groundtune.data.records import image_path, read_samples, record_size
+from groundtune.errors import ConfigError
+
+SYNTH_PREFIX = "synth:"
+SYNTH_STREAM_LENGTH = 2**62  # "endless": a run stops at max_steps long before
+
+
+class FileSamples:
+    """Records of a canonical JSONL file; images are read from disk as they are needed."""
+
+    shuffle = True  # each epoch in a new order
+
+    def __init__(self, samples: list[dict], data_path: str | Path):
+        self.samples, self.data_path = samples, Path(data_path)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[Image.Image, dict]:
+        sample = self.samples[index]
+        return load_image(self.image_file(index), record_size(sample)), sample
+
+    def image_file(self, index: int) -> Path:
+        return image_path(self.samples[index], self.data_path)
+
+    def where(self, index: int) -> str:
+        """Sample ``index`` for an error message: its id and image file."""
+        return f"{self.data_path}: sample {self.samples[index].get('id')!r} ({self.image_file(index)})"
+
+
+class SyntheticStream:
+    """``synth:TASK``: synthetic sample i of (seed, "train"), drawn when it is asked for.
+    ``synth:TASK1+TASK2``: a mixture, sample i of task i mod 2 (a curriculum that keeps a harder
+    task in every batch, e.g. ``synth:full+attribute``)."""
+
+    shuffle = False  # fresh samples in index order: nothing to shuffle, nothing repeats
+
+    def __init__(self, tasks: str, seed: int):
+        self.tasks = tasks.split("+")
+        for task in self.tasks:
+            if task not in synth.TASKS:
+                raise ConfigError(f"train_data=synth:{tasks}: unknown task {task!r}; expected one of "
+                                 f"{', '.join(SYNTH_PREFIX + t for t in synth.TASKS)}, or several joined by +")
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return SYNTH_STREAM_LENGTH
+
+    def __getitem__(self, index: int) -> tuple[Image.Image, dict]:
+        return synth.make_sample(self.seed, index, task=self.tasks[index % len(self.tasks)])
+
+    def where(self, index: int) -> str:
+        return f"synth:{'+'.join(self.tasks)} sample {index}"
+
+
+def open_samples(train_data: str, seed: int) -> FileSamples | SyntheticStream:
+    """The training samples named by the ``train_data`` setting."""
+    if train_data.startswith(SYNTH_PREFIX):
+        return SyntheticStream(train_data[len(SYNTH_PREFIX):], seed)
+    return FileSamples(read_samples(train_data), train_data)
+
+
+class ResumableBatches(torch.utils.data.Sampler):
+    """Batches of (index, position) from ``start`` on, cycling through epochs forever (in a new
+    order each epoch when ``shuffle``, else in index order)."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, start: int = 0, shuffle: bool = True):
+        self.n, self.batch_size, self.seed, self.start, self.shuffle = n, batch_size, seed, start, shuffle
+
+    def _epoch_order(self, epoch: int):
+        if not self.shuffle:
+            return range(self.n)
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+
+    def __iter__(self):
+        position = self.start
+        order, epoch = None, -1
+        while True:
+            batch = []
+            for _ in range(self.batch_size):
+                e = position // self.n
+                if e != epoch:
+                    order, epoch = self._epoch_order(e), e
+                batch.append((int(order[position % self.n]), position))
+                position += 1
+            yield batch

@@ -1,0 +1,84 @@
+"""Training batches: samples (data/samples.py) -> a model's inputs, in the loader's worker processes.
+
+Item (index, position) of the dataset is sample ``index`` at ``position`` of the run's order: its
+augmentation draws from a generator seeded with (seed, position), so a run resumed at a position
+sees exactly the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import torch
+
+from groundtune import boxes
+from groundtune.data import augment
+from groundtune.data.records import sample_boxes
+from groundtune.data.samples import FileSamples, ResumableBatches, SyntheticStream
+from groundtune.errors import DataError
+from groundtune.models import qwen
+
+
+class GroundingDataset(torch.utils.data.Dataset):
+    """Item ``(index, position)`` -> encoded sample with the answer as its labelled target."""
+
+    def __init__(self, samples: FileSamples | SyntheticStream, processor: qwen.Processor, family: str,
+                 resize: boxes.ResizeSpec, prompt: str, hflip_prob: float = 0.0, scale_crop_prob: float = 0.0,
+                 seed: int = 0, answer_label: bool = True):
+        self.samples = samples
+        self.processor = processor
+        self.family = family
+        self.resize = resize
+        self.prompt = prompt
+        self.hflip_prob = hflip_prob
+        self.scale_crop_prob = scale_crop_prob
+        self.seed = seed
+        self.answer_label = answer_label
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
+        index, position = key
+        image, sample = self.samples[index]
+        rng = np.random.default_rng([self.seed, position])
+        if self.hflip_prob and rng.random() < self.hflip_prob:
+            image, sample = augment.hflip(image, sample)
+        # A crop keeps the target whole but may cut away the shape a phrase is relative to
+        # ("left of the red square"), so phrases about positions are never cropped.
+        if self.scale_crop_prob and rng.random() < self.scale_crop_prob and not augment.is_positional(sample["phrase"]):
+            image, sample = augment.scale_crop(image, sample, rng)
+        try:
+            return encode_sample(self.processor, self.family, self.resize, self.prompt, image, sample,
+                                 self.answer_label)
+        except boxes.ResizeError as e:
+            raise DataError(f"{self.samples.where(index)}: {e}") from None
+
+
+def encode_sample(processor, family, resize, prompt, image, sample, answer_label: bool = True) -> dict:
+    """Resize the image as the model sees it and write the target in the family's convention."""
+    resized, resized_size = qwen.resize_image(image, resize)
+    label = sample["phrase"] if answer_label else None
+    answer = boxes.format_target(sample_boxes(sample), label, family, image.size, resized_size)
+    text = qwen.prompt_text(processor, sample["phrase"], prompt)
+    return qwen.encode(processor, resized, text, answer)
+
+
+def make_loader(dataset: GroundingDataset, batch_size: int, seed: int, start: int, num_workers: int,
+                pad_token_id: int, pin_memory: bool = False, packing: bool = False) -> torch.utils.data.DataLoader:
+    collate = qwen.collate_packed if packing else partial(qwen.collate, pad_token_id=pad_token_id, padding_side="right")
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=ResumableBatches(len(dataset), batch_size, seed, start, dataset.samples.shuffle),
+        collate_fn=collate,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        prefetch_factor=4 if num_workers > 0 else None,
+    )
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """A batch from ``make_loader`` on ``device`` (its tensors; a packed batch's lengths are ints)."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
