@@ -141,7 +141,7 @@ def dataset(tmp_path):
     return path
 
 
-REPORT_KEYS = {"model", "data", "family", "resize", "prompt", "n", "acc@0.5", "acc@0.75", "acc@0.5:0.95",
+REPORT_KEYS = {"model", "data", "family", "resize", "prompt", "decoding", "n", "acc@0.5", "acc@0.75", "acc@0.5:0.95",
                "miou", "parse_fail_rate", "by_split", "by_source"}
 
 
@@ -153,6 +153,7 @@ def test_eval_cli_writes_report_and_gallery(dataset, tmp_path, capsys):
     assert REPORT_KEYS <= set(report)
     assert report["model"] == "tiny" and report["family"] == "qwen2.5-vl" and report["n"] == 3
     assert report["resize"] == {"factor": 28, "min_pixels": 3136, "max_pixels": 50176}  # the tiny run's own
+    assert report["decoding"] == {"max_new_tokens": 64, "do_sample": False, "repetition_penalty": 1.0}
     assert set(report["by_split"]) == {"val", "test"} and report["by_split"]["val"]["n"] == 2
     assert set(report["by_source"]) == {"synth"}
     for key in ("acc@0.5", "acc@0.75", "acc@0.5:0.95", "miou", "parse_fail_rate"):
@@ -180,3 +181,19 @@ def test_eval_cli_names_a_bad_image(dataset, tmp_path, capsys):
     (tmp_path / "images" / "1.png").write_bytes(b"not a png")
     assert main(["eval", "--model", "tiny", "--data", str(dataset), "--device", "cpu"]) == 2
     assert "1.png: cannot decode image" in capsys.readouterr().err
+
+
+def test_max_new_tokens_cuts_answers_and_is_reported(dataset, tmp_path, capsys):
+    """Three tokens cannot hold a box (`[{"` alone is three): every answer is cut and reported as a
+    parse failure, never read as a guessed box; predict takes the same flag."""
+    out = tmp_path / "short.json"
+    assert main(["eval", "--model", "tiny", "--data", str(dataset), "--out", str(out), "--max-new-tokens", "3",
+                 "--device", "cpu"]) == 0
+    report = json.loads(out.read_text())
+    assert report["decoding"]["max_new_tokens"] == 3 and report["parse_fail_rate"] == 1.0 and report["miou"] == 0
+    capsys.readouterr()
+    image = next((tmp_path / "images").glob("*.png"))
+    assert main(["predict", "--model", "tiny", "--image", str(image), "--phrase", "the square",
+                 "--max-new-tokens", "3", "--device", "cpu"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["bbox"] is None and answer["error"] == "no box found in the answer"

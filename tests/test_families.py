@@ -170,3 +170,37 @@ def test_answers_map_back_to_original_pixels(family_folder):
         if pred.bbox is not None:
             x1, y1, x2, y2 = pred.bbox
             assert 0 <= x1 < x2 <= im.width and 0 <= y1 < y2 <= im.height
+
+
+# --------------------------------------------------------------------------------------------
+# the family records
+
+
+def test_family_records_agree_with_transformers_and_the_box_conventions():
+    import transformers
+
+    assert set(qwen.FAMILIES) == set(boxes.COORDINATES)  # every family has a box convention, and back
+    assert {name: f.factor for name, f in qwen.FAMILIES.items()} == {"qwen2-vl": 28, "qwen2.5-vl": 28, **FACTOR}
+    for name, family in qwen.FAMILIES.items():
+        config = getattr(transformers, family.config_class)()
+        assert config.model_type == family.model_type and qwen.family_of(config) is family
+        assert family.transformers_class().config_class is type(config)
+    # the pixel budgets Qwen ships (field-notes: preprocessor_config.json of each family)
+    assert qwen.family("qwen2.5-vl").default_resize() == boxes.ResizeSpec(28, 3136, 12845056)
+    assert qwen.family("qwen3-vl").default_resize() == boxes.ResizeSpec(32, 65536, 16777216)
+    with pytest.raises(ValueError, match="not a Qwen-VL model"):
+        qwen.family_of(transformers.LlamaConfig())
+
+
+@pytest.mark.parametrize("name, part, layer", [
+    ("model.visual.blocks.3.attn.qkv.weight", "vision", None),
+    ("base_model.model.model.visual.merger.mlp.0.lora_A.default.weight", "merger", None),
+    ("model.visual.deepstack_merger_list.0.linear_fc1.weight", "merger", None),  # Qwen3-VL's DeepStack
+    ("model.visual.mergers.weight", "vision", None),  # a prefix match is not the merger
+    ("model.language_model.layers.11.self_attn.q_proj.weight", "llm", (11, "attn")),
+    ("base_model.model.model.language_model.layers.0.mlp.down_proj.lora_B.default.weight", "llm", (0, "mlp")),
+    ("lm_head.weight", "llm", None),
+])
+def test_parts_are_told_apart_by_name(name, part, layer):
+    family = qwen.family("qwen3-vl")
+    assert family.part_of(name) == part and family.llm_layer(name) == layer

@@ -178,6 +178,11 @@ def test_rl_from_an_sft_run_moves_the_adapter_and_keeps_the_reference(sft_run, v
     assert any(r["kl"] > 0 for r in steps[1:])  # the policy left the reference after the first update
     evals = [r for r in rows if "eval/acc@0.5" in r]
     assert [r["step"] for r in evals] == [0, 3]  # before and after
+    # the decoding of rollouts and of the eval, recorded once each
+    decoding = {k: r[k] for r in rows for k in ("rollout/decoding", "eval/decoding") if k in r}
+    assert decoding["rollout/decoding"] == {"max_new_tokens": 40, "do_sample": True, "temperature": 1.5,
+                                            "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+    assert decoding["eval/decoding"] == {"max_new_tokens": 64, "do_sample": False, "repetition_penalty": 1.0}
     # the trained adapter moved; the reference is the SFT adapter, untouched
     assert before.keys() == seen["policy"].keys() and before
     assert any(not torch.equal(before[k], seen["policy"][k]) for k in before)
@@ -215,3 +220,15 @@ def test_rl_resumes_exactly(variant_data, tmp_path):
     assert len(logged(straight, "curriculum/sat_out")) == 3
     a, b = load_model(str(straight)).model.state_dict(), load_model(str(resumed)).model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_sft_runs_adapter_keeps_its_own_lora_settings(tmp_path):
+    """From an SFT run, the lora_* settings would be ignored (the run's adapter trains on as it was
+    made): refused before anything loads, naming them."""
+    run = tmp_path / "sft" / "model"
+    run.mkdir(parents=True)
+    (run / "adapter_config.json").write_text("{}")
+    RLConfig(model=str(tmp_path / "sft"), train_data="synth:full")  # the defaults: nothing ignored
+    with pytest.raises(ConfigError, match="lora_r, lora_targets: model=.* is an SFT run whose LoRA adapter"):
+        RLConfig(model=str(tmp_path / "sft"), train_data="synth:full", lora_r=64, lora_targets=["llm_attn"])
+    RLConfig(model="tiny", train_data="synth:full", lora_r=64)  # a new adapter takes them

@@ -52,6 +52,82 @@ def test_label_mask_is_exactly_the_answer():
     assert torch.equal(enc["mm_token_type_ids"].bool(), image_tokens)
 
 
+def _labelled_text(gm, encoded) -> str:
+    return gm.processor.tokenizer.decode(encoded["input_ids"][encoded["labels"] != qwen.IGNORE_INDEX])
+
+
+def test_answer_label_false_leaves_the_phrase_out_of_the_target(synth_single, tmp_path):
+    from groundtune.data.records import sample_boxes
+    from groundtune.data.samples import open_samples
+    from groundtune.train.batches import GroundingDataset
+
+    gm = load_model("tiny")
+    samples = open_samples(str(synth_single / "train.jsonl"), 0)
+    image, sample = samples[3]
+    _, resized = qwen.resize_image(image, gm.resize)
+    args = (samples, gm.processor, gm.family, gm.resize, gm.prompt)
+    for answer_label, label in ((False, None), (True, sample["phrase"])):
+        encoded = GroundingDataset(*args, answer_label=answer_label)[3, 0]
+        target = boxes.format_target(sample_boxes(sample), label, gm.family, image.size, resized)
+        assert _labelled_text(gm, encoded) == target + "<|im_end|>\n"
+        assert ("label" in target) == answer_label and (sample["phrase"] in target) == answer_label
+        question = encoded["input_ids"][encoded["labels"] == qwen.IGNORE_INDEX]
+        assert sample["phrase"] in gm.processor.tokenizer.decode(question)  # the question names it either way
+    # the setting reaches a run's batches: the same first batch, another target, another loss
+    with_label = _losses(train(_cfg(synth_single, tmp_path / "label", max_steps=1)))
+    without = _losses(train(_cfg(synth_single, tmp_path / "no_label", max_steps=1, answer_label=False)))
+    assert len(with_label) == len(without) == 1 and with_label != without
+
+
+def test_dataset_flips_image_box_and_phrase_together(tmp_path):
+    """hflip_prob=1 inside the dataset: the answer's box is mirrored in the family's coordinates,
+    left becomes right in the question and the answer, and the pixels are the mirrored picture."""
+    from PIL import Image, ImageDraw
+
+    from groundtune.data.samples import open_samples
+    from groundtune.train.batches import GroundingDataset, encode_sample
+
+    width, height = 140, 84  # multiples of 28 inside the tiny model's budget: not resized
+    image = Image.new("RGB", (width, height), "white")
+    ImageDraw.Draw(image).rectangle([10, 20, 49, 59], fill="red")
+    image.save(tmp_path / "a.png")
+    record = {"id": "a", "image": "a.png", "width": width, "height": height,
+              "phrase": "the red square on the left", "bbox": [10.0, 20.0, 50.0, 60.0]}
+    other = {**record, "id": "b", "phrase": "the red square"}  # nothing positional: crops apply
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in (record, other)) + "\n")
+    gm = load_model("tiny")
+    assert qwen.resize_image(image, gm.resize)[1] == (width, height)
+    samples = open_samples(str(tmp_path / "d.jsonl"), 0)
+    args = (samples, gm.processor, gm.family, gm.resize, gm.prompt)
+
+    always, never = GroundingDataset(*args, hflip_prob=1.0), GroundingDataset(*args, hflip_prob=0.0)
+    flipped = always[0, 7]
+    answer = json.loads(_labelled_text(gm, flipped).removesuffix("<|im_end|>\n"))
+    assert answer == [{"bbox_2d": [width - 50, 20, width - 10, 60], "label": "the red square on the right"}]
+    question = gm.processor.tokenizer.decode(flipped["input_ids"][flipped["labels"] == qwen.IGNORE_INDEX])
+    assert "on the right" in question and "left" not in question
+    by_hand = {**record, "phrase": "the red square on the right", "bbox": [width - 50.0, 20.0, width - 10.0, 60.0]}
+    expected = encode_sample(gm.processor, gm.family, gm.resize, gm.prompt,
+                             image.transpose(Image.Transpose.FLIP_LEFT_RIGHT), by_hand)
+    assert flipped.keys() == expected.keys() and all(torch.equal(flipped[k], expected[k]) for k in expected)
+
+    unflipped = never[0, 7]
+    assert json.loads(_labelled_text(gm, unflipped).removesuffix("<|im_end|>\n")) == [
+        {"bbox_2d": [10, 20, 50, 60], "label": "the red square on the left"}]
+    for position in range(8):  # probability 1 and 0 mean always and never, at every position
+        assert _labelled_text(gm, always[0, position]) == _labelled_text(gm, flipped)
+        assert _labelled_text(gm, never[0, position]) == _labelled_text(gm, unflipped)
+
+    # random augmentations are a function of (index, position): the same item twice is the same
+    # tensors, while other positions draw other flips and crops
+    augmented = GroundingDataset(*args, hflip_prob=0.5, scale_crop_prob=1.0)
+    items = [augmented[1, position] for position in range(6)]
+    again = augmented[1, 4]
+    assert all(torch.equal(again[k], items[4][k]) for k in again)
+    answers = {_labelled_text(gm, item) for item in items}
+    assert len(answers) > 1
+
+
 @pytest.fixture(scope="module")
 def synth_wide(tmp_path_factory):
     """One-shape scenes on 168 px canvases: coordinates the pre-trained tiny model never wrote,
@@ -188,15 +264,56 @@ def test_lora_run_saves_an_adapter_that_loads(synth_single, tmp_path):
     from groundtune.data.images import load_image
 
     s = samples[0]
-    preds = infer.predict(gm, [load_image(synth_single / s["image"])], [s["phrase"]], max_new_tokens=8)
-    assert len(preds) == 1 and preds[0].raw is not None
+    image = load_image(synth_single / s["image"])
+    preds = infer.predict(gm, [image], [s["phrase"]], max_new_tokens=40)
+    assert len(preds) == 1
+    # predict's answer is the adapter model's greedy answer, decoded by a second path: a plain
+    # forward per token (no KV cache, the model's own M-RoPE positions), argmax until <|im_end|>
+    resized, _ = qwen.resize_image(image, gm.resize)
+    enc = qwen.encode(gm.processor, resized, qwen.prompt_text(gm.processor, s["phrase"], gm.prompt))
+    vision = {"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"]}
+    ids, end = enc["input_ids"], gm.processor.token_id("<|im_end|>")
+
+    def logits(ids):
+        return gm.model(input_ids=ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                        mm_token_type_ids=(ids == gm.processor.image_token_id).int()[None], **vision).logits[0, -1]
+
+    with torch.no_grad():
+        with gm.model.disable_adapter():  # the adapter is in the loaded model's computation
+            base_logits = logits(ids)
+        assert not torch.allclose(logits(ids), base_logits)
+        while len(ids) - len(enc["input_ids"]) < 40 and ids[-1] != end:
+            ids = torch.cat([ids, logits(ids).argmax()[None]])
+    answer = ids[len(enc["input_ids"]):]
+    assert answer[-1] == end  # a whole answer, then the stop token
+    assert preds[0].raw == gm.processor.tokenizer.decode(answer[:-1])
+    assert preds[0].error is None and boxes.iou(preds[0].bbox, s["bbox"]) >= 0.5
 
 
 def test_gradient_checkpointing_changes_memory_not_results(synth_single, tmp_path):
-    plain = train(_cfg(synth_single, tmp_path / "plain", method="lora", max_steps=3, lr=1e-2))
+    from groundtune.models import adapt
+
+    def counting(entered):
+        """From step 1 on, count entries into the first and last decoder layers' attention and MLP
+        (pre-hooks: a recomputation stops as soon as it has what backward needs, inside the MLP)."""
+
+        def on_step(step, run, model):
+            if step == 1:
+                layers = adapt.decoder_layers(model)
+                for where, layer in (("first", layers[0]), ("last", layers[-1])):
+                    for part in ("self_attn", "mlp"):
+                        entered[where, part] = 0
+                        getattr(layer, part).register_forward_pre_hook(
+                            lambda module, args, key=(where, part): entered.__setitem__(key, entered[key] + 1))
+        return on_step
+
+    once, twice = {}, {}
+    plain = train(_cfg(synth_single, tmp_path / "plain", method="lora", max_steps=3, lr=1e-2), on_step=counting(once))
     recomputed = train(_cfg(synth_single, tmp_path / "ckpt", method="lora", max_steps=3, lr=1e-2,
-                            gradient_checkpointing=-1))
+                            gradient_checkpointing=-1), on_step=counting(twice))
     assert _losses(recomputed) == pytest.approx(_losses(plain), rel=1e-5)
+    # steps 2 and 3: one forward each, and with checkpointing one recomputation in backward each
+    assert set(once.values()) == {2} and set(twice.values()) == {4} and len(twice) == 4
 
 
 def test_frozen_vision_tower_is_never_back_propagated():

@@ -178,7 +178,7 @@ class _Loop(_Settings):
     save_every: int = 200  # steps between resumable checkpoints (0 = only at the end)
     keep_last: int = 2  # resumable checkpoints kept
     max_bad_steps: int = 5  # stop after this many non-finite losses in a row (each one is skipped)
-    thermal_pause_c: int = 0  # wait while the GPU is above this temperature (°C); 0 = off; read only
+    thermal_pause_c: int = 0  # wait while the GPU is at or above this temperature (°C); 0 = off; read only
     thermal_resume_c: int = 75  # ... until it is back at or below this
     device: str = "auto"  # auto (a CUDA GPU when there is one) | cpu | cuda | cuda:N
 

@@ -123,21 +123,20 @@ def checkpoint_last_layers(model, n: int) -> int:
     return len(chosen)
 
 
-def _no_decay(name: str, param: torch.nn.Parameter, family: qwen.Family) -> bool:
-    # Decay shrinks weights toward zero: right for matrices, wrong for norm gains, biases, the
-    # embedding table and the LM head (which is tied to it in small models).
-    return (param.ndim < 2 or "norm" in name or name.endswith(".bias") or "embed" in name
-            or family.lm_head in name.split("."))
-
-
 def param_groups(model, cfg) -> list[dict]:
     """Trainable parameters grouped by (part, decay): each part has its own learning rate.
-    ``cfg``: a TrainConfig or an RLConfig (``part_lr`` and ``weight_decay``)."""
+    ``cfg``: a TrainConfig or an RLConfig (``part_lr`` and ``weight_decay``).
+
+    Decay shrinks weights toward zero: right for matrices (convolution kernels included), wrong for
+    norm gains, biases, the token embedding table and the LM head (tied to it in small models)."""
     family = family_of(model)
+    core = base_model(model)
+    tables = {id(core.get_input_embeddings().weight), id(core.get_output_embeddings().weight)}
     groups: dict[tuple[str, bool], list] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            groups.setdefault((family.part_of(name), _no_decay(name, p, family)), []).append(p)
+            no_decay = p.ndim < 2 or "norm" in name or name.endswith(".bias") or id(p) in tables
+            groups.setdefault((family.part_of(name), no_decay), []).append(p)
     if not groups:
         raise ConfigError("no trainable parameters: check method, lora_targets and freeze_* settings")
     return [

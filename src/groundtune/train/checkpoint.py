@@ -47,6 +47,14 @@ def _fresh_tmp(parent: Path, name: str) -> Path:
     return tmp
 
 
+def _remove_leftovers(parent: Path) -> None:
+    """Folders a run killed while writing left behind (.step-N.tmp, .step-N.old): a resumed run may
+    never write that step again, and for full fine-tuning each holds gigabytes."""
+    for path in parent.glob(".step-*"):
+        if path.is_dir() and path.suffix in (".tmp", ".old"):
+            shutil.rmtree(path)
+
+
 def rng_state() -> dict:
     return {
         "python": random.getstate(),
@@ -68,6 +76,8 @@ def save_checkpoint(run: Path, model, optimizer, scheduler, state: dict, keep_la
     """Write RUN/checkpoints/step-N atomically and delete all but the newest ``keep_last``."""
     parent = run / CHECKPOINTS
     name = f"step-{state['step']:06d}"
+    if parent.is_dir():
+        _remove_leftovers(parent)
     tmp = _fresh_tmp(parent, name)
     trainable = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
     save_file(trainable, tmp / "trainable.safetensors")

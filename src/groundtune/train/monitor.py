@@ -69,19 +69,21 @@ def gpu_temperature(device: torch.device) -> int | None:
         return None
 
 
-def thermal_pause(device: torch.device, pause_c: int, resume_c: int, log=print, poll_s: float = 10.0) -> float:
+def thermal_pause(device: torch.device, pause_c: int, resume_c: int, log=print, poll_s: float = 10.0,
+                  read_temperature=gpu_temperature) -> float:
     """Wait while the GPU is at or above ``pause_c`` until it cools to ``resume_c``. Never touches
-    fans, clocks or power limits; returns the seconds waited."""
+    fans, clocks or power limits; returns the seconds waited. ``read_temperature(device)`` gives
+    °C or None (NVML by default)."""
     if not pause_c:
         return 0.0
-    temp = gpu_temperature(device)
+    temp = read_temperature(device)
     if temp is None or temp < pause_c:
         return 0.0
     start = time.time()
     log(f"GPU at {temp} °C >= {pause_c} °C: pausing until it is at or below {resume_c} °C")
     while temp is not None and temp > resume_c:
         time.sleep(poll_s)
-        temp = gpu_temperature(device)
+        temp = read_temperature(device)
     return time.time() - start
 
 

@@ -27,7 +27,7 @@ def answer_logprobs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor
     hidden = core.model(**inputs, use_cache=False).last_hidden_state  # (batch, length, hidden)
     targets = batch["labels"][:, 1:]  # position t predicts token t + 1
     answer = targets != IGNORE_INDEX
-    logits = core.lm_head(hidden[:, :-1][answer])  # (answer tokens, vocabulary)
+    logits = core.get_output_embeddings()(hidden[:, :-1][answer])  # the LM head on answer tokens only
     logprobs = -F.cross_entropy(logits.float(), targets[answer], reduction="none")
     return logprobs, answer.nonzero()[:, 0]
 

@@ -106,12 +106,13 @@ def rl(cfg: RLConfig | None = None, resume: str | Path | None = None, on_step=No
             if not stats["finite"]:
                 loop.skip_nonfinite({}, "lower lr or temperature")
                 continue
+            lr = scheduler.get_last_lr()[0]  # what this update used (the scheduler then moves on)
             scheduler.step()
             step = state["step"] + 1
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 values = {**_rollout_metrics(batch, t1 - t0), "loss": stats["loss"], "kl": stats["kl"],
                           "clip_fraction": stats["clip_fraction"], "grad_norm": stats["grad_norm"],
-                          "lr": scheduler.get_last_lr()[0], "time/rollout_s": t1 - t0, "time/update_s": t2 - t1,
+                          "lr": lr, "time/rollout_s": t1 - t0, "time/update_s": t2 - t1,
                           "samples": state["samples"], **gpu_stats(device)}
                 if cfg.curriculum:
                     values["curriculum/sat_out"] = drawn - len(keys)  # this step's prompts that sat out

@@ -76,6 +76,7 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
                 optimizer.zero_grad(set_to_none=True)  # drop this step's gradients, keep going
                 loop.skip_nonfinite({"loss": step_loss}, "lower lr, check the data (groundtune data check)")
                 continue
+            lr = scheduler.get_last_lr()[0]  # what this update used (the scheduler then moves on)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -86,7 +87,7 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
             # ---- logging, then eval, checkpoints, stop
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 elapsed = max(time.time() - window["t0"], 1e-9)
-                values = {"loss": window["loss"] / window["n"], "lr": scheduler.get_last_lr()[0],
+                values = {"loss": window["loss"] / window["n"], "lr": lr,
                           "grad_norm": float(grad_norm), "samples_per_s": window["samples"] / elapsed,
                           "tokens_per_s": window["tokens"] / elapsed, "samples": state["samples"],
                           **gpu_stats(device)}

@@ -1,0 +1,91 @@
+"""The command line's error policy: a user's mistake is one line and exit 2; anything else keeps
+its traceback (exit 1), CUDA out-of-memory with what to change; --debug shows every traceback.
+And the speed-ups refuse a transformers they were not tested on, instead of breaking quietly."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from groundtune import cli
+from groundtune.errors import UnsupportedVersionError
+from groundtune.models import qwen, speedups
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "groundtune", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_a_users_mistake_is_one_line_and_exit_2():
+    done = _run("train", "quickstart", "train_data=synth:full", "kernels=fast")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("error: kernels='fast'")
+    done = _run("--debug", "train", "quickstart", "train_data=synth:full", "kernels=fast")
+    assert done.returncode == 2 and "Traceback" in done.stderr and "ConfigError" in done.stderr
+
+
+def test_an_unexpected_error_keeps_its_traceback(monkeypatch, capsys):
+    def broken(args):
+        raise RuntimeError("an internal bug")
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: _with_handler(parser, broken))
+    assert cli.main(["data", "check", "x.jsonl"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: an internal bug" in err and "please report it" in err
+
+
+def test_out_of_memory_says_what_to_change(monkeypatch, capsys):
+    def out_of_memory(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: _with_handler(parser, out_of_memory))
+    assert cli.main(["data", "check", "x.jsonl"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "CUDA out of memory" in err and "lower batch_size" in err
+
+
+def _with_handler(parser, handler):
+    """The real parser, its `data check` command answering with ``handler`` (the error under test)."""
+    for action in parser._subparsers._group_actions:
+        data = action.choices["data"]
+        for sub in data._subparsers._group_actions:
+            sub.choices["check"].set_defaults(handler=handler)
+    return parser
+
+
+def test_speedups_refuse_an_untested_transformers():
+    speedups.check_transformers("5.17.0")
+    speedups.check_transformers(speedups.TESTED_TRANSFORMERS[0])
+    for version in ("4.57.1", "5.16.2", "6.0.0"):
+        with pytest.raises(UnsupportedVersionError, match=f"transformers {version}: .*pip install"):
+            speedups.check_transformers(version)
+
+
+def test_speedups_check_what_they_replace_is_there():
+    for family in qwen.FAMILIES.values():
+        speedups.check_family_code(family)  # the real classes of this transformers
+    renamed = dataclasses.replace(qwen.family("qwen2.5-vl"), vision_attention="Qwen2_5_VLVisionAttentionV2")
+    with pytest.raises(UnsupportedVersionError, match="has no Qwen2_5_VLVisionAttentionV2"):
+        speedups.check_family_code(renamed)
+    # a class whose forward no longer takes what our replacement takes
+    other = dataclasses.replace(qwen.family("qwen2.5-vl"), vision_attention="Qwen2_5_VLMLP")
+    with pytest.raises(UnsupportedVersionError, match="no longer takes hidden_states, cu_seqlens"):
+        speedups.check_family_code(other)
+
+
+def test_importing_groundtune_changes_no_library_setting():
+    code = ("import transformers.utils.logging as l, os; before = (l.is_progress_bar_enabled(), os.umask(0o22)); "
+            "os.umask(before[1]);"
+            "import groundtune.cli, groundtune.train.sft, groundtune.train.rl, groundtune.evaluate, groundtune.infer;"
+            "after = (l.is_progress_bar_enabled(), os.umask(0o22));"
+            "from transformers import AttentionInterface;"
+            "assert 'groundtune' not in AttentionInterface._global_mapping, 'attention registered on import';"
+            "assert before == after, (before, after)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -1,0 +1,66 @@
+"""`groundtune train --help` and `groundtune rl --help` document every setting with its default:
+the dataclass is the config, and its help must not drift from it."""
+
+import argparse
+import ast
+import dataclasses
+import re
+import subprocess
+import sys
+
+import pytest
+
+from groundtune.cli import build_parser
+from groundtune.config import RLConfig, TrainConfig
+
+SETTING = re.compile(r"^  (\w+) = (.*?)(?:  # (.*))?$")
+
+
+def _settings(help_text: str, cls) -> dict[str, tuple[object, str | None]]:
+    """name -> (default, comment) from the help's settings section, one line per setting."""
+    head = f"settings ({cls.__name__}) and their defaults:"
+    assert head in help_text
+    section = help_text.split(head, 1)[1].split("\n\n", 1)[0]
+    found = {}
+    for line in section.strip("\n").splitlines():
+        match = SETTING.match(line)
+        assert match, f"not a setting line: {line!r}"
+        name, value, comment = match.groups()
+        assert name not in found, f"{name} listed twice"
+        found[name] = (ast.literal_eval(value), comment)
+    return found
+
+
+def _defaults(cls) -> dict[str, object]:
+    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(cls)}
+
+
+def _subcommand_help(name: str) -> str:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name].format_help()
+
+
+@pytest.mark.parametrize("command, cls", [("train", TrainConfig), ("rl", RLConfig)])
+def test_help_lists_every_setting_with_its_default(command, cls):
+    listed = _settings(_subcommand_help(command), cls)
+    defaults = _defaults(cls)
+    assert list(listed) == list(defaults)  # every field, in the dataclass's order, nothing else
+    for name, default in defaults.items():
+        value = listed[name][0]
+        assert value == default and type(value) is type(default), name
+    # a setting rl redefines shows rl's default and rl's comment, not train's
+    if cls is RLConfig:
+        assert listed["out_dir"][0] == "runs/rl" and listed["max_steps"][0] == 200
+        assert "policy updates" in listed["max_steps"][1]
+    else:
+        assert listed["out_dir"][0] == "runs/sft" and listed["max_steps"][0] == 1000
+        assert "optimizer steps" in listed["max_steps"][1]
+
+
+def test_the_command_prints_the_same_help():
+    out = subprocess.run([sys.executable, "-m", "groundtune", "train", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert _settings(out.stdout, TrainConfig) == _settings(_subcommand_help("train"), TrainConfig)

@@ -1,0 +1,61 @@
+"""The house is layered: a module imports only groundtune modules of its own layer or the layers
+below (README, "Layout"). data/ knows no model, models/ no training loop; the deploy half sits on
+infer.py beside evaluate.py."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import groundtune
+
+PACKAGE = Path(groundtune.__file__).parent
+# lowest first; a module may import its own layer and any layer before it
+LAYERS = [
+    {"errors", "progress", "boxes"},
+    {"config"},
+    {"data"},
+    {"models"},
+    {"infer"},
+    {"evaluate"},
+    {"train"},
+    {"quickstart", "cli", "__main__", "__init__"},
+]
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if module.startswith("groundtune.") else module
+    for rank, names in enumerate(LAYERS):
+        if top in names:
+            return rank
+    raise AssertionError(f"{module}: in no layer of tests/test_layers.py; add it where it belongs")
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("groundtune.")}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.level:  # from .records import ...: inside the module's own package
+                continue
+            if node.module == "groundtune":
+                found |= {f"groundtune.{a.name}" for a in node.names}
+            elif node.module.startswith("groundtune."):
+                found.add(node.module)
+    return found
+
+
+def test_no_import_runs_back_up():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = "groundtune." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        for imported in _imports(path):
+            if _layer(imported) > _layer(module):
+                wrong.append(f"{module} imports {imported}")
+    assert not wrong, wrong
+
+
+def test_the_check_sees_imports_inside_functions():
+    # cli.py imports its handlers' modules inside the handlers: the check must see them
+    assert "groundtune.train.sft" in _imports(PACKAGE / "cli.py")
