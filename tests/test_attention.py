@@ -125,6 +125,7 @@ def test_packed_training_loss_equals_the_padded_loss_on_the_gpu(any_family_model
 
     gm = load_model(any_family_model, device="cuda", dtype="bf16")
     model = adapt.prepare_for_training(gm.model, TrainConfig(train_data="x", method="lora"))
+    speedups.install(model)
     encoded = []
     for i, size in enumerate([(112, 112), (168, 84), (84, 140)]):
         image, record = synth.make_sample(4, i, width=size[0], height=size[1])

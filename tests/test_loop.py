@@ -23,7 +23,7 @@ from groundtune.train.sft import train
 def _cfg(data, out, **kw):
     base = dict(model="tiny", train_data=str(data / "train.jsonl"), out_dir=str(out), method="full",
                 freeze_vision=False, freeze_merger=False, lr=1e-3, batch_size=2, max_steps=4, log_every=1,
-                save_every=0, warmup_steps=0)
+                save_every=0, warmup_steps=0, device="cpu")  # fp32: weights compare exactly on any machine
     base.update(kw)
     return TrainConfig(**base)
 
@@ -114,13 +114,13 @@ def test_the_model_is_the_best_evaluated_one_else_the_last(synth_single, tmp_pat
 
     poisoned = train(_cfg(synth_single, tmp_path / "poisoned", max_steps=2, **quiet), on_step=poison_at_2)
     assert json.loads((poisoned / "model" / "groundtune.json").read_text())["step"] == 2
-    saved = load_model(str(poisoned)).model.state_dict()
+    saved = load_model(str(poisoned), device="cpu").model.state_dict()
     assert saved.keys() == last.keys() and all(torch.equal(saved[k], last[k]) for k in saved)
     assert torch.count_nonzero(saved["model.language_model.norm.weight"]) == 0
 
     # 2. from that poisoned model, with an eval after every step: evals see poisoned (step 1),
     # healthy (2), poisoned (3), healthy (4). The best is step 2: step 4 at most ties it.
-    healthy_norm = _norm(load_model("tiny").model).detach().clone()
+    healthy_norm = _norm(load_model("tiny", device="cpu").model).detach().clone()
     seen = {}
 
     def alternate(step, run, model):  # runs after the eval of `step`: sets what step + 1 sees
@@ -145,7 +145,7 @@ def test_the_model_is_the_best_evaluated_one_else_the_last(synth_single, tmp_pat
     for key in ("acc@0.5", "acc@0.75", "miou", "parse_fail_rate"):
         assert meta["eval"][key] == evals[best_step][f"eval/{key}"]
     assert meta["eval"]["n"] == 6
-    best = load_model(str(run)).model.state_dict()  # the weights step 2's eval saw, not the last ones
+    best = load_model(str(run), device="cpu").model.state_dict()  # the weights step 2's eval saw, not the last ones
     assert best.keys() == seen[2].keys() and all(torch.equal(best[k], seen[2][k]) for k in best)
     assert not all(torch.equal(seen[4][k], seen[2][k]) for k in best)  # (the merger trained on)
 
@@ -180,7 +180,7 @@ class _BrokenScheduler:
 
 def _lora_setup():
     cfg = TrainConfig(train_data="x", method="lora", lora_r=4, lr=1e-2, max_steps=10)
-    model = adapt.prepare_for_training(load_model("tiny").model, cfg)
+    model = adapt.prepare_for_training(load_model("tiny", device="cpu").model, cfg)
     optimizer = torch.optim.AdamW(adapt.param_groups(model, cfg))
     return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 

@@ -68,6 +68,14 @@ def install(model: torch.nn.Module, family) -> int:
     return count
 
 
+def keeps_packed_samples_apart(model) -> bool:
+    """Whether ``model``'s language model attends within each sample of a packed row: this module's
+    attention (``install``) or transformers' flash-attention, which read ``cu_seq_lens_q``. Its
+    SDPA and eager paths do not: they would attend across the samples of the row, silently."""
+    implementation = str(model.config.get_text_config()._attn_implementation)
+    return implementation == TEXT_ATTENTION or "flash" in implementation
+
+
 def varlen_usable(t: torch.Tensor) -> bool:
     """Whether the variable-length flash kernel can take ``t`` (q, k or v) here."""
     return VARLEN_ENABLED and _varlen_attn is not None and t.is_cuda and t.dtype in (torch.float16, torch.bfloat16)

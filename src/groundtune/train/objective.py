@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from groundtune.errors import TrainingError
 from groundtune.models.adapt import base_model
+from groundtune.models.attention import keeps_packed_samples_apart
 from groundtune.models.qwen import IGNORE_INDEX
 
 
@@ -22,6 +24,9 @@ def answer_logprobs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor
     each belongs to: two 1-D tensors over the answer tokens, row-major. ``model`` is a Qwen-VL
     ForConditionalGeneration model or a PEFT wrapper."""
     core = base_model(model)
+    if "cu_seq_lens_q" in batch and not keeps_packed_samples_apart(core):
+        raise TrainingError("a packed batch on a model whose attention would cross its samples: install "
+                            "groundtune's attention first (models.speedups.install), as groundtune train does")
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     # no KV cache: nothing reuses it, and a recomputed (checkpointed) layer would extend it twice
     hidden = core.model(**inputs, use_cache=False).last_hidden_state  # (batch, length, hidden)
