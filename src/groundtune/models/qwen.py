@@ -56,7 +56,6 @@ class Family:
     merger_modules: tuple[str, ...]  # modules under the vision tower that project into the LLM (the "merger" part)
     padded_vision_mlp: str | None = None  # vision MLP class with a width cuBLAS runs slowly (models/kernels.py pads it)
     merge_size: int = 2  # patches merged per side into one LLM token
-    tokens: Tokens = TOKENS
     # Module paths, the same in the three families (transformers 5):
     vision_tower: str = "visual"  # model.visual: the vision tower, merger included
     decoder_layers: str = "language_model.layers"  # the LLM's decoder layers, each with self_attn and mlp
@@ -150,24 +149,21 @@ DEFAULT_PROMPT = (
 
 # Published architectures, for benchmarking them randomly initialised where weights cannot be
 # downloaded (speed and memory do not depend on weight values): `--model random:qwen2.5-vl-3b`.
-# (family, text sizes, vision sizes, tied embeddings)
+# (family, text sizes, vision sizes, tied embeddings). Qwen2.5-VL's 3B and 7B share one vision tower
+# (its output width is the LLM's) and one rotary layout.
+_QWEN25_TEXT = dict(max_position_embeddings=128000, rms_norm_eps=1e-6,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]})
+_QWEN25_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, temporal_patch_size=2,
+                      window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
 ARCHITECTURES = {
     "qwen2.5-vl-3b": ("qwen2.5-vl",
-                      dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-                           num_key_value_heads=2, vocab_size=151936, max_position_embeddings=128000,
-                           rms_norm_eps=1e-6,
-                           rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
-                      dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
-                           temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
-                      True),
+                      dict(_QWEN25_TEXT, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                           num_attention_heads=16, num_key_value_heads=2, vocab_size=151936),
+                      dict(_QWEN25_VISION, out_hidden_size=2048), True),
     "qwen2.5-vl-7b": ("qwen2.5-vl",
-                      dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                           num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000,
-                           rms_norm_eps=1e-6,
-                           rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
-                      dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
-                           temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
-                      False),
+                      dict(_QWEN25_TEXT, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                           num_attention_heads=28, num_key_value_heads=4, vocab_size=152064),
+                      dict(_QWEN25_VISION, out_hidden_size=3584), False),
 }
 
 IGNORE_INDEX = -100  # label value that carries no loss (PyTorch cross-entropy's default)
