@@ -28,7 +28,10 @@ def test_numbers_given_for_float_are_accepted():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["train_data=x", "bogus=1"], "unknown setting.*bogus"),
+        (["train_data=x", "bogus=1"], "unknown setting.* on the command line: bogus"),
+        (["train_data=x", "save_every=-5"], "save_every=-5 must be 0 or more"),
+        (["train_data=x", "warmup_steps=-1"], "warmup_steps=-1 must be 0 or more"),
+        (["train_data=x", "log_every=0"], "log_every=0 must be positive"),
         (["train_data=x", "method=adapter"], "method='adapter'"),
         (["train_data=x", "lora_targets=[llm_attn, eyes]"], "lora_targets.*eyes"),
         (["train_data=x", "lora_targets=[]"], "lora_targets is empty"),
@@ -47,6 +50,16 @@ def test_numbers_given_for_float_are_accepted():
 def test_invalid_settings_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(TrainConfig, None, overrides)
+
+
+def test_an_unknown_setting_is_named_where_it_was_given(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train_data: x\nbatchsize: 4\n")
+    with pytest.raises(ConfigError, match=f"unknown setting.* in {path}: batchsize"):
+        load_config(TrainConfig, path)
+    path.write_text("train_data: x\n")
+    with pytest.raises(ConfigError, match="unknown setting.* on the command line: lrate"):
+        load_config(TrainConfig, path, ["lrate=1"])
 
 
 def test_yaml_must_be_a_mapping(tmp_path):

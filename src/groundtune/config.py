@@ -337,27 +337,29 @@ def preset_path(name_or_path: str) -> Path:
 
 
 def load_config(cls, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()):
-    """Build ``cls`` from a YAML file and ``key=value`` overrides (values parsed as YAML)."""
-    values: dict = {}
+    """Build ``cls`` from a YAML file and ``key=value`` overrides (values parsed as YAML). An unknown
+    setting is named with where it was given: the file, or the command line."""
+    from_file: dict = {}
     if path:
-        text = Path(path).read_text()
-        loaded = yaml.safe_load(text) or {}
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping of settings, got {type(loaded).__name__}")
-        values.update(loaded)
+        from_file = loaded
+    given: dict = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value")
         key, raw = item.split("=", 1)
-        values[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        given[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
     known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        where = f" in {path}" if path else ""
-        reasons = getattr(cls, "not_settings", {})
-        why = "".join(f"; {name}: {reasons[name]}" for name in unknown if name in reasons)
-        raise ConfigError(f"unknown setting(s){where}: {', '.join(unknown)}{why}; see `groundtune {cls.command} --help`")
-    return cls(**values)
+    reasons = getattr(cls, "not_settings", {})
+    for where, values in ((f"in {path}", from_file), ("on the command line", given)):
+        unknown = sorted(set(values) - known)
+        if unknown:
+            why = "".join(f"; {name}: {reasons[name]}" for name in unknown if name in reasons)
+            raise ConfigError(f"unknown setting(s) {where}: {', '.join(unknown)}{why}; "
+                              f"see `groundtune {cls.command} --help`")
+    return cls(**{**from_file, **given})
 
 
 def to_yaml(cfg) -> str:
