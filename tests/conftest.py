@@ -6,6 +6,15 @@ from family_models import FAMILIES, build_family_folder
 from groundtune.data import synth
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_cache(tmp_path_factory):
+    """What `data check` and training cache about images goes to a folder of the test session's,
+    not the user's ~/.cache (subprocesses inherit it)."""
+    import os
+
+    os.environ["GROUNDTUNE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+
+
 @pytest.fixture(scope="session")
 def synth_single(tmp_path_factory):
     """64 training + 16 validation samples of the one-shape task."""

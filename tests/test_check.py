@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -201,7 +202,17 @@ def test_each_image_is_decoded_once(broken: Path, monkeypatch):
     probe = check._probe_image
     monkeypatch.setattr(check, "_probe_image", lambda p: seen.append(p) or probe(p))
     check.check_file(broken)
-    assert len(seen) == len(set(seen)) == 11  # 10 files + the missing one; good.png serves 16 lines
+    assert len(seen) == len(set(seen)) == 10  # the 10 files there (good.png serves 16 lines); the missing one is not opened
+    # checked again: every image comes from the cache; one changed since is decoded again
+    seen.clear()
+    check.check_file(broken)
+    assert seen == []
+    good = broken.parent / "images" / "good.png"
+    before = good.stat().st_mtime_ns
+    Image.new("RGB", (W, H), "blue").save(good)
+    os.utime(good, ns=(before + 10**9, before + 10**9))  # a second later (file times are coarse)
+    report = check.check_file(broken)
+    assert seen == [good] and report.to_dict() == EXPECTED
 
 
 def test_cli_json_is_one_object_and_exit_code(broken: Path, tmp_path: Path, capsys):

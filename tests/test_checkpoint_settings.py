@@ -7,6 +7,7 @@ The checkpoints here are copies of the tiny model's folder with the files as Qwe
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -170,6 +171,6 @@ def test_an_image_the_resize_cannot_take_is_named(tmp_path):
     gm = load_model("tiny")
     with pytest.raises(DataError, match=r"sliver\.png .*aspect ratio 250.0 is above 200"):
         evaluate.evaluate(gm, [record], data, progress=False)
+    # in a training batch it is left out and said why (the run counts it: test_reliability.py)
     dataset = GroundingDataset(open_samples(str(data), 0), gm.processor, gm.family, gm.resize, gm.prompt)
-    with pytest.raises(DataError, match=r"sample 's0' \(.*sliver\.png\): aspect ratio"):
-        dataset[0, 0]
+    assert re.search(r"sample 's0' \(.*sliver\.png\): aspect ratio 250.0", dataset[0, 0]["failed"])

@@ -19,7 +19,7 @@ from groundtune import boxes, infer
 from groundtune.config import TrainConfig
 from groundtune.data import synth
 from groundtune.train.batches import encode_sample
-from groundtune.models import adapt, qwen
+from groundtune.models import qwen
 from groundtune.models.loading import load_model
 from groundtune.train.sft import train
 

@@ -372,13 +372,13 @@ def test_cli_convert_coco(tmp_path, coco, capsys):
     assert "wrote 2 samples" in capsys.readouterr().out
 
 
-def test_cli_missing_flag_is_named(tmp_path, coco):
-    with pytest.raises(SystemExit) as e:
-        main(["data", "convert", "--from", "coco", "--images", str(coco["images"]), "--out", str(tmp_path / "x.jsonl")])
-    assert "--instances" in str(e.value.code)
-    with pytest.raises(SystemExit) as e:
-        main(["data", "convert", "--from", "parquet", "--out", str(tmp_path / "x.jsonl")])
-    assert "--path" in str(e.value.code) and "--images-out" in str(e.value.code)
+def test_cli_missing_flag_is_named(tmp_path, coco, capsys):
+    assert main(["data", "convert", "--from", "coco", "--images", str(coco["images"]),
+                 "--out", str(tmp_path / "x.jsonl")]) == 2
+    assert "error: groundtune data convert --from coco: missing --instances" in capsys.readouterr().err
+    assert main(["data", "convert", "--from", "parquet", "--out", str(tmp_path / "x.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "--path" in err and "--images-out" in err
 
 
 def test_cli_bad_input_exits_2_with_message(tmp_path, capsys):

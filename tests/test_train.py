@@ -232,9 +232,18 @@ def test_packed_training_follows_the_padded_run(synth_single, tmp_path):
 
 
 def test_existing_run_is_not_overwritten(synth_single, tmp_path):
-    train(_cfg(synth_single, tmp_path / "r", max_steps=1))
-    with pytest.raises(FileExistsError, match="--resume"):
-        train(_cfg(synth_single, tmp_path / "r", max_steps=1))
+    stopped = train(_cfg(synth_single, tmp_path / "stopped", max_steps=3),
+                    on_step=lambda step, run, model: (run / "STOP").touch())
+    with pytest.raises(FileExistsError, match=f"resume it with `groundtune train --resume {stopped}`"):
+        train(_cfg(synth_single, stopped, max_steps=3))
+    finished = train(_cfg(synth_single, tmp_path / "finished", max_steps=1))
+    model = (finished / "model" / "model.safetensors").read_bytes()
+    with pytest.raises(FileExistsError, match=r"already holds a run \(model/, checkpoints\); choose another out_dir, "
+                                              "or set overwrite=true"):
+        train(_cfg(synth_single, finished, max_steps=1, lr=5e-3))
+    assert (finished / "model" / "model.safetensors").read_bytes() == model
+    train(_cfg(synth_single, finished, max_steps=1, lr=5e-3, overwrite=True))  # asked for: replaced
+    assert (finished / "model" / "model.safetensors").read_bytes() != model
 
 
 def test_nan_guard_skips_then_stops(synth_single, tmp_path):

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 
 from groundtune.boxes import FAMILIES
-from groundtune.errors import GroundtuneError
+from groundtune.errors import GroundtuneError, UsageError
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -102,7 +103,7 @@ def _require(args: argparse.Namespace, *names: str) -> None:
     missing = [n for n in names if getattr(args, n) is None]
     if missing:
         flags = ", ".join("--" + n.replace("_", "-") for n in missing)
-        raise SystemExit(f"groundtune data convert --from {args.source}: missing {flags}")
+        raise UsageError(f"groundtune data convert --from {args.source}: missing {flags}")
 
 
 def _add_data(sub: argparse._SubParsersAction) -> None:
@@ -225,21 +226,23 @@ def _eval(args: argparse.Namespace) -> int:
 def _predict(args: argparse.Namespace) -> int:
     if args.jsonl is not None:
         if args.out is None or args.image is not None or args.phrase is not None or args.draw is not None:
-            raise SystemExit("groundtune predict --jsonl: needs --out, and takes no --image/--phrase/--draw")
+            raise UsageError("groundtune predict --jsonl: needs --out, and takes no --image/--phrase/--draw")
     elif args.image is None or args.phrase is None or args.out is not None:
-        raise SystemExit("groundtune predict: give --image and --phrase, or --jsonl and --out")
+        raise UsageError("groundtune predict: give --image and --phrase, or --jsonl and --out")
 
     from groundtune import infer
     from groundtune.data.images import load_image
     from groundtune.data.records import atomic_write
 
-    gm = infer.load(args.model, device=args.device)
     if args.jsonl is not None:
+        records = infer.read_queries(args.jsonl)  # a bad file is said before the model loads
+        gm = infer.load(args.model, device=args.device)
         n = infer.predict_jsonl(gm, args.jsonl, args.out, batch_size=args.batch_size,
-                                max_new_tokens=args.max_new_tokens)
+                                max_new_tokens=args.max_new_tokens, records=records)
         print(f"wrote {n} predictions to {args.out}", file=sys.stderr)
         return 0
-    image = load_image(args.image)
+    image = load_image(args.image)  # a missing or broken image is said before the model loads
+    gm = infer.load(args.model, device=args.device)
     pred = infer.predict(gm, [image], [args.phrase], max_new_tokens=args.max_new_tokens, names=[args.image])[0]
     print(json.dumps(pred.to_json(), ensure_ascii=False))
     if args.draw:
@@ -331,23 +334,23 @@ def _train(args: argparse.Namespace) -> int:
     """`groundtune train` and `groundtune rl`: the same command line, each with its settings class."""
     from groundtune.config import RLConfig, TrainConfig, load_config, preset_path
 
-    if args.command == "rl":
-        from groundtune.train.rl import rl as run_fn
-
-        cls = RLConfig
-    else:
-        from groundtune.train.sft import train as run_fn
-
-        cls = TrainConfig
+    cls = RLConfig if args.command == "rl" else TrainConfig
     if args.resume:
-        if args.config or args.overrides:
-            raise SystemExit(f"groundtune {args.command} --resume RUN takes no config or overrides: the run's "
-                             "saved config.yaml is used, so the resumed run is the same run")
-        run = run_fn(resume=args.resume)
+        # a corrected data file of the same records may be named (train_data=..., eval_data=...)
+        given = [args.config] if args.config and "=" in args.config else []
+        if args.config and not given:
+            raise UsageError(f"groundtune {args.command} --resume RUN takes no config file: the run's saved "
+                             "config.yaml is used, so the resumed run is the same run")
+        start = dict(resume=args.resume, resume_overrides=tuple(given + args.overrides))
     else:
         if not args.config:
-            raise SystemExit(f"groundtune {args.command}: give a CONFIG.yaml (or a preset name) or --resume RUN")
-        run = run_fn(load_config(cls, preset_path(args.config), args.overrides))
+            raise UsageError(f"groundtune {args.command}: give a CONFIG.yaml (or a preset name) or --resume RUN")
+        start = dict(cfg=load_config(cls, preset_path(args.config), args.overrides))  # settings first: fast
+    if args.command == "rl":
+        from groundtune.train.rl import rl as run_fn
+    else:
+        from groundtune.train.sft import train as run_fn
+    run = run_fn(**start)
     print(f"run folder: {run}  (model: {run / 'model'})")
     return 0
 
@@ -382,7 +385,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         )
         p.add_argument("config", nargs="?", help="YAML file or preset name")
         p.add_argument("overrides", nargs="*", help="key=value settings that override the file")
-        p.add_argument("--resume", metavar="RUN", help="continue the run in this folder exactly where it stopped")
+        p.add_argument("--resume", metavar="RUN", help="continue the run in this folder exactly where it stopped "
+                       "(train_data=/eval_data= may name a corrected file of the same records)")
         p.set_defaults(handler=_train)
 
 
@@ -440,10 +444,8 @@ _USER_OS_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, Per
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from transformers.utils import logging as hf_logging
-
     # the command line's own bars say what is loading; transformers' draw one per weight file
-    hf_logging.disable_progress_bar()
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         return args.handler(args)
     except (GroundtuneError, *_USER_OS_ERRORS) as e:

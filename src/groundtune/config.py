@@ -28,6 +28,7 @@ from groundtune.errors import ConfigError, MissingError
 MODEL_PARTS = ("vision", "merger", "llm")
 LORA_TARGETS = ("llm_attn", "llm_mlp", "merger", "vision")
 KERNEL_MODES = ("auto", "liger", "none")
+BAD_RECORD_POLICIES = ("refuse", "skip")
 ADVANTAGES = ("grpo", "ema")
 PRESETS = Path(__file__).resolve().parent / "configs"  # shipped YAML presets (also at ./configs)
 
@@ -56,11 +57,19 @@ class _Target(_Settings):
     train_data: str = ""  # canonical JSONL (groundtune data convert / synth), or synth:TASK drawn on the fly (full, single, attribute, multi; TASK+TASK alternates)
     eval_data: str = ""  # canonical JSONL for generation eval during training; "" = none
     out_dir: str = "runs/sft"  # the run folder: model/, checkpoints/, metrics.jsonl, tb/
+    overwrite: bool = False  # a new run may replace a finished one in out_dir (its model/, checkpoints/, logs)
+    bad_records: str = "refuse"  # records `groundtune data check` finds unusable: refuse (list them, stop before loading the model) | skip (train without them; listed in RUN/bad_records.jsonl)
+    max_bad_fraction: float = 0.5  # stop when more than this share of a batch fails to load during the run (an image deleted or damaged since the check); fewer are skipped and counted
 
     def check(self) -> None:
         if not self.train_data:
             raise ConfigError("train_data is not set: give a canonical JSONL file (train_data=FILE.jsonl) "
                               "or a synthetic stream (train_data=synth:full)")
+        if self.bad_records not in BAD_RECORD_POLICIES:
+            raise ConfigError(f"bad_records={self.bad_records!r}: expected one of {', '.join(BAD_RECORD_POLICIES)}")
+        if not 0 <= self.max_bad_fraction < 1:
+            raise ConfigError(f"max_bad_fraction={self.max_bad_fraction} must be in [0, 1): a batch with nothing "
+                              "left to train on stops the run")
 
 
 @dataclass
@@ -118,6 +127,7 @@ class _Optimisation(_Settings):
 
     def check(self) -> None:
         _positive(self, "lr", "max_steps", "batch_size")
+        _at_least_zero(self, "seed")
         _at_least_zero(self, "lr_vision", "lr_merger", "lr_llm", "weight_decay", "warmup_steps", "max_grad_norm")
         _fraction(self, "min_lr_ratio")
         if self.kernels not in KERNEL_MODES:
@@ -185,7 +195,7 @@ class _Loop(_Settings):
     def check(self) -> None:
         _positive(self, "log_every", "eval_samples", "eval_batch_size", "eval_max_new_tokens", "keep_last",
                   "max_bad_steps")
-        _at_least_zero(self, "eval_every", "save_every", "thermal_pause_c")
+        _at_least_zero(self, "eval_every", "save_every", "thermal_pause_c", "thermal_resume_c")
         if self.thermal_pause_c and self.thermal_resume_c >= self.thermal_pause_c:
             raise ConfigError("thermal_resume_c must be below thermal_pause_c")
 
@@ -213,6 +223,9 @@ class _Reward(_Settings):
     reward_box: float = 1.0  # weight of IoU with the true box
     reward_format: float = 0.1  # weight of "a box was parsed and lies inside the image"
     reward_giou: bool = False  # GIoU instead of IoU: disjoint boxes still get a signal
+
+    def check(self) -> None:
+        _at_least_zero(self, "reward_box", "reward_format")
 
 
 @dataclass
@@ -329,7 +342,8 @@ def preset_path(name_or_path: str) -> Path:
     if shipped.exists():
         return shipped
     names = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
-    raise MissingError(f"{name_or_path}: no such file, and not a shipped preset ({names})")
+    what = "a folder, not a YAML file" if path.is_dir() else "no such file"
+    raise MissingError(f"{name_or_path}: {what}, and not a shipped preset ({names})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,16 +355,18 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] | tupl
     setting is named with where it was given: the file, or the command line."""
     from_file: dict = {}
     if path:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if Path(path).is_dir():
+            raise ConfigError(f"{path} is a folder; give a YAML file or a preset name")
+        loaded = _yaml(Path(path).read_text(), str(path)) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping of settings, got {type(loaded).__name__}")
         from_file = loaded
     given: dict = {}
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key=value")
+            raise ConfigError(f"override {item!r} on the command line: expected key=value")
         key, raw = item.split("=", 1)
-        given[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        given[key.strip()] = _yaml(raw, f"override {item!r} on the command line") if raw.strip() else ""
     known = {f.name for f in dataclasses.fields(cls)}
     reasons = getattr(cls, "not_settings", {})
     for where, values in ((f"in {path}", from_file), ("on the command line", given)):
@@ -360,6 +376,17 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] | tupl
             raise ConfigError(f"unknown setting(s) {where}: {', '.join(unknown)}{why}; "
                               f"see `groundtune {cls.command} --help`")
     return cls(**{**from_file, **given})
+
+
+def _yaml(text: str, where: str):
+    """YAML parsed, or a ConfigError naming ``where`` (a file: with line and column)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None and not where.startswith("override") else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}{at}: not valid YAML ({problem})") from None
 
 
 def to_yaml(cfg) -> str:

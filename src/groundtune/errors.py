@@ -13,6 +13,10 @@ class GroundtuneError(Exception):
     and where, and what to do."""
 
 
+class UsageError(GroundtuneError, ValueError):
+    """A command line whose flags do not go together (a flag missing, two that exclude each other)."""
+
+
 class ConfigError(GroundtuneError, ValueError):
     """A setting that is unknown, of the wrong type, or clashes with another; names the setting."""
 
@@ -31,6 +35,14 @@ class MissingError(GroundtuneError, FileNotFoundError):
 
 class RunExistsError(GroundtuneError, FileExistsError):
     """A run folder that already holds a run."""
+
+
+class RunBusyError(GroundtuneError, RuntimeError):
+    """A run folder another live process is writing (its lock names the process)."""
+
+
+class DiskFullError(GroundtuneError, OSError):
+    """A write the disk (or a file-size limit) refused; the message says how much was needed, where."""
 
 
 class MissingPackageError(GroundtuneError, ImportError):

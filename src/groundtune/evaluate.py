@@ -188,9 +188,14 @@ def run_eval(model: str, data, limit: int | None = None, out=None, gallery=None,
              device: str = "auto", max_new_tokens: int = infer.DEFAULT_MAX_NEW_TOKENS) -> dict:
     """Evaluate ``model`` (and ``compare`` on the same samples) on a canonical JSONL file, print
     the metrics, and write report.json / the gallery when asked. Returns the report."""
+    from groundtune.models.loading import resolve
+
     samples = read_samples(data)
+    names = [model] + ([compare] if compare else [])
+    for name in names:  # every model there before the first is evaluated, not found missing after it
+        resolve(name)
     reports = []
-    for i, name in enumerate([model] + ([compare] if compare else [])):
+    for i, name in enumerate(names):
         gm = infer.load(name, device, min_pixels, max_pixels, who="eval")
         report, rows = evaluate(gm, samples, data, batch_size=batch_size, limit=limit, max_new_tokens=max_new_tokens)
         reports.append(report)

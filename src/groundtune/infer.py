@@ -25,7 +25,7 @@ from PIL import Image
 
 from groundtune import boxes
 from groundtune.data.images import load_image, to_rgb
-from groundtune.data.records import atomic_write, image_path, iter_jsonl, record_size
+from groundtune.data.records import atomic_write, image_path, iter_jsonl, missing_fields, record_size
 from groundtune.errors import DataError
 from groundtune.models import qwen
 from groundtune.progress import track
@@ -223,22 +223,30 @@ def _answer_length(ids: list[int], processor: qwen.Processor) -> int:
     return next((i for i, t in enumerate(ids) if t in stop), len(ids))
 
 
-def predict_jsonl(gm, in_path: str | Path, out_path: str | Path, batch_size: int = 16,
-                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, progress: bool = True) -> int:
-    """Predict every line of a JSONL file (canonical, or just ``image`` + ``phrase``) and write
-    each input record with a ``prediction`` object added; returns the number of lines written.
-
-    The prediction goes in its own field so a canonical file's true ``bbox`` is kept beside it.
-    Images are opened one batch at a time, so a large file never sits in memory at once.
-    """
+def read_queries(in_path: str | Path) -> list[dict]:
+    """The records of a JSONL file to predict (canonical, or just ``image`` + ``phrase``); the first
+    line without them raises, naming file and line."""
     records = []
     for line in iter_jsonl(in_path):
         if line.error:
             raise DataError(f"{in_path}:{line.number}: {line.error}")
-        missing = [k for k in ("image", "phrase") if k not in line.record]
+        missing = missing_fields(line.record, ("image", "phrase"))
         if missing:
             raise DataError(f"{in_path}:{line.number}: missing field(s) {', '.join(missing)}")
         records.append(line.record)
+    return records
+
+
+def predict_jsonl(gm, in_path: str | Path, out_path: str | Path, batch_size: int = 16,
+                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, progress: bool = True,
+                  records: list[dict] | None = None) -> int:
+    """Predict every line of a JSONL file (``read_queries``; or ``records`` already read from it)
+    and write each input record with a ``prediction`` object added; returns the number written.
+
+    The prediction goes in its own field so a canonical file's true ``bbox`` is kept beside it.
+    Images are opened one batch at a time, so a large file never sits in memory at once.
+    """
+    records = read_queries(in_path) if records is None else records
     starts = range(0, len(records), batch_size)
     if progress:
         starts = track(starts, f"predict ({batch_size}/batch)")

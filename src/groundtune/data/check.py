@@ -42,22 +42,31 @@ image_mode             warning  not 8-bit RGB (L, CMYK, RGBA/LA/P, 16-bit I;16/I
 
 Each distinct image is decoded once (in a thread pool: Pillow releases the GIL while decoding), in
 full, so a truncated file is caught here and not in a data-loader worker in the middle of a run.
+What decoding found is cached by the image's path, size and modification time (``ProbeCache``), so
+checking a file again, or training on it after `data check`, reads only images that changed.
+
+`groundtune train` and `groundtune rl` run the same checks before their first step
+(``check_records``): with ``bad_records=refuse`` a file with errors stops the run before the model
+loads, with this table; with ``bad_records=skip`` the run trains on the usable records.
 """
 
 from __future__ import annotations
 
 import html
 import io
+import json
 import os
 import re
+import sqlite3
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from PIL import Image
 
 from groundtune.boxes import MAX_RATIO, as_box, box_area, clip_box, xywh_to_xyxy
-from groundtune.data.records import DataError, image_path, iter_jsonl, missing_fields, record_size, write_samples
+from groundtune.data.records import (DataError, image_path, iter_jsonl, jsonl_file, missing_fields, record_size,
+                                     write_samples)
 from groundtune.progress import track
 
 ERROR, WARNING = "error", "warning"
@@ -182,9 +191,28 @@ class CheckReport:
             self.fixed.setdefault(kind, []).append(number)
 
 
-def check_file(path: str | Path, fix_out: str | Path | None = None) -> CheckReport:
-    """Check every line of a canonical JSONL file; write the usable records, fixed, to ``fix_out``."""
-    path = Path(path)
+@dataclass
+class Checked:
+    """A checked file: its report, the usable records (automatic fixes applied) with their line
+    numbers, and every unusable line with its kinds and what to do."""
+
+    report: CheckReport
+    usable: list[tuple[int, dict]]
+    bad: list[dict]  # {"line": n, "kinds": [...], "message": "..."}
+
+    def refusal(self, role: str) -> str:
+        """Why a run will not start on this file (bad_records=refuse), with the table and the way out."""
+        path = self.report.path
+        return (f"{role}: {len(self.bad)} of {self.report.lines} records of {path} cannot be trained on "
+                f"(bad_records=refuse):\n{self.report.summary()}\n"
+                f"Fix them at the source, or keep the usable ones: groundtune data check {path} --fix-out "
+                f"{Path(path).with_suffix('')}-clean.jsonl (or set bad_records=skip)")
+
+
+def check_records(path: str | Path, cache: "ProbeCache | None" = None) -> Checked:
+    """Check every line of a canonical JSONL file (images decoded in parallel, what they showed
+    cached); nothing is written."""
+    path = jsonl_file(path)
     try:
         lines = list(iter_jsonl(path))
     except UnicodeDecodeError as e:
@@ -192,31 +220,36 @@ def check_file(path: str | Path, fix_out: str | Path | None = None) -> CheckRepo
 
     # Many records share an image (RefCOCO: ~7 phrases per picture), so decode each one once.
     paths = {line.number: _image_file(line.record, path) for line in lines if line.record is not None}
-    distinct = sorted({p for p in paths.values() if p is not None})
-    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-        infos = dict(zip(distinct, track(pool.map(_probe_image, distinct), "decoding images", total=len(distinct))))
+    infos = probe_images(sorted({p for p in paths.values() if p is not None}), cache or ProbeCache())
 
     report = CheckReport(path=str(path), lines=len(lines))
-    kept = []
+    usable, bad = [], []
     for line in track(lines, "checking records"):
-        if line.record is None:
-            report._add("invalid_json", line.number, kept=False)
-            continue
-        image = infos.get(paths[line.number])
-        kinds, record = _check_record(line.record, image)
-        usable = all(KINDS[k][0] == WARNING for k in kinds)
+        kinds, record = (["invalid_json"], None) if line.record is None else _check_record(
+            line.record, infos.get(paths[line.number]))
+        ok = all(KINDS[k][0] == WARNING for k in kinds)
         for kind in kinds:
-            report._add(kind, line.number, kept=usable)
-        if usable:
-            kept.append(record)
-    report.kept = len(kept)
+            report._add(kind, line.number, kept=ok)
+        if ok:
+            usable.append((line.number, record))
+        else:
+            errors = [k for k in kinds if KINDS[k][0] == ERROR]
+            bad.append({"line": line.number, "kinds": errors,
+                        "message": " ".join(f"{k}: {KINDS[k][1]}" for k in errors)})
+    report.kept = len(usable)
+    return Checked(report, usable, bad)
 
+
+def check_file(path: str | Path, fix_out: str | Path | None = None) -> CheckReport:
+    """Check every line of a canonical JSONL file; write the usable records, fixed, to ``fix_out``."""
+    checked = check_records(path)
+    path, kept = Path(checked.report.path), [record for _, record in checked.usable]
     if fix_out is not None:
         src, dst = path.resolve().parent, Path(fix_out).resolve().parent
         if src != dst:  # relative image paths are relative to the JSONL file: keep them pointing right
             kept = [_rebase_image(r, src, dst) for r in kept]
         write_samples(fix_out, kept)
-    return report
+    return checked.report
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,6 +259,68 @@ def check_file(path: str | Path, fix_out: str | Path | None = None) -> CheckRepo
 def _image_file(record: dict, jsonl_path: Path) -> Path | None:
     image = record.get("image")
     return image_path(record, jsonl_path) if isinstance(image, str) and image else None
+
+
+def probe_images(paths: list[Path], cache: "ProbeCache") -> dict[Path, ImageInfo]:
+    """What decoding each image shows, from the cache where the file is unchanged, else decoded
+    (in a thread pool, with a progress bar) and cached."""
+    infos, todo, stats = {}, [], {}
+    for path in paths:
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            infos[path] = ImageInfo(error="image_missing")
+            continue
+        except OSError:
+            infos[path] = ImageInfo(error="image_unreadable")
+            continue
+        stats[path] = (stat.st_size, stat.st_mtime_ns)
+    infos.update(cache.get(stats))
+    todo = [p for p in stats if p not in infos]
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        decoded = dict(zip(todo, track(pool.map(_probe_image, todo), "decoding images", total=len(todo))))
+    cache.put({p: (stats[p], info) for p, info in decoded.items()})
+    return {**infos, **decoded}
+
+
+class ProbeCache:
+    """What decoding an image showed (``ImageInfo``), by its absolute path, size and modification
+    time, in an SQLite file under ``$GROUNDTUNE_CACHE`` (default ~/.cache/groundtune). A cache only:
+    where it cannot be opened or written, images are decoded again, silently."""
+
+    def __init__(self, folder: str | Path | None = None):
+        folder = Path(folder or os.environ.get("GROUNDTUNE_CACHE") or Path.home() / ".cache" / "groundtune")
+        self.path = folder / "image_probes.sqlite"
+
+    def _connect(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, timeout=30)
+        db.execute("CREATE TABLE IF NOT EXISTS probe (path TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER, "
+                   "info TEXT)")
+        return db
+
+    def get(self, stats: dict[Path, tuple[int, int]]) -> dict[Path, ImageInfo]:
+        try:
+            with self._connect() as db:
+                found = {}
+                for path, (size, mtime) in stats.items():
+                    row = db.execute("SELECT info FROM probe WHERE path = ? AND size = ? AND mtime_ns = ?",
+                                     (str(path.resolve()), size, mtime)).fetchone()
+                    if row is not None:
+                        found[path] = ImageInfo(**{k: tuple(v) if isinstance(v, list) else v
+                                                   for k, v in json.loads(row[0]).items()})
+                return found
+        except (sqlite3.Error, OSError):
+            return {}
+
+    def put(self, entries: dict[Path, tuple[tuple[int, int], ImageInfo]]) -> None:
+        try:
+            with self._connect() as db:
+                db.executemany("INSERT OR REPLACE INTO probe VALUES (?, ?, ?, ?)",
+                               [(str(p.resolve()), size, mtime, json.dumps(asdict(info)))
+                                for p, ((size, mtime), info) in entries.items()])
+        except (sqlite3.Error, OSError):
+            pass
 
 
 def _probe_image(path: Path) -> ImageInfo:

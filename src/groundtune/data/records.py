@@ -26,7 +26,7 @@ from groundtune.errors import DataError
 # What a canonical record must have (design.md); "bbox" stands for "bbox or bboxes".
 REQUIRED_FIELDS = ("id", "image", "width", "height", "phrase", "bbox")
 
-__all__ = ["DataError", "REQUIRED_FIELDS", "Line", "iter_jsonl", "read_samples", "missing_fields", "record_size",
+__all__ = ["DataError", "REQUIRED_FIELDS", "Line", "jsonl_file", "iter_jsonl", "read_samples", "missing_fields", "record_size",
            "sample_boxes", "image_path", "atomic_write", "dumps_sample", "write_samples"]
 
 
@@ -39,10 +39,22 @@ class Line:
     error: str | None = None
 
 
+def jsonl_file(path: str | Path) -> Path:
+    """``path`` as a data file to read, or a DataError saying what it is instead (a folder, nothing)."""
+    path = Path(path)
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.jsonl"))[:5]
+        hint = f" (it holds {', '.join(inside)})" if inside else ""
+        raise DataError(f"{path} is a folder; give a JSONL file{hint}")
+    if not path.exists():
+        raise DataError(f"{path}: no such file")
+    return path
+
+
 def iter_jsonl(path: str | Path) -> Iterator[Line]:
     """Yield every non-blank line of a JSONL file; a line that is not a JSON object is yielded
     with ``error`` set instead of raising, so checks can count it and go on."""
-    with open(path, encoding="utf-8") as f:
+    with open(jsonl_file(path), encoding="utf-8") as f:
         for number, text in enumerate(f, start=1):
             if not text.strip():
                 continue

@@ -35,7 +35,8 @@ from PIL import Image
 from groundtune.boxes import as_box, xywh_to_xyxy
 from groundtune.progress import track
 
-from .records import DataError, atomic_write, image_path, iter_jsonl, missing_fields, record_size, write_samples
+from .records import (DataError, atomic_write, image_path, iter_jsonl, jsonl_file, missing_fields, record_size,
+                      write_samples)
 
 
 def _sample(id, image, width, height, phrase, bbox, split, source, **extras) -> dict:
@@ -316,7 +317,7 @@ def convert_jsonl(path: str | Path, out: str | Path) -> int:
     SPLIT.jsonl) and a missing ``source`` with "jsonl". Image paths are read relative to ``path``
     and written for ``out``. The first bad line raises, naming file and line.
     """
-    path = Path(path)
+    path = jsonl_file(path)
     with open(path, "rb") as f:
         total = sum(1 for _ in f)  # one quick pass buys the progress bar an ETA
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from groundtune.boxes import ResizeSpec
-from groundtune.errors import MissingError, MissingPackageError, ModelError
+from groundtune.errors import ConfigError, MissingError, MissingPackageError, ModelError
 from groundtune.models import qwen
 
 METADATA_FILE = "groundtune.json"
@@ -60,9 +60,22 @@ class GroundingModel:
 
 
 def pick_device(device: str = "auto") -> torch.device:
+    """``auto`` (a CUDA GPU when there is one), ``cpu``, ``cuda`` or ``cuda:N``; anything this machine
+    cannot run is a ConfigError naming the setting."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"device={device!r}: expected auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={device}: this machine has no CUDA GPU that PyTorch {torch.__version__} can use; "
+                          "use device=cpu (or auto)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"device={device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device={device}: groundtune runs on cpu or cuda")
+    return dev
 
 
 def pick_dtype(device: torch.device, dtype: str = "auto") -> torch.dtype:
@@ -126,7 +139,9 @@ def processor_resize(folder_or_id, family: qwen.Family) -> ResizeSpec | None:
 
 
 def resolve(name: str) -> tuple[str, Path | None]:
-    """What kind of thing ``name`` is: ("tiny" | "run" | "folder" | "hub", path or None)."""
+    """What kind of thing ``name`` is: ("tiny" | "random" | "run" | "folder" | "hub", path or None).
+    A name that looks like a path and is not there is a MissingError at once, never a hub lookup;
+    a hub id must be in the local cache or downloadable now (``check_hub``)."""
     if name == "tiny":
         return "tiny", TINY_DIR
     if name.startswith("random:"):
@@ -134,7 +149,7 @@ def resolve(name: str) -> tuple[str, Path | None]:
             raise ModelError(f"{name}: known architectures are "
                              + ", ".join(f"random:{a}" for a in qwen.ARCHITECTURES))
         return "random", TINY_DIR
-    path = Path(name)
+    path = Path(name).expanduser()
     if path.is_dir():
         if (path / "model" / METADATA_FILE).exists():
             return "run", path
@@ -143,7 +158,49 @@ def resolve(name: str) -> tuple[str, Path | None]:
         raise MissingError(f"{path}: neither a training run (model/{METADATA_FILE}) nor a model folder (config.json)")
     if path.exists():
         raise MissingError(f"{path}: a file, not a model folder")
+    if _looks_like_a_path(name):
+        there = next((p for p in path.parents if p.is_dir()), None)
+        hint = f" ({there} holds {_listing(there)})" if there is not None and str(there) not in ("", ".", "/") else ""
+        raise MissingError(f"{name}: no such model folder{hint}")
+    check_hub(name)
     return "hub", None
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """A hub id is ``name`` or ``owner/name``; a relative or absolute path, a ~ path, a path of more
+    than two parts, or one whose first part is a folder here, is a path."""
+    parts = name.split("/")
+    return (name.startswith((".", "/", "~")) or "\\" in name or name.endswith("/") or len(parts) > 2
+            or (len(parts) == 2 and Path(parts[0]).is_dir()))
+
+
+def _listing(folder: Path) -> str:
+    names = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+    return ", ".join(names[:6]) + (", ..." if len(names) > 6 else "") if names else "nothing"
+
+
+def check_hub(name: str) -> None:
+    """A hub id groundtune can load: in the local cache, or downloadable from here now. Otherwise
+    one line saying what to do, instead of transformers' minute of retries and chained traceback."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    if constants.HF_HUB_OFFLINE:
+        raise MissingError(f"{name}: no folder of that name here, and not in the local Hugging Face cache with "
+                           f"HF_HUB_OFFLINE set: download it where there is network (hf download {name}) and name "
+                           "its folder")
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=5).close()
+    except OSError:
+        raise MissingError(f"{name}: no folder of that name here, not in the local Hugging Face cache, and {host} "
+                           "cannot be reached from here: "
+                           f"download it where there is network (hf download {name}), then name its folder "
+                           "(or copy the cache here and set HF_HUB_OFFLINE=1)") from None
 
 
 def load_model(

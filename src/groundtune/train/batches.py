@@ -3,11 +3,16 @@
 Item (index, position) of the dataset is sample ``index`` at ``position`` of the run's order: its
 augmentation draws from a generator seeded with (seed, position), so a run resumed at a position
 sees exactly the batches an uninterrupted run would have seen.
+
+Every record was checked before the run started (train/loop.py). A sample that fails to load all
+the same (its image deleted or damaged since) does not crash a worker: the batch comes without it,
+with ``failed`` saying which, and the loop counts it (``Loop.skip_unreadable``). Each batch also
+says how many positions of the order it used (``drawn``), failed ones included.
 """
 
 from __future__ import annotations
 
-from functools import partial
+import signal
 
 import numpy as np
 import torch
@@ -39,8 +44,13 @@ class GroundingDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
-        index, position = key
+    def __getitem__(self, key: tuple[int, int]) -> dict:
+        try:
+            return self._encoded(*key)
+        except DataError as e:  # checked before the run, broken since: skipped and counted by the loop
+            return {"failed": str(e)}
+
+    def _encoded(self, index: int, position: int) -> dict[str, torch.Tensor]:
         image, sample = self.samples[index]
         rng = np.random.default_rng([self.seed, position])
         if self.hflip_prob and rng.random() < self.hflip_prob:
@@ -65,17 +75,39 @@ def encode_sample(processor, family, resize, prompt, image, sample, answer_label
     return qwen.encode(processor, resized, text, answer)
 
 
+class Collate:
+    """Items -> one batch (padded, or packed into one row), with ``drawn`` (positions used) and
+    ``failed`` (what went wrong with the items that failed to load)."""
+
+    def __init__(self, pad_token_id: int, packing: bool = False):
+        self.pad_token_id, self.packing = pad_token_id, packing
+
+    def __call__(self, items: list[dict]) -> dict:
+        good = [item for item in items if "failed" not in item]
+        batch = {}
+        if good:
+            batch = qwen.collate_packed(good) if self.packing else qwen.collate(good, self.pad_token_id, "right")
+        return {**batch, "drawn": len(items), "failed": [item["failed"] for item in items if "failed" in item]}
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """A worker leaves SIGINT and SIGTERM to the main process: `timeout`, systemd and Slurm signal the
+    whole process group, and a worker that died first would cost the run its final checkpoint."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def make_loader(dataset: GroundingDataset, batch_size: int, seed: int, start: int, num_workers: int,
                 pad_token_id: int, pin_memory: bool = False, packing: bool = False) -> torch.utils.data.DataLoader:
-    collate = qwen.collate_packed if packing else partial(qwen.collate, pad_token_id=pad_token_id, padding_side="right")
     return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=ResumableBatches(len(dataset), batch_size, seed, start, dataset.samples.shuffle),
-        collate_fn=collate,
+        collate_fn=Collate(pad_token_id, packing),
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
         prefetch_factor=4 if num_workers > 0 else None,
+        worker_init_fn=ignore_stop_signals if num_workers > 0 else None,
     )
 
 

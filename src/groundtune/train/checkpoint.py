@@ -1,35 +1,119 @@
-"""Run folders: resumable checkpoints written atomically, and the model folder users load.
+"""Run folders: one writer at a time, resumable checkpoints written atomically, and the model
+folder users load.
 
     RUN/config.yaml                 the resolved settings
     RUN/metrics.jsonl, RUN/tb/      logs
+    RUN/bad_records.jsonl           records left out (bad_records=skip) or that failed to load
     RUN/checkpoints/step-000100/    trainable weights, optimizer, scheduler, RNG, loop state
     RUN/model/                      the model to use: best by Acc@0.5 when evaluating, else the last
                                     (a LoRA adapter or full weights, + processor + groundtune.json)
+    RUN/.lock                       the process writing the run (pid, host), while it runs
 
 Every folder is written under a temporary name and renamed into place, so a kill -9 at any moment
-leaves the previous checkpoint intact and never a half-written one under a real name.
+leaves the previous checkpoint intact and never a half-written one under a real name. A write the
+disk refuses is a DiskFullError saying how much was needed where, and leaves nothing half-written.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import random
 import shutil
+import socket
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from groundtune.errors import DiskFullError, RunBusyError
 from groundtune.models.loading import GroundingModel, write_metadata
 
 CHECKPOINTS = "checkpoints"
+LOCK = ".lock"
+# the errors of a write the disk, a quota or a file-size limit refused, and how libraries that wrap
+# them word them (torch.save: "file write failed"; safetensors: "I/O error: ... (os error 28)")
+_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+_FULL_SIGNS = ("No space left", "File too large", "Disk quota", "file write failed", "PytorchStreamWriter failed",
+               *(f"os error {code})" for code in _FULL))
 
+
+class RunLock:
+    """RUN/.lock while a process writes the run: a second writer is refused with a message naming
+    the first. A lock whose process is gone (killed, crashed; same host) is stale and taken over."""
+
+    def __init__(self, run: Path, command: str = ""):
+        self.path, self.command = Path(run) / LOCK, command
+        self.mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "command": command}
+
+    def __enter__(self) -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is not None and self._alive(holder):
+                    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
+                    raise RunBusyError(
+                        f"{self.path.parent} is being written by process {holder.get('pid')} on "
+                        f"{holder.get('host')} since {since} ({holder.get('command') or 'groundtune'}); wait for it, "
+                        f"or choose another out_dir (if that process is gone, delete {self.path})") from None
+                self.path.unlink(missing_ok=True)  # stale: its process is gone
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.mine, f)
+            return self
+
+    def __exit__(self, *exc) -> None:
+        if self._holder() == self.mine:
+            self.path.unlink(missing_ok=True)
+
+    def _holder(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None  # vanished, or half-written by a process killed while writing it
+
+    @staticmethod
+    def _alive(holder: dict) -> bool:
+        if holder.get("host") != socket.gethostname():
+            return True  # another machine's process cannot be checked from here
+        try:
+            os.kill(int(holder["pid"]), 0)
+        except ProcessLookupError:
+            return False
+        except (PermissionError, KeyError, ValueError):
+            return True
+        return True
+
+
+@contextlib.contextmanager
+def _refused_writes_named(target: Path, needed_bytes: int):
+    """A write the disk refused (no space, a quota, a file-size limit; torch.save reports it as a
+    RuntimeError) becomes a DiskFullError naming the folder, what it needed and what is free."""
+    try:
+        yield
+    except Exception as e:  # OSError; torch.save's RuntimeError; safetensors' own error type
+        text = str(e)
+        refused = (isinstance(e, OSError) and e.errno in _FULL) or any(sign in text for sign in _FULL_SIGNS)
+        if not refused:
+            raise
+        free = shutil.disk_usage(target.parent if target.parent.exists() else Path.cwd()).free
+        raise DiskFullError(
+            f"could not write {target}: the disk refused it ({text.splitlines()[-1].strip()[:160]}); it needs about "
+            f"{needed_bytes / 2**30:.2f} GiB and {free / 2**30:.2f} GiB is free there. Free some space or set "
+            "out_dir on another disk, then resume; the run's earlier checkpoints are intact") from None
 
 def _replace_dir(tmp: Path, final: Path) -> None:
-    """Move a finished folder into place; the old one is removed only after the new one is whole."""
+    """Move a finished folder into place; the old one is removed only after the new one is whole.
+    A kill between the two renames leaves the old one as .NAME.old and no NAME: put back first."""
     old = final.with_name(f".{final.name}.old")
+    restore_interrupted_swap(final)
     if final.exists():
         if old.exists():
             shutil.rmtree(old)
@@ -37,6 +121,13 @@ def _replace_dir(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
     if old.exists():
         shutil.rmtree(old)
+
+
+def restore_interrupted_swap(final: Path) -> None:
+    """Where a kill fell between moving NAME aside and moving its successor in, NAME is back."""
+    old = final.with_name(f".{final.name}.old")
+    if old.is_dir() and not final.exists():
+        os.replace(old, final)
 
 
 def _fresh_tmp(parent: Path, name: str) -> Path:
@@ -49,8 +140,11 @@ def _fresh_tmp(parent: Path, name: str) -> Path:
 
 def _remove_leftovers(parent: Path) -> None:
     """Folders a run killed while writing left behind (.step-N.tmp, .step-N.old): a resumed run may
-    never write that step again, and for full fine-tuning each holds gigabytes."""
+    never write that step again, and for full fine-tuning each holds gigabytes. A .step-N.old whose
+    step-N is missing is that checkpoint, caught between two renames: it is put back instead."""
     for path in parent.glob(".step-*"):
+        if path.is_dir() and path.suffix == ".old":
+            restore_interrupted_swap(path.with_name(path.name[1:].removesuffix(".old")))
         if path.is_dir() and path.suffix in (".tmp", ".old"):
             shutil.rmtree(path)
 
@@ -80,11 +174,17 @@ def save_checkpoint(run: Path, model, optimizer, scheduler, state: dict, keep_la
         _remove_leftovers(parent)
     tmp = _fresh_tmp(parent, name)
     trainable = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
-    save_file(trainable, tmp / "trainable.safetensors")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps(state, indent=2))
+    weights = sum(t.numel() * t.element_size() for t in trainable.values())
+    try:
+        with _refused_writes_named(parent / name, needed_bytes=3 * weights):  # weights + Adam's two moments
+            save_file(trainable, tmp / "trainable.safetensors")
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            torch.save(rng_state(), tmp / "rng.pt")
+            (tmp / "state.json").write_text(json.dumps(state, indent=2))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays, not even under a hidden name
+        raise
     _replace_dir(tmp, parent / name)
     for stale in list_checkpoints(run)[:-keep_last]:
         shutil.rmtree(stale)
@@ -95,6 +195,8 @@ def list_checkpoints(run: Path) -> list[Path]:
     parent = run / CHECKPOINTS
     if not parent.is_dir():
         return []
+    for old in parent.glob(".step-*.old"):  # a checkpoint caught between two renames counts as written
+        restore_interrupted_swap(old.with_name(old.name[1:].removesuffix(".old")))
     return sorted(p for p in parent.iterdir() if p.is_dir() and p.name.startswith("step-"))
 
 
@@ -118,13 +220,20 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
 def save_model(run: Path, gm: GroundingModel, model, extra: dict | None = None) -> Path:
     """Write RUN/model: the adapter (LoRA) or full weights, the processor and groundtune.json."""
     tmp = _fresh_tmp(run, "model")
-    # an adapter model saves its trained adapter only (RL may hold a frozen reference copy beside it)
-    model.save_pretrained(tmp, **({"selected_adapters": ["default"]} if hasattr(model, "peft_config") else {}))
-    if not (tmp / "adapter_config.json").exists():  # full weights: make the folder self-contained
-        gm.processor.tokenizer.chat_template = gm.processor.chat_template  # saved with the tokenizer
-        gm.processor.tokenizer.save_pretrained(tmp)
-        gm.processor.image_processor.save_pretrained(tmp)
-    write_metadata(tmp, {**gm.metadata(), **(extra or {})})
+    adapter = hasattr(model, "peft_config")
+    saved = [p for n, p in model.named_parameters() if not adapter or "lora_" in n]
+    try:
+        with _refused_writes_named(run / "model", needed_bytes=sum(p.numel() * p.element_size() for p in saved)):
+            # an adapter model saves its trained adapter only (RL may hold a frozen reference copy beside it)
+            model.save_pretrained(tmp, **({"selected_adapters": ["default"]} if adapter else {}))
+            if not adapter:  # full weights: make the folder self-contained
+                gm.processor.tokenizer.chat_template = gm.processor.chat_template  # saved with the tokenizer
+                gm.processor.tokenizer.save_pretrained(tmp)
+                gm.processor.image_processor.save_pretrained(tmp)
+            write_metadata(tmp, {**gm.metadata(), **(extra or {})})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _replace_dir(tmp, run / "model")
     return run / "model"
 

@@ -1,15 +1,25 @@
 """What every training loop (SFT in sft.py, RL in rl.py) does around its updates, written once: the
-run folder (new or resumed), seeding, precision, the learning-rate schedule, and after each update
-the eval on a fixed subset (keeping the best model), the caller's hook, checkpoints, the NaN guard,
-the STOP file and the thermal pause."""
+run folder (new or resumed; checked, then claimed), the records (checked before anything loads),
+seeding, precision, the learning-rate schedule, and after each update the eval on a fixed subset
+(keeping the best model), the caller's hook, checkpoints, the NaN guard, the STOP file and the
+thermal pause.
+
+A run starts in three steps, each refusing what it cannot take before the next costs anything:
+
+    run, cfg, resume_from = prepare_run(cfg, resume, cls, data)   # where, and with what settings
+    data = check_data(cfg)                                         # every record, as `data check`
+    with RunLock(run):  open_run(...)                               # one writer; the folder written
+"""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -17,45 +27,145 @@ import numpy as np
 import torch
 
 from groundtune.config import TrainConfig, load_config, to_yaml
-from groundtune.data.records import read_samples
-from groundtune.errors import MissingError, RunExistsError, TrainingError
+from groundtune.data.check import check_records
+from groundtune.data.records import atomic_write
+from groundtune.data.samples import SYNTH_PREFIX, FileSamples, SyntheticStream, open_samples
+from groundtune.errors import ConfigError, DataError, MissingError, RunExistsError, TrainingError
 from groundtune.infer import Decoding
 from groundtune.models import adapt
-from groundtune.models.loading import GroundingModel
+from groundtune.models.loading import GroundingModel, pick_device, resolve
 from groundtune.train import checkpoint as ckpt
 from groundtune.train.monitor import MetricsLog, StopRequest, thermal_pause
 
-__all__ = ["Loop", "TrainingError", "prepare_run", "seed_everything", "use_bf16", "lr_lambda"]
+__all__ = ["Loop", "RunData", "TrainingError", "prepare_run", "check_data", "open_run", "seed_everything",
+           "use_bf16", "lr_lambda"]
+BAD_RECORDS = "bad_records.jsonl"
+# the settings a resumed run takes anew: a corrected file of the same records
+RESUME_OVERRIDES = ("train_data", "eval_data")
 
 
-def prepare_run(cfg, resume, cls: type = TrainConfig) -> tuple[Path, TrainConfig, Path | None]:
-    """The run folder of a new run (refusing one that already holds a run) or of a resumed one
-    (its saved ``cls`` settings and newest checkpoint)."""
+def prepare_run(cfg, resume, cls: type = TrainConfig,
+                resume_overrides: tuple[str, ...] = ()) -> tuple[Path, TrainConfig, Path | None]:
+    """The run folder and settings of a new run, or of a resumed one (its saved ``cls`` settings,
+    ``resume_overrides`` naming corrected train_data/eval_data files, and its newest checkpoint).
+    Writes nothing; refuses a new run where a run is (unless ``overwrite``) and a resume where none can be."""
     if resume is not None:
         run = Path(resume)
         saved = run / "config.yaml"
         if not saved.exists():
             raise MissingError(f"{run}: no config.yaml; is this a groundtune run folder?")
-        cfg = load_config(cls, saved)
+        unknown = sorted({item.split("=", 1)[0].strip() for item in resume_overrides} - set(RESUME_OVERRIDES))
+        if unknown:
+            raise ConfigError(f"--resume takes no {', '.join(unknown)}: the run's saved config.yaml is used, so the "
+                              f"resumed run is the same run (only {' and '.join(RESUME_OVERRIDES)} may name a corrected "
+                              "file of the same records)")
+        cfg = load_config(cls, saved, resume_overrides)
         checkpoints = ckpt.list_checkpoints(run)
         if not checkpoints:
             raise MissingError(f"{run}: no checkpoint to resume from in {run / ckpt.CHECKPOINTS}")
-        (run / "STOP").unlink(missing_ok=True)
+        _check_machine_and_model(cfg)
         return run, cfg, checkpoints[-1]
     run = Path(cfg.out_dir)
-    if ckpt.list_checkpoints(run):
-        raise RunExistsError(f"{run} already holds a run; resume it with `groundtune {cfg.command} --resume {run}` "
-                              f"or choose another out_dir")
+    # what a run leaves that is worth keeping: its model, or checkpoints to resume from
+    checkpoints = ckpt.list_checkpoints(run)
+    held = [name for name, there in (("model/", (run / "model").is_dir()), ("checkpoints", checkpoints)) if there]
+    if held and not cfg.overwrite:
+        how = (f"resume it with `groundtune {cfg.command} --resume {run}`, "
+               if checkpoints and not ckpt.is_finished(checkpoints[-1]) else "")
+        raise RunExistsError(f"{run} already holds a run ({', '.join(held)}); {how}choose another out_dir, or "
+                             "set overwrite=true to replace it")
+    _check_machine_and_model(cfg)  # before anything of the old run is replaced
+    return run, cfg, None
+
+
+def _check_machine_and_model(cfg) -> None:
+    """What would otherwise fail only once the model loads: a device this machine has not, a model
+    name that is not there (no weights are read)."""
+    pick_device(cfg.device)
+    resolve(cfg.model)
+
+
+def finished_already(run: Path, resume_from: Path | None) -> bool:
+    """Whether a resume was asked of a run that has finished (said, with where its model is)."""
+    if resume_from is None or not ckpt.is_finished(resume_from):
+        return False
+    step = json.loads((resume_from / "state.json").read_text())["step"]
+    print(f"{run} finished at step {step}: nothing to resume. Its model is {run / 'model'}; to train on, start a "
+          f"new run from it (model={run} out_dir=...)")
+    return True
+
+
+@dataclass
+class RunData:
+    """What a run trains and evaluates on, every record checked: usable records (fixes applied), and
+    the unusable lines of both files (left out with bad_records=skip)."""
+
+    samples: FileSamples | SyntheticStream
+    eval_records: list[dict]
+    bad: list[dict] = field(default_factory=list)  # {"file", "line", "kinds", "message"}
+
+    def fingerprint(self) -> dict:
+        """What a resumed run must find again: as many training records, with the same ids in the
+        same order (the order of a run is a function of them), whatever their fixes."""
+        if isinstance(self.samples, SyntheticStream):
+            return {}
+        ids = "\n".join(str(r.get("id")) for r in self.samples.samples)
+        return {"train_records": len(self.samples), "train_ids_sha1": hashlib.sha1(ids.encode()).hexdigest()}
+
+
+def check_data(cfg) -> RunData:
+    """Every record of train_data and eval_data checked as `groundtune data check` checks them,
+    before the model loads: unusable ones refused with its table (``bad_records=refuse``) or left
+    out and listed (``skip``)."""
+    bad, usable = [], {}
+    files = [("train_data", cfg.train_data)] + ([("eval_data", cfg.eval_data)] if cfg.eval_data else [])
+    for role, path in files:
+        if path.startswith(SYNTH_PREFIX):
+            continue
+        checked = check_records(path)
+        if checked.bad and cfg.bad_records == "refuse":
+            raise DataError(checked.refusal(role))
+        if not checked.usable:
+            raise DataError(f"{role}={path}: no usable record ({len(checked.bad)} bad); "
+                            f"see `groundtune data check {path}`")
+        bad += [{"file": str(path), **b} for b in checked.bad]
+        usable[role] = [record for _, record in checked.usable]
+        if checked.bad:
+            print(f"{role}: {len(checked.bad)} of {checked.report.lines} records of {path} left out "
+                  f"(bad_records=skip), listed in {BAD_RECORDS}")
+    samples = (open_samples(cfg.train_data, cfg.seed) if cfg.train_data.startswith(SYNTH_PREFIX)
+               else FileSamples(usable["train_data"], cfg.train_data))
+    return RunData(samples, usable.get("eval_data", [])[: cfg.eval_samples], bad)
+
+
+def open_run(run: Path, cfg, resume_from: Path | None, data: RunData) -> None:
+    """Write the run folder of a claimed run (under its RunLock): a replaced run's files gone
+    (``overwrite``), the settings, the records left out; a resumed run's data checked against the
+    records it started with."""
     run.mkdir(parents=True, exist_ok=True)
     (run / "STOP").unlink(missing_ok=True)
-    for stale in ("metrics.jsonl", "tb", "model"):
-        path = run / stale
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+    if resume_from is None:
+        for stale in ("metrics.jsonl", "tb", "model", ckpt.CHECKPOINTS, BAD_RECORDS):
+            path = run / stale
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        (run / "data.json").write_text(json.dumps(data.fingerprint(), indent=2) + "\n")
+    else:
+        ckpt.restore_interrupted_swap(run / "model")
+        started = json.loads((run / "data.json").read_text()) if (run / "data.json").exists() else {}
+        now = data.fingerprint()
+        if started and now != started:
+            raise DataError(f"train_data={cfg.train_data} holds {now.get('train_records')} usable records "
+                            f"(ids {now.get('train_ids_sha1', '')[:12]}), not the {started.get('train_records')} the run "
+                            f"started with (ids {started.get('train_ids_sha1', '')[:12]}): a resumed run goes on in "
+                            "the same order over the same records; correct the file without adding or removing "
+                            "records, or start a new run")
     (run / "config.yaml").write_text(to_yaml(cfg))
-    return run, cfg, None
+    if data.bad:
+        with atomic_write(run / BAD_RECORDS) as f:
+            f.writelines(json.dumps(b, ensure_ascii=False) + "\n" for b in data.bad)
 
 
 def seed_everything(seed: int) -> None:
@@ -99,11 +209,11 @@ class Loop:
     on_step: Callable | None = None  # on_step(step, run, model) after every update (tests drop a STOP file)
 
     @classmethod
-    def start(cls, run: Path, cfg, gm: GroundingModel, resume_from: Path | None,
+    def start(cls, run: Path, cfg, gm: GroundingModel, resume_from: Path | None, data: RunData,
               on_step: Callable | None = None, **extra_state) -> "Loop":
         """The optimizer (AdamW over ``adapt.param_groups``), the schedule, the loop state (plus
-        ``extra_state``) and the eval subset of a new run, or all of them restored from
-        ``resume_from``, the run's newest checkpoint."""
+        ``extra_state``) of a new run, or all of them restored from ``resume_from``, the run's
+        newest checkpoint; ``data``: the checked records (its eval subset is evaluated)."""
         device = gm.device
         optimizer = torch.optim.AdamW(adapt.param_groups(gm.model, cfg), betas=(0.9, 0.95),
                                       fused=device.type == "cuda")
@@ -112,11 +222,28 @@ class Loop:
         if resume_from is not None:  # over the defaults: a run saved before a state key existed resumes too
             state = {**state, **ckpt.load_checkpoint(resume_from, gm.model, optimizer, scheduler)}
             print(f"resumed from {resume_from} at step {state['step']}")
-        eval_samples = read_samples(cfg.eval_data)[: cfg.eval_samples] if cfg.eval_data else []
-        log = MetricsLog(run)
-        if eval_samples:
-            log.log(state["step"], {"eval/decoding": Decoding.greedy(cfg.eval_max_new_tokens).to_dict()})
-        return cls(run, cfg, gm, optimizer, scheduler, state, eval_samples, log, on_step)
+        # a resumed run's log keeps each step once: lines past its checkpoint are replayed
+        log = MetricsLog(run, resume_step=state["step"] if resume_from is not None else None)
+        if resume_from is None:
+            log.log(0, {"data/bad_records": len(data.bad),
+                        **({"eval/decoding": Decoding.greedy(cfg.eval_max_new_tokens).to_dict()} if data.eval_records
+                           else {})})
+        return cls(run, cfg, gm, optimizer, scheduler, state, data.eval_records, log, on_step)
+
+    def skip_unreadable(self, failed: list[str], drawn: int) -> None:
+        """Samples of a batch that failed to load during the run (a file deleted or damaged since the
+        check): left out, counted and listed; more than ``max_bad_fraction`` of a batch stops the run."""
+        self.state["skipped_samples"] = self.state.get("skipped_samples", 0) + len(failed)
+        with open(self.run / BAD_RECORDS, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps({"step": self.state["step"] + 1, "message": m}, ensure_ascii=False) + "\n"
+                         for m in failed)
+        self.log.log(self.state["step"] + 1, {"data/skipped": len(failed), "data/skipped_total": self.state["skipped_samples"]})
+        if len(failed) > self.cfg.max_bad_fraction * drawn:
+            self._save_checkpoint()
+            self.log.close()
+            raise TrainingError(f"{len(failed)} of {drawn} samples of a batch failed to load (more than "
+                                f"max_bad_fraction={self.cfg.max_bad_fraction}), e.g. {failed[0]}; check the data "
+                                f"(groundtune data check {self.cfg.train_data}), then resume")
 
     def autocast(self):
         """bf16 autocast where the run trains in bf16 (trainable weights stay fp32), else nothing."""

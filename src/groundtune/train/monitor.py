@@ -10,19 +10,29 @@ from pathlib import Path
 
 import torch
 
+from groundtune.data.records import atomic_write
+
 STOP_FILE = "STOP"
 
 
 class MetricsLog:
-    """One JSON object per line in RUN/metrics.jsonl, mirrored to TensorBoard event files in RUN/tb."""
+    """One JSON object per line in RUN/metrics.jsonl, mirrored to TensorBoard event files in RUN/tb.
+    A resumed run (``resume_step``: its checkpoint's step) drops what was logged after that step,
+    which it replays, so each step is in the log once however often the run was resumed."""
 
-    def __init__(self, run: Path):
+    def __init__(self, run: Path, resume_step: int | None = None):
         self.path = run / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            kept = [line for line in self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+                    if _logged_step(line) <= resume_step]
+            with atomic_write(self.path) as f:
+                f.writelines(kept)
         self.file = open(self.path, "a", encoding="utf-8")
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run / "tb"))
+            # purge_step: TensorBoard drops the events past the checkpoint too
+            self.tb = SummaryWriter(str(run / "tb"), purge_step=None if resume_step is None else resume_step + 1)
         except ImportError:  # tensorboard is a dependency, but a broken install must not stop training
             self.tb = None
 
@@ -39,6 +49,14 @@ class MetricsLog:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _logged_step(line: str) -> float:
+    """The step of a metrics.jsonl line; a line cut off by a kill is past any checkpoint."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 def gpu_stats(device: torch.device) -> dict:

@@ -41,12 +41,15 @@ import torch
 from groundtune import infer
 from groundtune.config import RLConfig
 from groundtune.data.records import sample_boxes
-from groundtune.data.samples import FileSamples, ResumableBatches, open_samples
+from groundtune.data.samples import FileSamples, ResumableBatches
+from groundtune.errors import DataError
 from groundtune.models import adapt, qwen, speedups
 from groundtune.models.loading import GroundingModel, load_model, pick_device, resolve
 from groundtune.progress import progress_bar
 from groundtune.train.batches import to_device
-from groundtune.train.loop import Loop, prepare_run, seed_everything, use_bf16
+from groundtune.train.checkpoint import RunLock
+from groundtune.train.loop import (Loop, RunData, check_data, finished_already, open_run, prepare_run, seed_everything,
+                                   use_bf16)
 from groundtune.train.monitor import StopRequest, gpu_stats
 from groundtune.train.objective import answer_logprobs
 from groundtune.train.rewards import RewardWeights, reward
@@ -66,17 +69,28 @@ class Rollouts:
     prompt_keys: list[int]  # sample index of each prompt (the EMA baseline's key)
 
 
-def rl(cfg: RLConfig | None = None, resume: str | Path | None = None, on_step=None) -> Path:
+def rl(cfg: RLConfig | None = None, resume: str | Path | None = None, on_step=None,
+       resume_overrides: tuple[str, ...] = ()) -> Path:
     """Run RL and return the run folder. ``on_step(step, run, model)`` is called after every update."""
-    run, cfg, resume_from = prepare_run(cfg, resume, RLConfig)
+    run, cfg, resume_from = prepare_run(cfg, resume, RLConfig, resume_overrides)
+    if finished_already(run, resume_from):
+        return run
+    data = check_data(cfg)  # every record, before the model loads
+    with RunLock(run, f"groundtune rl (out_dir={run})"):
+        open_run(run, cfg, resume_from, data)
+        return _rl(run, cfg, resume_from, data, on_step)
+
+
+def _rl(run: Path, cfg: RLConfig, resume_from: Path | None, data: RunData, on_step) -> Path:
     seed_everything(cfg.seed)
     gm, model, reference = _setup_policy(cfg)
     device = gm.device
-    samples = open_samples(cfg.train_data, cfg.seed)
-    loop = Loop.start(run, cfg, gm, resume_from, on_step, baselines={}, sitting_out=[])
+    samples = data.samples
+    loop = Loop.start(run, cfg, gm, resume_from, data, on_step, baselines={}, sitting_out=[])
     optimizer, scheduler, state = loop.optimizer, loop.scheduler, loop.state
     decoding = rollout_decoding(cfg)
-    loop.log.log(state["step"], {"rollout/decoding": decoding.to_dict()})
+    if resume_from is None:
+        loop.log.log(0, {"rollout/decoding": decoding.to_dict()})
     order = ResumableBatches(len(samples), cfg.batch_size, cfg.seed, state["samples"], samples.shuffle)
     prompts = (item for batch in order for item in batch)  # (sample index, position in the order)
     # a synthetic stream never repeats a prompt: no baseline per prompt to keep
@@ -94,7 +108,10 @@ def rl(cfg: RLConfig | None = None, resume: str | Path | None = None, on_step=No
         while state["step"] < cfg.max_steps:
             t0 = time.time()
             keys, drawn = next_prompts(prompts, cfg.batch_size, state["sitting_out"] if cfg.curriculum else None)
-            batch = rollouts(gm, [samples[index] for index in keys], keys, cfg.group_size, decoding, weights)
+            pairs, keys, failed = load_prompts(samples, keys)
+            if failed:
+                loop.skip_unreadable(failed, len(failed) + len(keys))
+            batch = rollouts(gm, pairs, keys, cfg.group_size, decoding, weights)
             t1 = time.time()
             adv = advantages(batch.rewards, batch.prompt_keys, cfg, baselines)
             with adapt.lora_inputs_uncast(model):  # the update's forward and backward (adapt.py says why)
@@ -143,6 +160,19 @@ def next_prompts(order, n: int, sitting_out: list[int] | None) -> tuple[list[int
         else:
             keys.append(index)
     return keys, drawn
+
+
+def load_prompts(samples, keys: list[int]) -> tuple[list[tuple], list[int], list[str]]:
+    """(image, record) of each prompt, the keys of those that loaded, and why the others did not
+    (a file deleted or damaged since the run's check: left out of this step, counted by the loop)."""
+    pairs, kept, failed = [], [], []
+    for key in keys:
+        try:
+            pairs.append(samples[key])
+            kept.append(key)
+        except DataError as e:
+            failed.append(str(e))
+    return pairs, kept, failed
 
 
 def mark_finished_groups(sitting_out: list[int], keys: list[int], ious: torch.Tensor) -> None:

@@ -5,7 +5,10 @@ Single GPU or CPU:
     groundtune train configs/qwen2.5-vl-3b-lora-24gb.yaml train_data=train.jsonl eval_data=val.jsonl
 Resume (same run folder, same settings; exact: weights, optimizer, scheduler, RNG, data position):
     groundtune train --resume runs/sft
-Stop cleanly at any time: Ctrl-C, SIGTERM or `touch RUN/STOP`.
+    groundtune train --resume runs/sft train_data=fixed.jsonl     # a corrected file of the same records
+Stop cleanly at any time: Ctrl-C, SIGTERM (to the process or its whole group) or `touch RUN/STOP`.
+Every record is checked before the model loads (bad_records=refuse | skip); one process writes a
+run folder at a time (RUN/.lock).
 """
 
 from __future__ import annotations
@@ -18,27 +21,39 @@ from pathlib import Path
 import torch
 
 from groundtune.config import TrainConfig
-from groundtune.data.samples import SyntheticStream, open_samples
+from groundtune.data.samples import SyntheticStream
 from groundtune.models import adapt, speedups
 from groundtune.models.loading import GroundingModel, load_model, pick_device, with_resize
 from groundtune.progress import progress_bar
 from groundtune.train.batches import GroundingDataset, make_loader, to_device
-from groundtune.train.loop import Loop, TrainingError, prepare_run, seed_everything, use_bf16
+from groundtune.train.checkpoint import RunLock
+from groundtune.train.loop import (Loop, RunData, TrainingError, check_data, finished_already, open_run, prepare_run,
+                                   seed_everything, use_bf16)
 from groundtune.train.monitor import StopRequest, gpu_stats
 from groundtune.train.objective import answer_loss
 
 __all__ = ["TrainingError", "train"]
 
 
-def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_step=None) -> Path:
+def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_step=None,
+          resume_overrides: tuple[str, ...] = ()) -> Path:
     """Run SFT and return the run folder. ``on_step(step, run, model)`` is called after every
     optimizer step (tests use it to drop a STOP file or poison a weight at a known step)."""
-    run, cfg, resume_from = prepare_run(cfg, resume)
+    run, cfg, resume_from = prepare_run(cfg, resume, TrainConfig, resume_overrides)
+    if finished_already(run, resume_from):
+        return run
+    data = check_data(cfg)  # every record, before the model loads
+    with RunLock(run, f"groundtune train (out_dir={run})"):
+        open_run(run, cfg, resume_from, data)
+        return _train(run, cfg, resume_from, data, on_step)
+
+
+def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData, on_step) -> Path:
     seed_everything(cfg.seed)
     gm, model = _setup_model(cfg)
     device = gm.device
-    samples = open_samples(cfg.train_data, cfg.seed)
-    loop = Loop.start(run, cfg, gm, resume_from, on_step)
+    samples = data.samples
+    loop = Loop.start(run, cfg, gm, resume_from, data, on_step)
     optimizer, scheduler, state = loop.optimizer, loop.scheduler, loop.state
     dataset = GroundingDataset(samples, gm.processor, gm.family, gm.resize, gm.prompt,
                                cfg.hflip_prob, cfg.scale_crop_prob, cfg.seed, cfg.answer_label)
@@ -58,6 +73,9 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
             step_loss, finite = 0.0, True
             for _ in range(cfg.grad_accum):
                 batch = to_device(next(batches), device)
+                drawn, failed = batch.pop("drawn"), batch.pop("failed")  # positions used; samples that failed to load
+                if failed:
+                    loop.skip_unreadable(failed, drawn)
                 with adapt.lora_inputs_uncast(model):  # forward and the backward's recomputation
                     with autocast:  # the LM head runs on the answer tokens only (train/objective.py)
                         loss = answer_loss(model, batch) / cfg.grad_accum
@@ -65,9 +83,8 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
                     if finite:
                         loss.backward()
                 step_loss += loss.item()
-                samples_in_batch = len(batch["image_grid_thw"])  # one image per sample, packed or not
-                state["samples"] += samples_in_batch
-                window["samples"] += samples_in_batch
+                state["samples"] += drawn  # positions of the order, the failed ones too: resume goes on after them
+                window["samples"] += len(batch["image_grid_thw"])  # one image per trained sample, packed or not
                 mask = batch.get("attention_mask")  # a packed batch has no padding and no mask
                 window["tokens"] += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
             grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)

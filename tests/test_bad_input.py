@@ -1,0 +1,456 @@
+"""A corpus of bad input, each case a real `python -m groundtune` process on real files.
+
+Every case asserts three things:
+
+* the exit code: 2 for a user's mistake, 1 only for `data check` finding errors (its documented
+  code), 0 where the input must be taken (bad_records=skip, resuming a finished run);
+* the message: it names the file and line, the setting or the model, and says what is wrong; no
+  traceback; short (one ``error: ...`` line, or for a refused data file the `data check` table
+  and the way out);
+* nothing was damaged: a finished run made once for the module is byte-for-byte the same after
+  every case, and a case with an out_dir of its own leaves nothing half-made there (no model/,
+  no checkpoints/, no .lock).
+
+Each case's command line is in CASES; the module's fixture starts them all once the finished run
+is made, as many at a time as there are CPU cores (each is one interpreter start, ~2 s, almost all
+of it importing torch), and each test asserts on its case's result. The refusals happen before any
+model loads, so only the bad_records=skip case trains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from groundtune.data.synth import make_synthetic_set
+
+TIMEOUT = 300
+# a training case: tiny, and no eval (the preset names quickstart's own eval file)
+TINY = ("eval_data=", "max_steps=2", "batch_size=2", "num_workers=0", "save_every=0")
+SIZE = 112  # make_synthetic_set's canvas
+CPU_ONLY = not torch.cuda.is_available()
+on_cpu_only = pytest.mark.skipif(not CPU_ONLY, reason="this machine has a CUDA GPU: device=cuda is valid here")
+
+
+def _run(args, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m groundtune ARGS` in ``cwd``; ``.seconds`` is how long it took. A wide terminal,
+    so the refusal's table keeps each row on one line."""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "groundtune", *map(str, args)], capture_output=True, text=True,
+                          timeout=TIMEOUT, cwd=cwd, env={**os.environ, "COLUMNS": "200", **(env or {})})
+    done.seconds = time.monotonic() - started
+    return done
+
+
+def _show(done: subprocess.CompletedProcess) -> str:
+    return (f"{done.args[3:]}: exit {done.returncode} after {getattr(done, 'seconds', 0):.1f}s\n"
+            f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+
+
+def _refused(done: subprocess.CompletedProcess, *, table: bool = False) -> str:
+    """The message of a user's mistake: exit 2, no traceback, short. One line ``error: ...`` (the
+    last and only line of stderr), or with ``table`` a refusal starting with ``error: `` and
+    listing records. Returns the message."""
+    assert done.returncode == 2, _show(done)
+    assert "Traceback" not in done.stderr, _show(done)
+    lines = done.stderr.strip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("error: ")]
+    assert len(starts) == 1, _show(done)
+    if table:
+        assert starts == [0] and len(lines) <= 15, _show(done)
+    else:
+        assert len(lines) == 1 and lines[-1].startswith("error: "), _show(done)
+    return "\n".join(lines[starts[0]:])
+
+
+def _snapshot(folder: Path) -> dict[str, bytes | None]:
+    """Every file's bytes (and every folder, as None), by path inside ``folder``."""
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
+
+
+def _untouched(corpus) -> None:
+    now = _snapshot(corpus.finished)
+    assert now.keys() == corpus.snapshot.keys(), sorted(set(now) ^ set(corpus.snapshot))
+    changed = [name for name in now if now[name] != corpus.snapshot[name]]
+    assert not changed, f"the finished run changed: {changed}"
+
+
+def _nothing_half_made(out: Path) -> None:
+    """A refused run's own out_dir: absent or empty (a run is refused before anything is written)."""
+    if out.exists():
+        left = {p.name for p in out.iterdir()}  # hidden files too (.lock)
+        assert not left, f"{out} holds {sorted(left)}"
+
+
+def _table_row(message: str, kind: str, line: int) -> re.Match | None:
+    """The row of `data check`'s table for one bad record: kind | level | count | fixed | lines | what to do."""
+    return re.search(rf"^\s*{kind}\s+error\s+1\s+-\s+{line}\s", message, re.M)
+
+
+# --------------------------------------------------------------------------------------------
+# the corpus: files, and the command line of every case
+
+
+def _broken_images(images: Path) -> None:
+    rng = np.random.default_rng(0)
+    # a truncated JPEG: noise compresses badly, so half the file cuts well into the scan data
+    Image.fromarray(rng.integers(0, 255, (SIZE, SIZE, 3), dtype=np.uint8)).save(images / "full.jpg", quality=95)
+    data = (images / "full.jpg").read_bytes()
+    (images / "truncated.jpg").write_bytes(data[: len(data) // 2])
+    (images / "not-an-image.png").write_text("this is a text file with a .png name\n")
+    Image.new("RGB", (80, 60), "blue").save(images / "small.png")  # recorded as 112x112
+    Image.new("RGB", (1, 300), "white").save(images / "thin.png")  # aspect ratio 300
+
+
+# case -> (kind, line it is on, the line's text made from the good record there)
+BAD_RECORDS = {
+    "01-image_missing": ("image_missing", 3, lambda r: json.dumps({**r, "image": "images/no-such-image.png"})),
+    "02-truncated_image": ("image_unreadable", 4, lambda r: json.dumps({**r, "image": "images/truncated.jpg"})),
+    "03-not_an_image": ("image_unreadable", 5, lambda r: json.dumps({**r, "image": "images/not-an-image.png"})),
+    "04-size_mismatch": ("size_mismatch", 6, lambda r: json.dumps({**r, "image": "images/small.png"})),
+    "05-bbox_nan": ("bbox_nan", 7, lambda r: json.dumps({**r, "bbox": [float("nan"), 10.0, 40.0, 40.0]})),
+    "06-bbox_outside": ("bbox_outside", 8, lambda r: json.dumps({**r, "bbox": [10.0, 10.0, SIZE + 8.0, 50.0]})),
+    "07-bbox_looks_xywh": ("bbox_looks_xywh", 2, lambda r: json.dumps({**r, "bbox": [40.0, 10.0, 20.0, 30.0]})),
+    "08-phrase_empty": ("phrase_empty", 3, lambda r: json.dumps({**r, "phrase": ""})),
+    "09-invalid_json": ("invalid_json", 5, lambda r: '{"id": "broken", "image": '),
+    "10-aspect_ratio": ("aspect_ratio", 6, lambda r: json.dumps({**r, "image": "images/thin.png", "width": 1,
+                                                                 "height": 300, "bbox": [0.0, 10.0, 1.0, 100.0]})),
+}
+OUT_OF_RANGE = {  # case -> (setting, what is wrong)
+    "17-save_every=-1": ("save_every=-1", "must be 0 or more"),
+    "17-eval_every=-1": ("eval_every=-1", "must be 0 or more"),
+    "17-log_every=0": ("log_every=0", "must be positive"),
+    "17-warmup_steps=-1": ("warmup_steps=-1", "must be 0 or more"),
+}
+CANNOT_RUN = {  # case -> (a setting refused once the run is claimed, what is said)
+    "31-device=cuda": ("device=cuda", r"device=cuda: this machine has no CUDA GPU"),
+    "31-model=missing": ("model=./no/such/model", r"\./no/such/model: no such model folder"),
+}
+HUB_OFF = {"HF_HUB_OFFLINE": "1"}
+
+
+def _train(c, out, *settings, data=None):
+    return ["train", "quickstart", f"train_data={data or c.train}", f"out_dir={out}", *TINY, *settings]
+
+
+# case -> (its command line from the corpus ``c`` and the case's own out_dir, extra environment)
+CASES = {
+    **{case: (lambda c, out, case=case: _train(c, out, data=c.bad[case]), {}) for case in BAD_RECORDS},
+    "11-skip": (lambda c, out: _train(c, out, "bad_records=skip", data=c.bad["01-image_missing"]), {}),
+    "12-yaml": (lambda c, out: ["train", c.broken_yaml], {}),
+    "13-unclosed-list": (lambda c, out: _train(c, out, "lora_targets=[llm_attn"), {}),
+    "14-unknown-setting": (lambda c, out: _train(c, out, "learning_rate=1e-3"), {}),
+    **({"15-device=cuda": (lambda c, out: _train(c, out, "device=cuda"), {})} if CPU_ONLY else {}),
+    "16-folder": (lambda c, out: _train(c, out, data=c.data), {}),
+    **{case: (lambda c, out, s=setting: _train(c, out, s), {}) for case, (setting, _) in OUT_OF_RANGE.items()},
+    "18-into-finished": (lambda c, out: _train(c, c.finished), {}),
+    "19-resume-finished": (lambda c, out: ["train", "--resume", c.finished], {}),
+    "20-rl-packing": (lambda c, out: ["rl", "quickstart-rl", "model=tiny", f"train_data={c.train}", f"out_dir={out}",
+                                      "packing=true"], {}),
+    "21-rl-image_missing": (lambda c, out: ["rl", "quickstart-rl", "model=tiny", f"train_data={c.bad['01-image_missing']}",
+                                            "eval_data=", f"out_dir={out}"], {}),
+    # a hub lookup would go to HF_ENDPOINT and say so: there is nothing there
+    "22-eval-no-folder": (lambda c, out: ["eval", "--model", "./no/such/folder", "--data", c.train],
+                          {"HF_ENDPOINT": "http://127.0.0.1:9"}),
+    "23-eval-compare-missing": (lambda c, out: ["eval", "--model", c.finished, "--compare", "./missing/model",
+                                                "--data", c.train], {}),
+    "24-eval-hub-offline": (lambda c, out: ["eval", "--model", "Qwen/Not-A-Real-Model", "--data", c.train],
+                            {**HUB_OFF, "HF_HUB_CACHE": "hf-cache"}),
+    "25-predict-missing-image": (lambda c, out: ["predict", "--image", c.base / "missing.png", "--phrase", "x",
+                                                 "--model", "tiny"], {}),
+    "26-predict-corrupt-image": (lambda c, out: ["predict", "--image", c.data / "images" / "truncated.jpg",
+                                                 "--phrase", "x", "--model", "tiny"], {}),
+    "27-predict-jsonl-no-phrase": (lambda c, out: ["predict", "--jsonl", c.queries, "--out", out / "predictions.jsonl",
+                                                   "--model", "tiny"], {}),
+    "28-check-folder": (lambda c, out: ["data", "check", c.data], {}),
+    "29-check-missing": (lambda c, out: ["data", "check", c.base / "missing.jsonl"], {}),
+    "30-resume-lr": (lambda c, out: ["train", "--resume", c.finished, "lr=1"], {}),
+    **({case: (lambda c, out, s=setting: _train(c, out, "overwrite=true", s), {}) for case, (setting, _)
+        in CANNOT_RUN.items()} if CPU_ONLY else {}),
+    "32-check-errors": (lambda c, out: ["data", "check", c.bad["10-aspect_ratio"]], {}),
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A synthetic set of 8 records, broken images beside its own, a copy of train.jsonl with one
+    bad record for each of BAD_RECORDS, the other files the cases read, and a finished run (2 steps)
+    with a snapshot of its bytes; then every case of CASES started (``corpus.result(case)``)."""
+    base = tmp_path_factory.mktemp("bad_input")
+    data = base / "data"
+    train = Path(make_synthetic_set(data, n=8, seed=1, task="single", workers=1))
+    _broken_images(data / "images")
+    good_lines = train.read_text().splitlines()
+    assert len(good_lines) == 8
+    bad = {}
+    for case, (_, line, make) in BAD_RECORDS.items():
+        lines = list(good_lines)
+        lines[line - 1] = make(json.loads(good_lines[line - 1]))
+        bad[case] = data / f"bad-{case}.jsonl"
+        bad[case].write_text("\n".join(lines) + "\n")
+    assert "NaN" in bad["05-bbox_nan"].read_text()  # the JSON token, as a careless writer leaves it
+    c = SimpleNamespace(base=base, data=data, train=train, bad=bad, finished=base / "finished",
+                        broken_yaml=base / "broken.yaml", queries=base / "queries.jsonl")
+    # line 3, column 9: the second ": " of "lr: 1e-3: 2"
+    c.broken_yaml.write_text(f"model: tiny\ntrain_data: {train}\nlr: 1e-3: 2\nout_dir: {base / 'runs' / '12-yaml'}\n")
+    c.queries.write_text(json.dumps({"image": "data/images/train-0000000.png", "phrase": "the shape"}) + "\n"
+                         + json.dumps({"image": "data/images/train-0000001.png"}) + "\n")
+
+    done = _run(["train", "quickstart", f"train_data={train}", f"out_dir={c.finished}", *TINY], base)
+    assert done.returncode == 0, _show(done)
+    assert (c.finished / "model").is_dir() and not (c.finished / ".lock").exists()
+    c.snapshot = _snapshot(c.finished)
+    c.out = {case: base / "runs" / case for case in CASES}
+    for case in CANNOT_RUN:  # overwrite=true: each into a copy of the finished run
+        if case in CASES:
+            shutil.copytree(c.finished, c.out[case])
+    (base / "runs").mkdir(exist_ok=True)
+    (base / "runs" / "27-predict-jsonl-no-phrase").mkdir()
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        futures = {case: pool.submit(_run, make(c, c.out[case]), base, env) for case, (make, env) in CASES.items()}
+        c.result = lambda case: futures[case].result()
+        yield c
+
+
+# --------------------------------------------------------------------------------------------
+# 1-10: train refuses a file with a bad record before the model loads
+
+
+@pytest.mark.parametrize("case", BAD_RECORDS)
+def test_train_refuses_a_bad_record_before_the_model_loads(corpus, case):
+    kind, line, _ = BAD_RECORDS[case]
+    bad, done, out = corpus.bad[case], corpus.result(case), corpus.out[case]
+    message = _refused(done, table=True)
+    assert message.startswith(f"error: train_data: 1 of 8 records of {bad} cannot be trained on (bad_records=refuse)")
+    assert _table_row(message, kind, line), message
+    assert re.fullmatch(rf"Fix them at the source, or keep the usable ones: groundtune data check {re.escape(str(bad))} "
+                        rf"--fix-out \S+-clean\.jsonl \(or set bad_records=skip\)", message.splitlines()[-1]), message
+    assert "training" not in done.stdout  # the model never loaded
+    assert not out.exists()
+    _untouched(corpus)
+
+
+# --------------------------------------------------------------------------------------------
+# 11: bad_records=skip trains on the rest and lists what it left out
+
+
+def test_11_bad_records_skip_trains_without_the_line(corpus):
+    bad, done, out = corpus.bad["01-image_missing"], corpus.result("11-skip"), corpus.out["11-skip"]
+    assert done.returncode == 0, _show(done)
+    assert "Traceback" not in done.stderr
+    assert f"train_data: 1 of 8 records of {bad} left out (bad_records=skip)" in done.stdout, _show(done)
+    listed = [json.loads(line) for line in (out / "bad_records.jsonl").read_text().splitlines()]
+    assert [(b["file"], b["line"], b["kinds"]) for b in listed] == [(str(bad), 3, ["image_missing"])]
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["data/bad_records"] == 1
+    assert (out / "model").is_dir() and not (out / ".lock").exists()
+    _untouched(corpus)
+
+
+# --------------------------------------------------------------------------------------------
+# 12-17, 20: settings
+
+
+def test_12_yaml_syntax_error_names_file_line_column(corpus):
+    message = _refused(corpus.result("12-yaml"))
+    assert message == f"error: {corpus.broken_yaml}:3:9: not valid YAML (mapping values are not allowed here)"
+    assert not corpus.out["12-yaml"].exists()
+    _untouched(corpus)
+
+
+def test_13_unclosed_list_on_the_command_line(corpus):
+    message = _refused(corpus.result("13-unclosed-list"))
+    assert re.fullmatch(r"error: override 'lora_targets=\[llm_attn' on the command line: not valid YAML \(.+\)", message)
+    assert not corpus.out["13-unclosed-list"].exists()
+    _untouched(corpus)
+
+
+def test_14_unknown_setting_on_the_command_line(corpus):
+    message = _refused(corpus.result("14-unknown-setting"))
+    assert re.match(r"error: unknown setting\(s\) on the command line: learning_rate\b", message)
+    assert "quickstart.yaml" not in message and "groundtune train --help" in message
+    assert not corpus.out["14-unknown-setting"].exists()
+    _untouched(corpus)
+
+
+@on_cpu_only
+def test_15_device_cuda_on_a_cpu_machine(corpus):
+    message = _refused(corpus.result("15-device=cuda"))
+    assert re.fullmatch(r"error: device=cuda: this machine has no CUDA GPU .*; use device=cpu \(or auto\)", message)
+    _nothing_half_made(corpus.out["15-device=cuda"])
+    _untouched(corpus)
+
+
+def test_16_a_folder_as_train_data(corpus):
+    message = _refused(corpus.result("16-folder"))
+    assert re.match(rf"error: {re.escape(str(corpus.data))} is a folder; give a JSONL file", message)
+    assert not corpus.out["16-folder"].exists()
+    _untouched(corpus)
+
+
+@pytest.mark.parametrize("case", OUT_OF_RANGE)
+def test_17_out_of_range_setting(corpus, case):
+    setting, wrong = OUT_OF_RANGE[case]
+    assert _refused(corpus.result(case)) == f"error: {setting} {wrong}"
+    assert not corpus.out[case].exists()
+    _untouched(corpus)
+
+
+def test_20_rl_with_a_train_only_setting(corpus):
+    message = _refused(corpus.result("20-rl-packing"))
+    assert re.match(r"error: unknown setting\(s\) on the command line: packing; packing: the update runs on padded "
+                    r"micro-batches", message)
+    assert "groundtune rl --help" in message
+    assert not corpus.out["20-rl-packing"].exists()
+    _untouched(corpus)
+
+
+# --------------------------------------------------------------------------------------------
+# 18, 19, 30, 31: the finished run
+
+
+def test_18_a_new_run_into_a_finished_run(corpus):
+    message = _refused(corpus.result("18-into-finished"))
+    assert re.match(rf"error: {re.escape(str(corpus.finished))} already holds a run \(model/, checkpoints\)", message)
+    assert "overwrite=true" in message
+    _untouched(corpus)
+
+
+def test_19_resume_of_a_finished_run(corpus):
+    done = corpus.result("19-resume-finished")
+    assert done.returncode == 0, _show(done)
+    assert "Traceback" not in done.stderr
+    assert re.search(rf"{re.escape(str(corpus.finished))} finished at step 2: nothing to resume\. Its model is "
+                     rf"{re.escape(str(corpus.finished / 'model'))}", done.stdout), _show(done)
+    _untouched(corpus)
+
+
+def test_30_resume_takes_no_other_setting(corpus):
+    message = _refused(corpus.result("30-resume-lr"))
+    assert re.fullmatch(r"error: --resume takes no lr: .*\(only train_data and eval_data may name a corrected file "
+                        r"of the same records\)", message)
+    _untouched(corpus)
+
+
+@on_cpu_only
+@pytest.mark.parametrize("case", CANNOT_RUN)
+def test_31_overwrite_with_a_setting_this_machine_cannot_run_keeps_the_old_run(corpus, case):
+    """overwrite=true asks to replace a run by a new one; a new run refused before it starts
+    should leave the old one as it was (here: a copy of the finished run)."""
+    _, said = CANNOT_RUN[case]
+    message = _refused(corpus.result(case))
+    assert re.match(f"error: {said}", message)
+    _untouched(corpus)
+    assert _snapshot(corpus.out[case]) == corpus.snapshot  # checked before the old run is replaced
+
+
+# --------------------------------------------------------------------------------------------
+# 21: rl checks records as train does
+
+
+def test_21_rl_refuses_a_missing_image_before_the_model_loads(corpus):
+    bad, done = corpus.bad["01-image_missing"], corpus.result("21-rl-image_missing")
+    message = _refused(done, table=True)
+    assert message.startswith(f"error: train_data: 1 of 8 records of {bad} cannot be trained on (bad_records=refuse)")
+    assert _table_row(message, "image_missing", 3), message
+    assert f"groundtune data check {bad} --fix-out" in message.splitlines()[-1]
+    assert not corpus.out["21-rl-image_missing"].exists()
+    _untouched(corpus)
+
+
+# --------------------------------------------------------------------------------------------
+# 22-24: eval's models
+
+
+def test_22_eval_of_a_model_folder_that_is_not_there(corpus):
+    done = corpus.result("22-eval-no-folder")
+    assert _refused(done) == "error: ./no/such/folder: no such model folder"  # not HF_ENDPOINT's 127.0.0.1
+    assert done.seconds < 20, _show(done)
+    _untouched(corpus)
+
+
+def test_23_eval_compare_with_a_missing_model_fails_before_the_first_eval(corpus):
+    done = corpus.result("23-eval-compare-missing")
+    assert _refused(done) == "error: ./missing/model: no such model folder"
+    assert "grounding eval" not in done.stdout and "Acc@" not in done.stdout and not done.stdout.strip(), _show(done)
+    assert done.seconds < 20, _show(done)
+    _untouched(corpus)
+
+
+def test_24_eval_of_a_hub_id_not_in_the_offline_cache(corpus):
+    done = corpus.result("24-eval-hub-offline")
+    assert re.fullmatch(r"error: Qwen/Not-A-Real-Model: .*not in the local Hugging Face cache with HF_HUB_OFFLINE "
+                        r"set: .*", _refused(done))
+    assert done.seconds < 20, _show(done)
+    _untouched(corpus)
+
+
+# --------------------------------------------------------------------------------------------
+# 25-27: predict's inputs
+
+
+def test_25_predict_with_a_missing_image(corpus):
+    assert _refused(corpus.result("25-predict-missing-image")) == f"error: {corpus.base / 'missing.png'}: image file not found"
+    _untouched(corpus)
+
+
+def test_26_predict_with_a_corrupt_image(corpus):
+    image = corpus.data / "images" / "truncated.jpg"
+    assert re.fullmatch(rf"error: {re.escape(str(image))}: cannot decode image \(.+\)",
+                        _refused(corpus.result("26-predict-corrupt-image")))
+    _untouched(corpus)
+
+
+def test_27_predict_jsonl_with_a_line_missing_its_phrase(corpus):
+    message = _refused(corpus.result("27-predict-jsonl-no-phrase"))
+    assert message == f"error: {corpus.queries}:2: missing field(s) phrase"
+    assert list(corpus.out["27-predict-jsonl-no-phrase"].iterdir()) == []  # no --out file, not even a part
+    _untouched(corpus)
+
+
+# --------------------------------------------------------------------------------------------
+# 28, 29 and `data check`'s own exit code
+
+
+def test_28_data_check_of_a_folder(corpus):
+    message = _refused(corpus.result("28-check-folder"))
+    assert re.match(rf"error: {re.escape(str(corpus.data))} is a folder; give a JSONL file", message)
+    _untouched(corpus)
+
+
+def test_29_data_check_of_a_missing_file(corpus):
+    assert _refused(corpus.result("29-check-missing")) == f"error: {corpus.base / 'missing.jsonl'}: no such file"
+    _untouched(corpus)
+
+
+def test_32_data_check_finding_errors_exits_1(corpus):
+    bad, done = corpus.bad["10-aspect_ratio"], corpus.result("32-check-errors")
+    assert done.returncode == 1, _show(done)  # its documented code: the file has errors
+    assert "Traceback" not in done.stderr and not done.stderr.strip(), _show(done)
+    assert done.stdout.startswith(f"{bad}: 8 records, 1 with errors")
+    assert _table_row(done.stdout, "aspect_ratio", 6), done.stdout
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def test_99_every_case_done_and_the_finished_run_untouched(corpus):
+    for case in CASES:
+        corpus.result(case)
+    _untouched(corpus)
+    for run in [corpus.finished, *corpus.out.values()]:
+        assert not (run / ".lock").exists(), run

@@ -1,0 +1,251 @@
+"""Nothing is lost: real `groundtune train` processes killed with -9 at random moments (one inside a
+checkpoint write) resume to the losses and weights of an uninterrupted run, with each step logged
+once; SIGTERM to the whole process group saves and exits 0; one writer per run folder; a refused
+write (a full disk) leaves the run as it was; an image broken during a run is skipped and counted.
+(tests/test_bad_input.py: what bad input gets, command by command.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from groundtune.config import TrainConfig
+from groundtune.data import synth
+from groundtune.data.samples import ResumableBatches
+from groundtune.errors import TrainingError
+from groundtune.train import checkpoint as ckpt
+from groundtune.train.sft import train
+
+pytestmark = pytest.mark.slow
+
+# full fine-tuning of the tiny model: a checkpoint of ~27 MB takes long enough to be caught in the middle
+SETTINGS = ["eval_data=", "method=full", "freeze_vision=false", "freeze_merger=false", "lr=1e-3", "max_steps=18",
+            "batch_size=2", "save_every=3", "keep_last=2", "log_every=1", "warmup_steps=0", "num_workers=0"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reliability")
+    synth.make_synthetic_set(out, n=16, seed=4, task="single", workers=1)
+    return out / "train.jsonl"
+
+
+def _start(args: list[str], **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "groundtune", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _new(data: Path, run: Path) -> list[str]:
+    return ["train", "quickstart", f"train_data={data}", f"out_dir={run}", *SETTINGS]
+
+
+def _steps(run: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def _wait(proc: subprocess.Popen, ready, what: str, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not ready():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before {what}: {proc.stdout.read()}")
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_kill_9_at_five_moments_then_resume_equals_an_uninterrupted_run(data, tmp_path):
+    straight = tmp_path / "straight"
+    done = subprocess.run([sys.executable, "-m", "groundtune", *_new(data, straight)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    run = tmp_path / "killed"
+    rng = random.Random(14)
+    inside_a_write = rng.randrange(5)  # which of the five kills lands in a checkpoint write
+    caught_in_write = False
+    for kill in range(5):
+        args = ["train", "--resume", str(run)] if ckpt.list_checkpoints(run) else _new(data, run)
+        proc = _start(args)
+        logged = len(_steps(run)) if (run / "metrics.jsonl").exists() else 0
+        if kill == inside_a_write:
+            parent = run / ckpt.CHECKPOINTS
+
+            def writing():  # a checkpoint being written: its hidden folder is there
+                return parent.is_dir() and any(p.name.endswith(".tmp") for p in parent.iterdir())
+
+            _wait(proc, writing, "a checkpoint write")
+        else:  # a random moment: after 1 to 4 more steps are logged
+            target = logged + rng.randint(1, 4)
+            _wait(proc, lambda: (run / "metrics.jsonl").exists() and len(_steps(run)) >= target, f"step {target}")
+        proc.kill()
+        proc.wait()
+        caught_in_write |= any(p.name.endswith(".tmp") for p in (run / ckpt.CHECKPOINTS).iterdir()) \
+            if (run / ckpt.CHECKPOINTS).is_dir() else False
+        assert (run / ckpt.LOCK).exists()  # a kill -9 leaves its lock: the next start must see it is stale
+    assert caught_in_write, "no kill landed inside a checkpoint write"
+
+    proc = _start(["train", "--resume", str(run)])
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+
+    theirs, ours = _steps(straight), _steps(run)
+    assert [r["step"] for r in ours] == list(range(1, 19))  # each step once, however often resumed
+    assert [r["loss"] for r in ours] == [r["loss"] for r in theirs]
+    a, b = load_file(straight / "model" / "model.safetensors"), load_file(run / "model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not (run / ckpt.LOCK).exists()
+    assert sorted(p.name for p in (run / ckpt.CHECKPOINTS).iterdir()) == ["step-000015", "step-000018"]
+
+
+def test_sigterm_to_the_process_group_saves_and_exits_0(data, tmp_path):
+    """What `timeout`, systemd and Slurm do: SIGTERM to every process of the group, the DataLoader's
+    workers included. The workers leave it to the main process, which saves and exits cleanly."""
+    run = tmp_path / "group"
+    args = _new(data, run)[:-1] + ["num_workers=2", "max_steps=100000", "save_every=0"]
+    proc = _start(args, start_new_session=True)  # its own process group, as a job under a scheduler
+    _wait(proc, lambda: (run / "metrics.jsonl").exists() and len(_steps(run)) >= 3, "three steps")
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "SIGTERM" in out and f"groundtune train --resume {run}" in out
+    saved = ckpt.list_checkpoints(run)
+    assert len(saved) == 1 and not ckpt.is_finished(saved[0])
+    assert json.loads((saved[0] / "state.json").read_text())["step"] >= 3
+    assert not (run / ckpt.LOCK).exists()
+
+
+def test_one_writer_per_run_folder(data, tmp_path):
+    run = tmp_path / "busy"
+    first = _start(_new(data, run)[:-5] + ["max_steps=100000", "save_every=0", "log_every=1", "warmup_steps=0",
+                                         "num_workers=0"])
+    try:
+        _wait(first, lambda: (run / "metrics.jsonl").exists(), "the first run's start")
+        second = subprocess.run([sys.executable, "-m", "groundtune", "train", "quickstart", f"train_data={data}",
+                                 f"out_dir={run}", "eval_data=", "max_steps=2"], capture_output=True, text=True,
+                                timeout=120)
+        assert second.returncode == 2
+        assert f"is being written by process {first.pid}" in second.stderr and "Traceback" not in second.stderr
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
+    assert first.returncode == 0  # the first run went on and stopped cleanly: nothing of it was touched
+    assert not (run / ckpt.LOCK).exists()
+
+
+def _no_bigger_files(limit: int):
+    def preexec():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a refused write is an error, not a killed process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return preexec
+
+
+def test_a_write_the_disk_refuses_is_one_line_and_the_last_checkpoint_stays(data, tmp_path):
+    """A file-size limit refuses the checkpoint of step 6 as a full disk would: exit 2, a message
+    with where and how much, nothing half-written, the checkpoint of step 3 still resumes."""
+    run = tmp_path / "full"
+    first = subprocess.run([sys.executable, "-m", "groundtune", *_new(data, run)[:-8], "max_steps=3", "batch_size=2",
+                            "save_every=3", "log_every=1", "warmup_steps=0", "num_workers=0", "lr=1e-3"],
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    config = (run / "config.yaml").read_text()
+    (run / "config.yaml").write_text(config.replace("max_steps: 3", "max_steps: 9"))  # a longer run, resumed
+    (run / ckpt.CHECKPOINTS / "step-000003" / "state.json").write_text(
+        (run / ckpt.CHECKPOINTS / "step-000003" / "state.json").read_text().replace('"finished": true',
+                                                                                 '"finished": false'))
+    before = {p: p.read_bytes() for p in (run / ckpt.CHECKPOINTS / "step-000003").iterdir()}
+    refused = subprocess.run([sys.executable, "-m", "groundtune", "train", "--resume", str(run)], capture_output=True,
+                             text=True, timeout=300, preexec_fn=_no_bigger_files(4 * 2**20))
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    message = refused.stderr.strip().splitlines()[-1]
+    assert message.startswith(f"error: could not write {run / ckpt.CHECKPOINTS / 'step-000006'}: the disk refused")
+    assert "GiB is free there" in message and "Traceback" not in refused.stderr
+    assert sorted(p.name for p in (run / ckpt.CHECKPOINTS).iterdir()) == ["step-000003"]  # nothing half-written
+    assert {p: p.read_bytes() for p in (run / ckpt.CHECKPOINTS / "step-000003").iterdir()} == before
+    assert not (run / ckpt.LOCK).exists()
+    resumed = subprocess.run([sys.executable, "-m", "groundtune", "train", "--resume", str(run)], capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert [r["step"] for r in _steps(run)] == list(range(1, 10))
+
+
+# --------------------------------------------------------------------------------------------
+# an image broken during the run (in-process: the hook deletes it at a known step)
+
+
+def _cfg(data: Path, out: Path, **kw) -> TrainConfig:
+    base = dict(model="tiny", train_data=str(data), out_dir=str(out), method="lora", lr=1e-3, batch_size=4,
+                max_steps=8, log_every=1, save_every=0, warmup_steps=0, device="cpu")
+    return TrainConfig(**{**base, **kw})
+
+
+def test_an_image_deleted_during_the_run_is_skipped_and_counted(data, tmp_path):
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    copy = tmp_path / "data"
+    copy.mkdir()
+    for r in records:
+        (copy / r["image"]).parent.mkdir(exist_ok=True)
+        (copy / r["image"]).write_bytes((data.parent / r["image"]).read_bytes())
+    (copy / "train.jsonl").write_text(data.read_text())
+    victim = copy / records[5]["image"]
+
+    def delete_at_1(step, run, model):
+        if step == 1:
+            victim.unlink()
+
+    run = train(_cfg(copy / "train.jsonl", tmp_path / "run"), on_step=delete_at_1)  # 8 steps of 4: every sample twice
+    # the steps after the first whose batch holds that sample, from the run's own order
+    order = iter(ResumableBatches(16, 4, seed=0))
+    expected = [step for step in range(1, 9) if 5 in [index for index, _ in next(order)] and step > 1]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r for r in rows if "data/skipped" in r]
+    assert expected and [r["step"] for r in skipped] == expected and all(r["data/skipped"] == 1 for r in skipped)
+    assert len([r for r in rows if "loss" in r]) == 8  # the run went on to its end
+    listed = [json.loads(line) for line in (run / "bad_records.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in listed] == expected
+    assert all(victim.name in r["message"] and "not found" in r["message"] for r in listed)
+
+    # more than max_bad_fraction of a batch: the run stops, with its checkpoint and the reason
+    (copy / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for i, r in enumerate(records) if i != 5))
+
+    def delete_all_at_1(step, run, model):
+        if step == 1:
+            for r in records:
+                (copy / r["image"]).unlink(missing_ok=True)
+
+    with pytest.raises(TrainingError, match=r"4 of 4 samples of a batch failed to load .*max_bad_fraction=0.5"):
+        train(_cfg(copy / "train.jsonl", tmp_path / "stopped", max_bad_fraction=0.5), on_step=delete_all_at_1)
+    saved = ckpt.list_checkpoints(tmp_path / "stopped")
+    assert [p.name for p in saved] == ["step-000001"] and not (tmp_path / "stopped" / ckpt.LOCK).exists()
+
+
+def test_resume_takes_a_corrected_file_of_the_same_records(data, tmp_path):
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    run = train(_cfg(data, tmp_path / "run", max_steps=4, save_every=2), on_step=lambda s, r, m: (
+        (r / "STOP").touch() if s == 2 else None))
+    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step-000002"]
+    fixed = data.parent / "fixed.jsonl"  # the same records, a phrase corrected
+    fixed.write_text("".join(json.dumps({**r, "phrase": r["phrase"] + " "} if i == 3 else r) + "\n"
+                             for i, r in enumerate(records)))
+    train(resume=run, resume_overrides=(f"train_data={fixed}",))
+    assert f"train_data: {fixed}" in (run / "config.yaml").read_text()
+    assert [r["step"] for r in _steps(run)] == [1, 2, 3, 4]
+
+    other = train(_cfg(data, tmp_path / "other", max_steps=4, save_every=2),
+                  on_step=lambda s, r, m: (r / "STOP").touch() if s == 2 else None)
+    fewer = data.parent / "fewer.jsonl"
+    fewer.write_text("".join(json.dumps(r) + "\n" for r in records[:-1]))
+    from groundtune.errors import DataError
+
+    with pytest.raises(DataError, match="holds 15 usable records .* not the 16 the run started with"):
+        train(resume=other, resume_overrides=(f"train_data={fewer}",))
+    assert not (other / ckpt.LOCK).exists()
