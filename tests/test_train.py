@@ -3,6 +3,7 @@ the run folder and loading it back."""
 
 import importlib.util
 import json
+import shutil
 
 import pytest
 import torch
@@ -242,6 +243,11 @@ def test_existing_run_is_not_overwritten(synth_single, tmp_path):
                                               "or set overwrite=true"):
         train(_cfg(synth_single, finished, max_steps=1, lr=5e-3))
     assert (finished / "model" / "model.safetensors").read_bytes() == model
+    shutil.rmtree(finished / "checkpoints")  # deleted to save disk: the model alone is still a finished run
+    with pytest.raises(FileExistsError, match=r"already holds a run \(model/\)"):
+        train(_cfg(synth_single, finished, max_steps=1, lr=5e-3))
+    assert (finished / "model" / "model.safetensors").read_bytes() == model
+    assert (finished / "metrics.jsonl").exists()
     train(_cfg(synth_single, finished, max_steps=1, lr=5e-3, overwrite=True))  # asked for: replaced
     assert (finished / "model" / "model.safetensors").read_bytes() != model
 
