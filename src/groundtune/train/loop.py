@@ -4,11 +4,12 @@ seeding, precision, the learning-rate schedule, and after each update the eval o
 (keeping the best model), the caller's hook, checkpoints, the NaN guard, the STOP file and the
 thermal pause.
 
-A run starts in three steps, each refusing what it cannot take before the next costs anything:
+A run starts in three steps, each refusing what it cannot take before the next costs anything
+(``run_stage``, which SFT and RL both start through):
 
-    run, cfg, resume_from = prepare_run(cfg, resume, cls, data)   # where, and with what settings
-    data = check_data(cfg)                                         # every record, as `data check`
-    with RunLock(run):  open_run(...)                               # one writer; the folder written
+    run, cfg, resume_from = prepare_run(cfg, resume, cls, overrides)   # where, and with what settings
+    data = check_data(cfg)                                              # every record, as `data check`
+    with RunLock(run):  open_run(...)                                    # one writer; the folder written
 """
 
 from __future__ import annotations
@@ -37,11 +38,23 @@ from groundtune.models.loading import GroundingModel, pick_device, resolve
 from groundtune.train import checkpoint as ckpt
 from groundtune.train.monitor import MetricsLog, StopRequest, thermal_pause
 
-__all__ = ["Loop", "RunData", "TrainingError", "prepare_run", "check_data", "open_run", "seed_everything",
-           "use_bf16", "lr_lambda"]
+__all__ = ["Loop", "RunData", "TrainingError", "run_stage", "prepare_run", "check_data", "open_run",
+           "seed_everything", "use_bf16", "lr_lambda"]
 BAD_RECORDS = "bad_records.jsonl"
 # the settings a resumed run takes anew: a corrected file of the same records
 RESUME_OVERRIDES = ("train_data", "eval_data")
+
+
+def run_stage(cls: type, cfg, resume, resume_overrides: tuple[str, ...], body: Callable, on_step) -> Path:
+    """Start a run of ``cls``'s command (new or resumed) and train it with ``body(run, cfg,
+    resume_from, data, on_step)`` while holding its folder; returns the run folder."""
+    run, cfg, resume_from = prepare_run(cfg, resume, cls, resume_overrides)
+    if finished_already(run, resume_from):
+        return run
+    data = check_data(cfg)  # every record, before the model loads
+    with ckpt.RunLock(run, f"groundtune {cls.command} (out_dir={run})"):
+        open_run(run, cfg, resume_from, data)
+        return body(run, cfg, resume_from, data, on_step)
 
 
 def prepare_run(cfg, resume, cls: type = TrainConfig,
@@ -141,19 +154,8 @@ def check_data(cfg) -> RunData:
 def open_run(run: Path, cfg, resume_from: Path | None, data: RunData) -> None:
     """Write the run folder of a claimed run (under its RunLock): a replaced run's files gone
     (``overwrite``), the settings, the records left out; a resumed run's data checked against the
-    records it started with."""
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "STOP").unlink(missing_ok=True)
-    if resume_from is None:
-        for stale in ("metrics.jsonl", "tb", "model", ckpt.CHECKPOINTS, BAD_RECORDS):
-            path = run / stale
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-        (run / "data.json").write_text(json.dumps(data.fingerprint(), indent=2) + "\n")
-    else:
-        ckpt.restore_interrupted_swap(run / "model")
+    records it started with, first."""
+    if resume_from is not None:
         started = json.loads((run / "data.json").read_text()) if (run / "data.json").exists() else {}
         now = data.fingerprint()
         if started and now != started:
@@ -162,10 +164,21 @@ def open_run(run: Path, cfg, resume_from: Path | None, data: RunData) -> None:
                             f"started with (ids {started.get('train_ids_sha1', '')[:12]}): a resumed run goes on in "
                             "the same order over the same records; correct the file without adding or removing "
                             "records, or start a new run")
+        ckpt.restore_interrupted_swap(run / "model")
+    else:
+        run.mkdir(parents=True, exist_ok=True)
+        for stale in ("metrics.jsonl", "tb", "model", ckpt.CHECKPOINTS, BAD_RECORDS):
+            path = run / stale
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        (run / "data.json").write_text(json.dumps(data.fingerprint(), indent=2) + "\n")
+        if data.bad:  # a resumed run keeps the list, and what it adds of samples that broke since
+            with atomic_write(run / BAD_RECORDS) as f:
+                f.writelines(json.dumps(b, ensure_ascii=False) + "\n" for b in data.bad)
+    (run / "STOP").unlink(missing_ok=True)
     (run / "config.yaml").write_text(to_yaml(cfg))
-    if data.bad:
-        with atomic_write(run / BAD_RECORDS) as f:
-            f.writelines(json.dumps(b, ensure_ascii=False) + "\n" for b in data.bad)
 
 
 def seed_everything(seed: int) -> None:

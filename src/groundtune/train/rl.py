@@ -47,9 +47,7 @@ from groundtune.models import adapt, qwen, speedups
 from groundtune.models.loading import GroundingModel, load_model, pick_device, resolve
 from groundtune.progress import progress_bar
 from groundtune.train.batches import to_device
-from groundtune.train.checkpoint import RunLock
-from groundtune.train.loop import (Loop, RunData, check_data, finished_already, open_run, prepare_run, seed_everything,
-                                   use_bf16)
+from groundtune.train.loop import Loop, RunData, run_stage, seed_everything, use_bf16
 from groundtune.train.monitor import StopRequest, gpu_stats
 from groundtune.train.objective import answer_logprobs
 from groundtune.train.rewards import RewardWeights, reward
@@ -72,13 +70,7 @@ class Rollouts:
 def rl(cfg: RLConfig | None = None, resume: str | Path | None = None, on_step=None,
        resume_overrides: tuple[str, ...] = ()) -> Path:
     """Run RL and return the run folder. ``on_step(step, run, model)`` is called after every update."""
-    run, cfg, resume_from = prepare_run(cfg, resume, RLConfig, resume_overrides)
-    if finished_already(run, resume_from):
-        return run
-    data = check_data(cfg)  # every record, before the model loads
-    with RunLock(run, f"groundtune rl (out_dir={run})"):
-        open_run(run, cfg, resume_from, data)
-        return _rl(run, cfg, resume_from, data, on_step)
+    return run_stage(RLConfig, cfg, resume, resume_overrides, _rl, on_step)
 
 
 def _rl(run: Path, cfg: RLConfig, resume_from: Path | None, data: RunData, on_step) -> Path:

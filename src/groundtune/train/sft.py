@@ -26,9 +26,7 @@ from groundtune.models import adapt, speedups
 from groundtune.models.loading import GroundingModel, load_model, pick_device, with_resize
 from groundtune.progress import progress_bar
 from groundtune.train.batches import GroundingDataset, make_loader, to_device
-from groundtune.train.checkpoint import RunLock
-from groundtune.train.loop import (Loop, RunData, TrainingError, check_data, finished_already, open_run, prepare_run,
-                                   seed_everything, use_bf16)
+from groundtune.train.loop import Loop, RunData, TrainingError, run_stage, seed_everything, use_bf16
 from groundtune.train.monitor import StopRequest, gpu_stats
 from groundtune.train.objective import answer_loss
 
@@ -39,13 +37,7 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
           resume_overrides: tuple[str, ...] = ()) -> Path:
     """Run SFT and return the run folder. ``on_step(step, run, model)`` is called after every
     optimizer step (tests use it to drop a STOP file or poison a weight at a known step)."""
-    run, cfg, resume_from = prepare_run(cfg, resume, TrainConfig, resume_overrides)
-    if finished_already(run, resume_from):
-        return run
-    data = check_data(cfg)  # every record, before the model loads
-    with RunLock(run, f"groundtune train (out_dir={run})"):
-        open_run(run, cfg, resume_from, data)
-        return _train(run, cfg, resume_from, data, on_step)
+    return run_stage(TrainConfig, cfg, resume, resume_overrides, _train, on_step)
 
 
 def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData, on_step) -> Path:
