@@ -30,7 +30,7 @@ from groundtune.train.sft import train
 pytestmark = pytest.mark.slow
 
 # full fine-tuning of the tiny model: a checkpoint of ~27 MB takes long enough to be caught in the middle
-SETTINGS = ["eval_data=", "method=full", "freeze_vision=false", "freeze_merger=false", "lr=1e-3", "max_steps=18",
+SETTINGS = ["eval_data=", "device=cpu", "method=full", "freeze_vision=false", "freeze_merger=false", "lr=1e-3", "max_steps=18",
             "batch_size=2", "save_every=3", "keep_last=2", "log_every=1", "warmup_steps=0", "num_workers=0"]
 
 
