@@ -287,9 +287,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_max_new_tokens(p: argparse.ArgumentParser) -> None:
-    from groundtune.infer import DEFAULT_MAX_NEW_TOKENS  # torch is imported on the way: only when asked
+    from groundtune.config import MAX_NEW_TOKENS  # not from infer: that imports torch, and --help stays quick
 
-    p.add_argument("--max-new-tokens", type=_positive_int, default=DEFAULT_MAX_NEW_TOKENS,
+    p.add_argument("--max-new-tokens", type=_positive_int, default=MAX_NEW_TOKENS,
                    help="longest answer in tokens (greedy decoding; a longer one is cut and usually unparsable)")
 
 

@@ -29,6 +29,7 @@ MODEL_PARTS = ("vision", "merger", "llm")
 LORA_TARGETS = ("llm_attn", "llm_mlp", "merger", "vision")
 KERNEL_MODES = ("auto", "liger", "none")
 BAD_RECORD_POLICIES = ("refuse", "skip")
+MAX_NEW_TOKENS = 64  # longest greedy answer by default: one box and its label is ~20-40 tokens
 ADVANTAGES = ("grpo", "ema")
 PRESETS = Path(__file__).resolve().parent / "configs"  # shipped YAML presets (also at ./configs)
 
@@ -184,7 +185,7 @@ class _Loop(_Settings):
     eval_every: int = 0  # steps between generation evals (0 = only at the end, when eval_data is set)
     eval_samples: int = 200  # fixed subset of eval_data used during training
     eval_batch_size: int = 32
-    eval_max_new_tokens: int = 64  # longest eval answer (greedy decoding, as groundtune eval)
+    eval_max_new_tokens: int = MAX_NEW_TOKENS  # longest eval answer (greedy decoding, as groundtune eval)
     save_every: int = 200  # steps between resumable checkpoints (0 = only at the end)
     keep_last: int = 2  # resumable checkpoints kept
     max_bad_steps: int = 5  # stop after this many non-finite losses in a row (each one is skipped)

@@ -24,13 +24,14 @@ import torch
 from PIL import Image
 
 from groundtune import boxes
+from groundtune.config import MAX_NEW_TOKENS
 from groundtune.data.images import load_image, to_rgb
 from groundtune.data.records import atomic_write, image_path, iter_jsonl, missing_fields, record_size
 from groundtune.errors import DataError
 from groundtune.models import qwen
 from groundtune.progress import track
 
-DEFAULT_MAX_NEW_TOKENS = 64  # a grounding answer of one box and its label is ~20-40 tokens
+DEFAULT_MAX_NEW_TOKENS = MAX_NEW_TOKENS  # defined with the settings (config.py)
 
 
 @dataclass(frozen=True)

@@ -264,7 +264,7 @@ def _image_file(record: dict, jsonl_path: Path) -> Path | None:
 def probe_images(paths: list[Path], cache: "ProbeCache") -> dict[Path, ImageInfo]:
     """What decoding each image shows, from the cache where the file is unchanged, else decoded
     (in a thread pool, with a progress bar) and cached."""
-    infos, todo, stats = {}, [], {}
+    infos, stats = {}, {}
     for path in paths:
         try:
             stat = path.stat()
