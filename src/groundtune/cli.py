@@ -99,6 +99,9 @@ def _positive_int(text: str) -> int:
     return value
 
 
+_positive_int.__name__ = "positive integer"  # argparse names a type by it: "invalid positive integer value: 'x'"
+
+
 def _require(args: argparse.Namespace, *names: str) -> None:
     missing = [n for n in names if getattr(args, n) is None]
     if missing:
