@@ -15,13 +15,16 @@ Reported per implementation: rollouts/s, and the step split into generation / re
   log-probabilities from the full logits (every position x the vocabulary), as the public GRPO
   trainers do.
 - groundtune: `train/rl.py`'s own rollouts / advantages / update (grouped vision attention,
-  positions from the encoder, LM head on the answer tokens only).
+  positions from the encoder, LM head on the answer tokens only), rollouts by the generation
+  engine kept for the run (each prompt prefilled once for its G answers, CUDA-graph decode);
+- groundtune-before: the same with rollouts by transformers' `generate`, as before the engine.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import tempfile
 import time
@@ -51,11 +54,12 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def groundtune_step(gm, model, pairs, cfg) -> dict:
+def groundtune_step(gm, model, pairs, cfg, engine=None) -> dict:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.cuda.is_available())
     t0 = _now()
-    batch = rl.rollouts(gm, pairs, list(range(len(pairs))), cfg.group_size, rl.rollout_decoding(cfg), RewardWeights())
+    batch = rl.rollouts(gm, pairs, list(range(len(pairs))), cfg.group_size, rl.rollout_decoding(cfg), RewardWeights(),
+                        engine)
     t1 = _now()  # rollouts() scores as it goes: its reward time is inside generation, and tiny
     adv = rl.advantages(batch.rewards, batch.prompt_keys, cfg, None)
     rl.update(model, model.disable_adapter, batch, adv, optimizer, cfg, autocast, gm.processor.pad_token_id)
@@ -122,6 +126,8 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--impls", default="plain,groundtune-before,groundtune",
+                        help="plain, groundtune-before (rollouts by transformers' generate), groundtune (the engine)")
     parser.add_argument("--out")
     args = parser.parse_args()
     cfg = RLConfig(train_data="x", batch_size=args.prompts, group_size=args.group, max_new_tokens=args.new_tokens,
@@ -130,7 +136,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data = make_refcoco_like(Path(tmp), args.prompts * (args.steps + 1))
         samples = open_samples(str(data), 0)
-        for impl in ("plain", "groundtune"):
+        for impl in args.impls.split(","):
             gm = load_model(MODELS[args.model])  # no speed-up installed: transformers' own attention
             model = adapt.add_lora(gm.model, cfg)
             if impl == "plain":
@@ -141,7 +147,12 @@ def main() -> None:
                 speedups.install(model)
             adapt.keep_trainable_fp32(model)
             gm = dataclasses.replace(gm, model=model)
-            step = plain_step if impl == "plain" else groundtune_step
+            if impl == "plain":
+                step = plain_step
+            elif impl == "groundtune-before":  # rollouts through transformers' generate, as before the engine
+                step = groundtune_step
+            else:  # the run's engine, as train/rl.py keeps it: prefill shared by each group, graph decode
+                step = functools.partial(groundtune_step, engine=infer.engine_for(gm))
             times = []
             for s in range(args.steps + 1):  # the first step warms up
                 pairs = [samples[i] for i in range(s * args.prompts, (s + 1) * args.prompts)]

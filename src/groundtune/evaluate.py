@@ -21,8 +21,7 @@ from PIL import Image, ImageDraw
 
 from groundtune import boxes, infer
 from groundtune.data.images import load_image
-from groundtune.data.records import atomic_write, image_path, read_samples, record_size, sample_boxes
-from groundtune.progress import track
+from groundtune.data.records import atomic_write, image_path, read_samples, sample_boxes
 
 THRESHOLDS = [round(0.5 + 0.05 * i, 2) for i in range(10)]  # 0.5, 0.55, ..., 0.95 (COCO's)
 METRICS = ["acc@0.5", "acc@0.75", "acc@0.5:0.95", "miou", "parse_fail_rate"]
@@ -75,37 +74,31 @@ def evaluate(gm, samples: list[dict], data_path, batch_size: int = 16, limit: in
     """Predict (greedy) and score every sample; returns (report, one row per sample). The report
     records what was measured and how: model, data, family, pixel budget, prompt, decoding.
 
-    Images are opened one batch at a time so a large eval set never sits in memory at once.
+    Images are read in worker processes one batch at a time (``infer.predict_records``), so a large
+    eval set never sits in memory at once.
     """
     samples = samples[:limit] if limit is not None else samples
     if not samples:
         raise ValueError(f"{data_path}: no samples to evaluate")
+    preds = infer.predict_records(gm, samples, data_path, batch_size, max_new_tokens,
+                                  progress="eval" if progress else None)
     rows = []
-    starts = range(0, len(samples), batch_size)
-    if progress:
-        starts = track(starts, f"eval ({batch_size}/batch)")
-    for start in starts:
-        chunk = samples[start : start + batch_size]
-        files = [image_path(s, data_path) for s in chunk]
-        images = [load_image(file, record_size(s)) for file, s in zip(files, chunk)]
-        preds = infer.predict(gm, images, [str(s["phrase"]) for s in chunk], batch_size=batch_size,
-                              max_new_tokens=max_new_tokens, names=[str(f) for f in files])
-        for sample, pred in zip(chunk, preds):
-            true = sample_boxes(sample)
-            rows.append({
-                "id": sample["id"],
-                "phrase": sample["phrase"],
-                "image": sample["image"],
-                "width": int(sample["width"]),
-                "height": int(sample["height"]),
-                "true_boxes": true,
-                "pred_bbox": pred.bbox,
-                **score(pred.bbox, true),
-                "raw": pred.raw,
-                "error": pred.error,
-                "split": sample.get("split"),
-                "source": sample.get("source"),
-            })
+    for sample, pred in zip(samples, preds):
+        true = sample_boxes(sample)
+        rows.append({
+            "id": sample["id"],
+            "phrase": sample["phrase"],
+            "image": sample["image"],
+            "width": int(sample["width"]),
+            "height": int(sample["height"]),
+            "true_boxes": true,
+            "pred_bbox": pred.bbox,
+            **score(pred.bbox, true),
+            "raw": pred.raw,
+            "error": pred.error,
+            "split": sample.get("split"),
+            "source": sample.get("source"),
+        })
     report = {
         "model": gm.source,
         "data": str(data_path),

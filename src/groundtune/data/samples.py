@@ -13,6 +13,7 @@ disk and no sample repeats, so pre-training is never bounded by how many PNGs we
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import torch
@@ -106,3 +107,11 @@ class ResumableBatches(torch.utils.data.Sampler):
                 batch.append((int(order[position % self.n]), position))
                 position += 1
             yield batch
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """A worker leaves SIGINT and SIGTERM to the main process: `timeout`, systemd and Slurm signal the
+    whole process group, and a worker that died first would cost a run its final checkpoint (or an
+    eval in the middle of one)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -26,6 +26,7 @@ this and nothing is replaced.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import types
@@ -42,6 +43,7 @@ _VARLEN_PARAMS = inspect.signature(_varlen_attn).parameters if _varlen_attn is n
 
 TEXT_ATTENTION = "groundtune"  # the name our language-model attention is registered under
 VARLEN_ENABLED = True  # the benchmarks switch the kernel off to measure what it gives (bench/step_ladder.py)
+_attached_cache = None  # the generation engine's KV cache while it runs the model (``attached``)
 
 
 def install(model: torch.nn.Module, family) -> int:
@@ -172,17 +174,48 @@ def text_attention(module, query, key, value, attention_mask, dropout: float = 0
 
     kwargs.pop("cu_seq_lens_k", None)  # training rows attend to themselves: the same as _q
     kwargs.pop("max_length_k", None)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if _attached_cache is not None:  # generation (models/engine.py): its cache, in place of transformers'
+        return _attached_cache.attend(module.layer_idx, query, key, value, scale, cu_seq_lens_q, max_length_q)
     if cu_seq_lens_q is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"a packed batch is one row; got {query.shape[0]} rows with cu_seq_lens_q")
     if varlen_usable(query) and dropout == 0.0:
-        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (length, heads, dim)
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return varlen_attention(q, k, v, cu_seq_lens_q, int(max_length_q), causal=True, scale=scale)[None], None
+        return packed_attention(query, key, value, cu_seq_lens_q, max_length_q, scale), None
     return sdpa_attention_forward(module, query, key, value, _block_causal_mask(cu_seq_lens_q, query.shape[2]),
                                   dropout=dropout, scaling=scaling, is_causal=False, **kwargs)
+
+
+def packed_attention(query, key, value, cu_seqlens: torch.Tensor, max_length: int, scale: float) -> torch.Tensor:
+    """One packed row, query (1, heads, tokens, dim), key/value (1, kv_heads, tokens, dim) ->
+    (1, tokens, heads, dim): causal attention within each sample. Without the variable-length
+    kernel (CPU, fp32), one SDPA call per sample: a block-diagonal mask over a row of 64 prompts
+    would cost 64x the arithmetic of the samples, and the row squared in memory."""
+    if varlen_usable(query):
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, dim)
+        return varlen_attention(q, k, v, cu_seqlens, int(max_length), causal=True, scale=scale)[None]
+    out = torch.empty_like(query)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        piece = slice(start, end)
+        out[:, :, piece] = F.scaled_dot_product_attention(
+            query[:, :, piece], key[:, :, piece], value[:, :, piece], is_causal=True, scale=scale,
+            enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2)
+
+
+@contextlib.contextmanager
+def attached(cache):
+    """Our language-model attention reads and writes ``cache`` (``models.engine.KVCache``) instead
+    of transformers' cache objects while the engine runs the model."""
+    global _attached_cache
+    previous, _attached_cache = _attached_cache, cache
+    try:
+        yield cache
+    finally:
+        _attached_cache = previous
 
 
 def _block_causal_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:

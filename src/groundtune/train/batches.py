@@ -12,15 +12,13 @@ says how many positions of the order it used (``drawn``), failed ones included.
 
 from __future__ import annotations
 
-import signal
-
 import numpy as np
 import torch
 
 from groundtune import boxes
 from groundtune.data import augment
 from groundtune.data.records import sample_boxes
-from groundtune.data.samples import FileSamples, ResumableBatches, SyntheticStream
+from groundtune.data.samples import FileSamples, ResumableBatches, SyntheticStream, ignore_stop_signals
 from groundtune.errors import DataError
 from groundtune.models import qwen
 
@@ -88,13 +86,6 @@ class Collate:
         if good:
             batch = qwen.collate_packed(good) if self.packing else qwen.collate(good, self.pad_token_id, "right")
         return {**batch, "drawn": len(items), "failed": [item["failed"] for item in items if "failed" in item]}
-
-
-def ignore_stop_signals(worker_id: int) -> None:
-    """A worker leaves SIGINT and SIGTERM to the main process: `timeout`, systemd and Slurm signal the
-    whole process group, and a worker that died first would cost the run its final checkpoint."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def make_loader(dataset: GroundingDataset, batch_size: int, seed: int, start: int, num_workers: int,

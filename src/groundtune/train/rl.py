@@ -81,6 +81,7 @@ def _rl(run: Path, cfg: RLConfig, resume_from: Path | None, data: RunData, on_st
     loop = Loop.start(run, cfg, gm, resume_from, data, on_step, baselines={}, sitting_out=[])
     optimizer, scheduler, state = loop.optimizer, loop.scheduler, loop.state
     decoding = rollout_decoding(cfg)
+    engine = infer.engine_for(gm)  # kept for the run: on a GPU its captured decode steps are reused
     if resume_from is None:
         loop.log.log(0, {"rollout/decoding": decoding.to_dict()})
     order = ResumableBatches(len(samples), cfg.batch_size, cfg.seed, state["samples"], samples.shuffle)
@@ -103,7 +104,7 @@ def _rl(run: Path, cfg: RLConfig, resume_from: Path | None, data: RunData, on_st
             pairs, keys, failed = load_prompts(samples, keys)
             if failed:
                 loop.skip_unreadable(failed, len(failed) + len(keys))
-            batch = rollouts(gm, pairs, keys, cfg.group_size, decoding, weights)
+            batch = rollouts(gm, pairs, keys, cfg.group_size, decoding, weights, engine)
             t1 = time.time()
             adv = advantages(batch.rewards, batch.prompt_keys, cfg, baselines)
             with adapt.lora_inputs_uncast(model):  # the update's forward and backward (adapt.py says why)
@@ -184,15 +185,11 @@ def rollout_decoding(cfg: RLConfig) -> infer.Decoding:
 
 
 def rollouts(gm: GroundingModel, pairs: list[tuple], keys: list[int], group_size: int, decoding: infer.Decoding,
-             weights: RewardWeights) -> Rollouts:
-    """Sample ``group_size`` answers with ``gm.model`` for each (image, sample) pair and score them."""
+             weights: RewardWeights, engine=None) -> Rollouts:
+    """Sample ``group_size`` answers with ``gm.model`` for each (image, sample) pair and score them.
+    ``engine`` (``infer.engine_for``, kept for the run) prefills each prompt once for its group."""
     encoded, sizes = infer.encode_prompts(gm, [(image, sample["phrase"]) for image, sample in pairs])
-    was_training = gm.model.training
-    gm.model.eval()
-    try:
-        answers = infer.generate(gm, encoded, sizes, decoding, group_size)
-    finally:
-        gm.model.train(was_training)
+    answers = infer.generate(gm, encoded, sizes, decoding, group_size, engine=engine)
     scores, sequences = [], []
     for k, (ids, prediction) in enumerate(answers):
         image, sample = pairs[k // group_size]

@@ -1,0 +1,324 @@
+"""Greedy eval speed on the real Qwen2.5-VL-3B/7B architectures (random weights), end to end from
+image files on disk, in ONE run: plain transformers `generate`, the previous `infer.predict` path,
+and the generation engine through `groundtune eval`'s own code (`evaluate.evaluate`).
+
+    python bench/eval_speed.py --out bench/results/eval_speed.json            # 3B (batch 64), 7B (32), 24 GiB cap
+    python bench/eval_speed.py --models tiny --samples 24 --batch 8          # CPU smoke test of this script
+
+Data: RefCOCO-like JPEGs (bench/sft_speed.py: long side 480-640, aspect 0.5-2, 3-8 word phrases).
+Every variant reads the same files, answers the same samples and is timed from the first file
+read to the last box parsed (the model already loaded). Variants:
+- plain: transformers' own code, as peers evaluate: images read and encoded in the main process,
+  batch of --batch left-padded, `model.generate` (its dynamic KV cache), no groundtune speed-up;
+- predict-before: what `infer.predict` did before the engine: the same loop with groundtune's
+  attention installed, at its default batch of 16 and at --batch;
+- engine: `evaluate.evaluate(batch_size=--batch)`: encoding in DataLoader workers, images by size,
+  packed prefill, static KV cache, CUDA-graph decode steps (engine-first-call: the same, timing
+  the captures too); engine-eager: the same with every decode step issued from Python.
+Answers are forced to --new-tokens tokens (random weights seldom stop). The "natural" variants
+(predict-before and engine) use a model made to stop: its end-of-turn logit raised along the
+prompts' mean hidden direction until answers average ~20 tokens, so rows end at different steps.
+same_answers: the fraction of samples whose answer text equals plain generate's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sft_speed import make_refcoco_like  # noqa: E402
+
+from groundtune import evaluate, infer  # noqa: E402
+from groundtune.data.images import load_image  # noqa: E402
+from groundtune.data.records import image_path, read_samples, record_size  # noqa: E402
+from groundtune.models import engine as engine_module  # noqa: E402
+from groundtune.models import kernels, speedups  # noqa: E402
+from groundtune.models.loading import load_model  # noqa: E402
+
+MODELS = {"3b": "random:qwen2.5-vl-3b", "7b": "random:qwen2.5-vl-7b", "tiny": "tiny"}
+
+
+def _now() -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def _reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib() -> float | None:
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None
+
+
+def loop_in_process(gm, samples: list[dict], data: Path, batch: int, new_tokens: int) -> list[str]:
+    """The loop peers (and infer.predict before the engine) run: read a batch of files, encode it
+    in this process, left-pad it, transformers' generate."""
+    decoding, answers = infer.Decoding.greedy(new_tokens), []
+    for start in range(0, len(samples), batch):
+        chunk = samples[start : start + batch]
+        files = [image_path(s, data) for s in chunk]
+        images = [load_image(f, record_size(s)) for f, s in zip(files, chunk)]
+        encoded, sizes = infer.encode_prompts(gm, list(zip(images, [s["phrase"] for s in chunk])))
+        answers += [p.raw for _, p in infer.generate(gm, encoded, sizes, decoding, engine=None)]
+    return answers
+
+
+def through_eval(gm, samples: list[dict], data: Path, batch: int, new_tokens: int) -> list[str]:
+    _, rows = evaluate.evaluate(gm, samples, data, batch_size=batch, progress=False, max_new_tokens=new_tokens)
+    return [r["raw"] for r in rows]
+
+
+def make_it_stop(gm, samples: list[dict], data: Path, target: float, new_tokens: int) -> float:
+    """Raise the end-of-turn logit along the mean direction of the prompts' final hidden states, by
+    the first scale whose greedy answers are at most ~``target`` tokens long on average (its row
+    scaled to its own norm: 1.0 stops nearly every answer at once on the random 3B); returns that
+    mean length."""
+    lm_head = gm.model.get_output_embeddings()
+    stop = gm.processor.eos_token_ids[0]
+    captured = []
+    hook = gm.model.get_decoder().norm.register_forward_hook(lambda m, i, o: captured.append(o[0].float().mean(0)))
+    through_eval(gm, samples[:8], data, 8, 1)  # one token: the prefill alone
+    hook.remove()
+    direction = torch.stack(captured).mean(0)
+    with torch.no_grad():
+        original = lm_head.weight[stop].clone()
+        direction = (direction / direction.norm() * original.float().norm()).to(original.dtype)
+    mean_length = float(new_tokens)
+    for scale in (0.03, 0.06, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0):
+        with torch.no_grad():
+            lm_head.weight[stop] = original + scale * direction
+        raws = through_eval(gm, samples[:64], data, 64, new_tokens)
+        lengths = [len(gm.processor.tokenizer(r, add_special_tokens=False)["input_ids"]) + 1 for r in raws]
+        mean_length = sum(lengths) / len(lengths)
+        print(f"  stop scale {scale:g}: mean answer {mean_length:.1f} tokens", flush=True)
+        if mean_length <= target:
+            break
+    return mean_length
+
+
+def breakdown(gm, samples: list[dict], data: Path, batch: int, new_tokens: int) -> dict:
+    """Where one batch's time goes, the images already encoded: prefill alone (one new token) and
+    the whole answer, for transformers' generate and the engine (with and without graphs); and
+    what the encoding workers deliver alone."""
+    chunk = samples[:batch]
+    images = [load_image(image_path(s, data), record_size(s)) for s in chunk]
+    encoded, _ = infer.encode_prompts(gm, list(zip(images, [s["phrase"] for s in chunk])))
+    out = {"prompt_tokens_mean": round(sum(len(e["input_ids"]) for e in encoded) / len(encoded), 1)}
+
+    def best_of_3(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = _now()
+            fn()
+            times.append(_now() - t0)
+        return round(min(times), 4)
+
+    for tokens in (1, new_tokens):
+        decoding = infer.Decoding.greedy(tokens)
+        with torch.inference_mode():
+            out[f"generate_{tokens}_s"] = best_of_3(lambda: infer.plain_generate(gm, encoded, decoding))
+            for graphs in (True, False):
+                answering = engine_module.Engine(gm.model, gm.processor.pad_token_id, gm.processor.eos_token_ids,
+                                                 use_graphs=graphs and torch.cuda.is_available())
+                name = "engine" if graphs else "engine_eager"
+                out[f"{name}_{tokens}_s"] = best_of_3(lambda: answering.generate(encoded, tokens, decoding.choose))
+                answering.release()
+    for name in ("generate", "engine", "engine_eager"):
+        out[f"{name}_decode_step_ms"] = round((out[f"{name}_{new_tokens}_s"] - out[f"{name}_1_s"])
+                                              / (new_tokens - 1) * 1000, 2)
+    workers = infer.default_workers(gm.device)
+    loader = torch.utils.data.DataLoader(infer._EncodedRecords(gm, samples, data), batch_size=None,
+                                         num_workers=workers, prefetch_factor=16 if workers else None)
+    t0 = time.perf_counter()
+    count = sum(1 for _ in loader)
+    out[f"encode_per_s_{workers}_workers"] = round(count / (time.perf_counter() - t0), 1)
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def profile(gm, samples: list[dict], data: Path, batch: int) -> dict:
+    """GPU kernel time of one batch's prefill and of one decode step issued from Python, by kind
+    (the graph replays the same kernels; the profile cannot see inside a graph)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    chunk = samples[:batch]
+    images = [load_image(image_path(s, data), record_size(s)) for s in chunk]
+    encoded, _ = infer.encode_prompts(gm, list(zip(images, [s["phrase"] for s in chunk])))
+    engine = engine_module.Engine(gm.model, gm.processor.pad_token_id, gm.processor.eos_token_ids, use_graphs=False)
+    greedy = infer.Decoding.greedy(1).choose
+    out = {}
+    for name, tokens in (("prefill", 1), ("prefill_and_4_steps", 5)):
+        with torch.inference_mode():
+            engine.generate(encoded, tokens, greedy)
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                engine.generate(encoded, tokens, greedy)
+                torch.cuda.synchronize()
+        kinds: dict[str, float] = {}
+        count = 0
+        for event in prof.key_averages():
+            us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
+            if us <= 0:
+                continue
+            count += event.count
+            key = event.key.lower()
+            kind = ("attention" if any(w in key for w in ("flash", "fmha", "attention", "varlen", "efficient"))
+                    else "gemm" if any(w in key for w in ("gemm", "cutlass", "sm90", "nvjet", "matmul"))
+                    else "copy" if "memcpy" in key or "copy" in key else "elementwise/norm/other")
+            kinds[kind] = kinds.get(kind, 0.0) + us / 1e6
+        out[name] = {"gpu_s": round(sum(kinds.values()), 4), "kernels": count,
+                     "by_kind_s": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}}
+    step = {k: round((out["prefill_and_4_steps"]["by_kind_s"].get(k, 0) - out["prefill"]["by_kind_s"].get(k, 0)) / 4 * 1000, 3)
+            for k in out["prefill_and_4_steps"]["by_kind_s"]}
+    out["decode_step_ms_by_kind"] = step
+    out["decode_step_kernels"] = (out["prefill_and_4_steps"]["kernels"] - out["prefill"]["kernels"]) // 4
+    del engine
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def run_variant(name: str, fn, gm, samples, data, batch, new_tokens, reference: list[str] | None) -> tuple[dict, list[str]]:
+    _reset_peak()
+    t0 = _now()
+    answers = fn(gm, samples, data, batch, new_tokens)
+    seconds = _now() - t0
+    row = {"variant": name, "batch": batch, "new_tokens": new_tokens, "samples": len(samples),
+           "seconds": round(seconds, 3), "samples_per_s": round(len(samples) / seconds, 2), "peak_gib": _peak_gib(),
+           "same_answers": (round(sum(a == b for a, b in zip(answers, reference)) / len(answers), 4)
+                            if reference is not None else 1.0)}
+    print(json.dumps(row), flush=True)
+    return row, answers
+
+
+def bench_model(key: str, samples, data, args) -> list[dict]:
+    rows = []
+
+    def add(name, fn, gm, batch, reference, **extra):
+        try:
+            row, answers = run_variant(name, fn, gm, samples, data, batch, args.new_tokens, reference)
+        except torch.OutOfMemoryError:
+            rows.append({"model": key, "variant": name, "batch": batch, "oom": True})
+            print(f"{name} at batch {batch}: out of memory at {args.cap_gib:g} GiB", flush=True)
+            _reset_peak()
+            return None
+        rows.append({"model": key, **row, **extra})
+        return answers
+
+    gm = load_model(MODELS[key], dtype=args.dtype)  # transformers' own attention, nothing installed
+    try:  # warms the GPU up
+        loop_in_process(gm, samples[: args.batch], data, args.batch, args.new_tokens)
+    except torch.OutOfMemoryError:
+        _reset_peak()  # the plain variant below says so
+    reference = add("plain", loop_in_process, gm, args.batch, None)
+    speedups.install(gm.model)  # what infer.load installed before the engine
+    if key in args.small_batch_too:
+        add("predict-before-b16", loop_in_process, gm, 16, reference)
+    before = add("predict-before", loop_in_process, gm, args.batch, reference)
+    kernels.apply_fused_kernels(gm.model, "auto")  # what infer.load installs now (liger-kernel on a GPU)
+    add("engine-first-call", through_eval, gm, args.batch, reference)  # captures its decode steps
+    answers = add("engine", through_eval, gm, args.batch, reference)
+    if answers and before:
+        rows[-1]["same_as_predict_before"] = round(sum(a == b for a, b in zip(answers, before)) / len(answers), 4)
+    for batch in (b for b in args.engine_batches if b != args.batch):
+        add(f"engine-b{batch}", through_eval, gm, batch, reference)
+    engine_module.GRAPHS_ENABLED = False  # the same engine, every decode step issued from Python
+    add("engine-eager", through_eval, gm, args.batch, reference)
+    engine_module.GRAPHS_ENABLED = True
+    rows.append({"model": key, "variant": "breakdown", "batch": args.batch, **breakdown(gm, samples, data, args.batch, args.new_tokens)})
+    if torch.cuda.is_available():
+        rows.append({"model": key, "variant": "profile", "batch": args.batch, **profile(gm, samples, data, args.batch)})
+    if args.natural and key != "tiny":
+        mean_length = round(make_it_stop(gm, samples, data, 20.0, args.new_tokens), 1)
+        natural = add("before-natural", loop_in_process, gm, args.batch, None, mean_answer_tokens=mean_length)
+        add("engine-natural", through_eval, gm, args.batch, natural, mean_answer_tokens=mean_length)
+    del gm
+    _reset_peak()
+    return rows
+
+
+def in_fresh_process(spec: str, data: Path, args) -> list[dict]:
+    """One model's variants in a process of its own: liger-kernel patches transformers' modeling
+    module process-wide, and the next model's plain variant must run transformers' own code."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        cmd = [sys.executable, __file__, "--models", spec, "--data", str(data), "--out", str(out),
+               "--new-tokens", str(args.new_tokens), "--dtype", args.dtype, "--cap-gib", str(args.cap_gib),
+               "--small-batch-too", args.small_batch_too,
+               "--engine-batches", ",".join(map(str, args.engine_batches))] + ([] if args.natural else ["--no-natural"])
+        subprocess.run(cmd)
+        return json.loads(out.read_text()) if out.exists() else [{"model": spec, "variant": "-", "error": "no result"}]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="3b,7b:32",
+                        help="comma-separated: 3b, 7b, tiny; MODEL:N times MODEL at batch N instead of --batch "
+                             "(the 7B's plain generate runs out of 24 GiB at 64)")
+    parser.add_argument("--data", help="samples made by an earlier run (train.jsonl) instead of new ones")
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=64, help="batch of every variant but --engine-batches")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--cap-gib", type=float, default=24.0, help="GPU memory cap (a 24 GB card)")
+    parser.add_argument("--small-batch-too", default="3b,tiny",
+                        help="models also timed the old way at batch 16 (infer.predict's default)")
+    parser.add_argument("--engine-batches", default="64,128", type=lambda v: [int(b) for b in v.split(",") if b],
+                        help="other batch sizes to time the engine at")
+    parser.add_argument("--no-natural", dest="natural", action="store_false", help="skip the model-that-stops runs")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    specs = args.models.split(",")
+    if len(specs) == 1 and torch.cuda.is_available():  # only the measuring process touches the GPU
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(args.data) if args.data else make_refcoco_like(Path(tmp), args.samples)
+        samples = read_samples(data)
+        for spec in specs:
+            if len(specs) > 1:
+                results += in_fresh_process(spec, data, args)
+            else:
+                key, _, batch = spec.partition(":")
+                args.batch = int(batch or args.batch)
+                results += bench_model(key, samples, data, args)
+            if args.out:
+                Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    print(f"\n{'model':6s}{'variant':16s}{'batch':>6s}{'samples/s':>11s}{'x plain':>9s}{'peak GiB':>10s}{'same':>7s}")
+    for r in results:
+        if r["variant"] in ("breakdown", "profile"):
+            continue
+        if "error" in r:
+            print(f"{r['model']:6s}failed: {r['error']}")
+            continue
+        if r.get("oom"):
+            print(f"{r['model']:6s}{r['variant']:16s}   out of memory at {args.cap_gib:g} GiB")
+            continue
+        base = next((b["samples_per_s"] for b in results if b["model"] == r["model"] and "samples_per_s" in b
+                     and b["variant"] == ("before-natural" if "natural" in r["variant"] else "plain")), float("nan"))
+        print(f"{r['model']:6s}{r['variant']:16s}{r['batch']:6d}{r['samples_per_s']:11.2f}"
+              f"{r['samples_per_s'] / base:9.2f}{r['peak_gib'] or 0:10.2f}{r['same_answers']:7.3f}")
+    for r in results:
+        if r["variant"] == "breakdown":
+            print(f"{r['model']} one batch of {r['batch']}, encoded: " + ", ".join(
+                f"{k} {v}" for k, v in r.items() if k not in ("model", "variant", "batch")))
+        if r["variant"] == "profile":
+            print(f"{r['model']} profile: prefill {r['prefill']}; decode step (eager) {r['decode_step_kernels']} "
+                  f"kernels, ms by kind {r['decode_step_ms_by_kind']}")
+
+
+if __name__ == "__main__":
+    main()

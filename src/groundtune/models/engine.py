@@ -1,0 +1,224 @@
+"""The generation engine behind ``infer``: encoded prompts -> answer token ids, with no padding in
+the prefill and, on a GPU, one launch per decode step.
+
+Plain transformers ``generate`` pads a batch to its longest prompt, runs the language model over
+the padding, and issues every decode step from Python: per new token ~36 layers x ~15 kernels
+launched one by one, ~30 ms a step for a 3B at batch 64 where reading its weights takes ~1.5 ms.
+Here one batch goes:
+
+1. prefill: the prompts packed in ONE row (``qwen.collate_packed``, the layout training uses),
+   attended within each prompt by the variable-length kernel (models/attention.py), logits taken
+   only at each prompt's last token. Each layer's keys and values go, as they are computed, into a
+   static cache of (rows, kv_heads, columns, head_dim): prompt i right-aligned in row i, so every
+   row writes its next token to the same column. A prompt given ``num_samples`` rows is prefilled
+   once and copied into each (an RL group: G answers, one prefill).
+2. decode: one step is the language model on one token per row against that cache, each row
+   seeing only its own columns (a mask made inside the step from where its prompt starts). On a
+   GPU the step is captured as a CUDA graph once per (rows, columns) and replayed: a token costs
+   one launch instead of ~500. Elsewhere it runs as is, with the same tensors.
+3. finished rows stay in the batch with their tokens replaced by padding (as ``generate`` does);
+   the loop ends when every row has finished (checked every few steps: a check waits for the GPU).
+
+The model's own modules compute everything: the engine only attaches its cache to our language
+model attention (``attention.attached``), which writes and reads it in place of transformers'
+cache objects. Greedy answers equal plain ``generate``'s: tests/test_engine.py compares them in
+fp32 for all three families and for LoRA adapters merged or not; bench/eval_speed.py on the 3B/7B.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+
+from groundtune.models import attention, qwen
+
+COLUMN_STEP = 256  # cache lengths round up to this so batches of similar prompts share a graph (the 3B at
+# batch 64 reads 256 more columns in ~0.1 ms a step, its weights in ~1.3)
+GRAPHS_KEPT = 2  # captured (rows, columns) shapes kept, each with its cache (the 3B at 64 x 512: ~1.2 GB)
+CHECK_EVERY = 4  # decode steps between checks that every row has finished
+GRAPHS_ENABLED = True  # bench/eval_speed.py switches the graphs off to measure what they give
+
+
+class KVCache:
+    """Keys and values of every language-model layer for ``rows`` rows of ``columns`` tokens, and
+    where each row's prompt starts (``row_start``; its columns before that are never seen)."""
+
+    def __init__(self, layers: int, rows: int, kv_heads: int, columns: int, head_dim: int, dtype, device):
+        shape = (rows, kv_heads, columns, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.row_start = torch.zeros(rows, dtype=torch.long, device=device)
+        self.column = torch.zeros(1, dtype=torch.long, device=device)  # where the decode step writes
+        self.all_columns = torch.arange(columns, device=device)
+        self.prompt_columns = 0  # prefill: prompts end at this column
+        self.prompt_index: torch.Tensor | None = None  # prefill: packed-row position of each prompt column
+        self.mask: torch.Tensor | None = None  # decode: (rows, 1, 1, columns), made by each step
+
+    def attend(self, layer: int, query, key, value, scale: float, cu_seqlens, max_length):
+        """Our language-model attention while this cache is attached: the prefill (one packed row,
+        ``cu_seqlens`` given) stores its keys/values and attends within each prompt; a decode step
+        (one token per row) stores its token's and attends over the row's columns."""
+        k_cache, v_cache = self.keys[layer], self.values[layer]
+        rows, columns = k_cache.shape[0], self.prompt_columns
+        if cu_seqlens is not None:
+            for cache, new in ((k_cache, key), (v_cache, value)):
+                # (1, kv_heads, tokens, dim) -> (kv_heads, rows * columns, dim) -> (rows, kv_heads, columns, dim)
+                cache[:, :, :columns] = new[0][:, self.prompt_index].unflatten(1, (rows, columns)).transpose(0, 1)
+            return attention.packed_attention(query, key, value, cu_seqlens, max_length, scale), None
+        k_cache.index_copy_(2, self.column, key)
+        v_cache.index_copy_(2, self.column, value)
+        # One query per row: the query heads that share a key/value head become that head's
+        # "queries", so no key or value is repeated (transformers' repeat_kv would copy the whole
+        # cache every layer and step) and every backend that takes a mask can run it.
+        batch, heads, _, dim = query.shape
+        grouped = query.reshape(batch, k_cache.shape[1], heads // k_cache.shape[1], dim)
+        out = F.scaled_dot_product_attention(grouped, k_cache, v_cache, attn_mask=self.mask, scale=scale)
+        return out.reshape(batch, heads, 1, dim).transpose(1, 2), None
+
+
+class _Step:
+    """The static inputs and outputs of one decode step for one (rows, columns) shape, with its
+    cache, and (on a GPU) the step captured as a CUDA graph."""
+
+    def __init__(self, engine: "Engine", rows: int, columns: int):
+        # what the step runs, not the engine itself: the engine holds its steps, and a cycle would
+        # keep a dropped engine's caches and graphs on the GPU until the next garbage collection
+        self.decoder, self.lm_head, self.pool = engine.decoder, engine.lm_head, engine.graph_pool
+        self.cache = engine.new_cache(rows, columns)
+        device = engine.device
+        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(3, rows, 1, dtype=torch.long, device=device)
+        self.logits = torch.zeros(rows, engine.vocab_size, dtype=torch.float32, device=device)
+        self.graph = None
+
+    def compute(self) -> None:
+        cache = self.cache
+        cache.mask = ((cache.all_columns >= cache.row_start[:, None])
+                      & (cache.all_columns <= cache.column))[:, None, None, :]
+        with attention.attached(cache):
+            hidden = self.decoder(input_ids=self.tokens, position_ids=self.positions, use_cache=False).last_hidden_state
+        self.logits.copy_(self.lm_head(hidden[:, -1]).float())
+
+    def run(self) -> None:
+        if self.pool is None:  # no graphs: the step as it is
+            return self.compute()
+        if self.graph is None:
+            # Warm up on a side stream (lazy initialisations, kernel autotuning), then capture.
+            # The warm-up writes this step's column, which the real step overwrites.
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.compute()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=self.pool):
+                self.compute()
+        self.graph.replay()
+
+
+class Engine:
+    """Generation for one model (a Qwen-VL model, or a PEFT model around one), in eval mode with
+    our language-model attention installed (``usable``). Keeps up to GRAPHS_KEPT captured decode
+    steps; ``release`` (or dropping the engine) frees them and their caches."""
+
+    def __init__(self, model, pad_token_id: int, stop_token_ids: list[int], use_graphs: bool | None = None):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.model = model
+        self.decoder = base.get_decoder()  # the language model
+        self.lm_head = base.get_output_embeddings()
+        text = base.config.get_text_config()
+        self.layers = text.num_hidden_layers
+        self.kv_heads = text.num_key_value_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.vocab_size = self.lm_head.out_features
+        param = next(self.decoder.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.pad_token_id = pad_token_id
+        self.stop_token_ids = torch.tensor(sorted(set(stop_token_ids) | {pad_token_id}), device=self.device)
+        self.use_graphs = GRAPHS_ENABLED and self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.steps: OrderedDict[tuple[int, int], _Step] = OrderedDict()
+
+    @staticmethod
+    def usable(model) -> bool:
+        """Whether ``model`` attends with our language-model attention (speedups.install), which
+        the engine's cache plugs into (transformers' own attention paths do not)."""
+        return str(model.config.get_text_config()._attn_implementation) == attention.TEXT_ATTENTION
+
+    def new_cache(self, rows: int, columns: int) -> KVCache:
+        return KVCache(self.layers, rows, self.kv_heads, columns, self.head_dim, self.dtype, self.device)
+
+    def release(self) -> None:
+        self.steps.clear()
+
+    def _step(self, rows: int, columns: int) -> _Step:
+        key = (rows, columns)
+        if key in self.steps:
+            self.steps.move_to_end(key)
+        else:
+            while len(self.steps) >= GRAPHS_KEPT:
+                self.steps.popitem(last=False)
+            self.steps[key] = _Step(self, rows, columns)
+        return self.steps[key]
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[dict], max_new_tokens: int, choose, num_samples: int = 1) -> list[list[int]]:
+        """Answer encoded prompts (``qwen.encode`` without an answer): ``num_samples`` rows each,
+        row after row of one prompt. ``choose`` turns (rows, vocab) float logits into the next
+        token of each row (greedy or sampled: infer.Decoding). Returns each row's generated ids,
+        ``max_new_tokens`` of them, padding after its first stop token."""
+        lengths = [len(p["input_ids"]) for p in prompts]
+        prompt_columns = max(lengths)
+        rows = len(prompts) * num_samples
+        columns = -(-(prompt_columns + max_new_tokens) // COLUMN_STEP) * COLUMN_STEP
+        step = self._step(rows, columns)
+        cache = step.cache
+
+        # 1. prefill, one packed row; each row's prompt columns come from its prompt's tokens
+        packed = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                  for k, v in qwen.collate_packed(prompts).items()}
+        ends = packed["cu_seq_lens_q"][1:].long()
+        index = torch.arange(prompt_columns, device=self.device) - prompt_columns  # ..., -2, -1
+        index = (ends[:, None] + index).clamp(min=0)  # (prompts, columns); before a prompt: masked anyway
+        cache.prompt_index = index.repeat_interleave(num_samples, dim=0).flatten()
+        cache.prompt_columns = prompt_columns
+        starts = prompt_columns - torch.tensor(lengths, device=self.device)
+        cache.row_start.copy_(starts.repeat_interleave(num_samples))
+        with attention.attached(cache):
+            logits = self.model(**packed, logits_to_keep=ends - 1, use_cache=False).logits[0].float()
+        cache.prompt_index = None
+        # the next token's M-RoPE position: one past the prompt's last (a text token: equal on all axes)
+        next_position = packed["position_ids"][0, 0, ends - 1].repeat_interleave(num_samples) + 1
+
+        # 2. decode
+        tokens = choose(logits.repeat_interleave(num_samples, dim=0))
+        finished = torch.isin(tokens, self.stop_token_ids)
+        answer = [tokens]
+        for i in range(1, max_new_tokens):
+            if i % CHECK_EVERY == 0 and bool(finished.all()):
+                break
+            step.tokens.copy_(tokens[:, None])
+            step.positions.copy_((next_position + i - 1)[None, :, None].expand(3, -1, -1))
+            cache.column.fill_(prompt_columns + i - 1)
+            step.run()
+            tokens = choose(step.logits)
+            tokens = torch.where(finished, self.pad_token_id, tokens)
+            finished |= torch.isin(tokens, self.stop_token_ids)
+            answer.append(tokens)
+        answer = torch.stack(answer, dim=1).tolist()
+        return [ids + [self.pad_token_id] * (max_new_tokens - len(ids)) for ids in answer]
+
+
+@contextlib.contextmanager
+def evaluating(model):
+    """``model`` in eval mode, given back in the mode it was in (training calls eval mid-run)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
