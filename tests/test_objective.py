@@ -86,3 +86,45 @@ def test_a_packed_batch_is_refused_where_attention_would_cross_samples():
         answer_loss(gm.model, packed)
     speedups.install(gm.model)
     assert torch.isfinite(answer_loss(gm.model, packed))
+
+
+def test_answers_to_one_image_share_its_vision_pass(any_family_model):
+    """RL's update: G answers to each of two prompts. Telling answer_logprobs which rows show the
+    same image runs each image through the vision tower once (where the family's features enter
+    the LLM only at the image tokens) and gives the same log-probabilities and gradients, the
+    vision LoRA's included."""
+    from groundtune.train.objective import answer_logprobs
+
+    gm = load_model(any_family_model, device="cpu", dtype="fp32")
+    cfg = TrainConfig(train_data="x", method="lora", lora_targets=["llm_attn", "vision"])
+    model = adapt.prepare_for_training(gm.model, cfg)
+    model.train()
+    sequences, group = [], 3
+    for i, size in enumerate([(112, 112), (168, 84)]):
+        image, record = synth.make_sample(4, i, width=size[0], height=size[1])
+        prompt = qwen.encode(gm.processor, qwen.resize_image(image, gm.resize)[0],
+                             qwen.prompt_text(gm.processor, record["phrase"], gm.prompt))
+        for g in range(group):  # answers of different lengths and tokens, as sampled ones are
+            sequences.append(qwen.with_answer_ids(gm.processor, prompt, [300 + 7 * g + i, 301, 302][: 1 + g]))
+    batch = qwen.collate(sequences, gm.processor.pad_token_id)
+    vision_rows = []
+    model.base_model.model.model.visual.register_forward_hook(  # images per vision pass
+        lambda module, args, kwargs, out: vision_rows.append(len(kwargs["grid_thw"])), with_kwargs=True)
+
+    def logprobs_and_grads(image_of_row):
+        model.zero_grad()
+        logprobs, owner = answer_logprobs(model, batch, image_of_row)
+        logprobs.sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return logprobs.detach(), owner, grads
+
+    ours, our_owner, our_grads = logprobs_and_grads([0, 0, 0, 3, 3, 3])
+    theirs, their_owner, their_grads = logprobs_and_grads(None)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert torch.equal(our_owner, their_owner)
+    assert our_grads.keys() == their_grads.keys() and any("visual" in n for n in our_grads)
+    for name in their_grads:
+        torch.testing.assert_close(our_grads[name], their_grads[name], rtol=1e-4, atol=1e-6)
+    shares = qwen.family(gm.family).image_features_alone
+    assert len(vision_rows) == 2
+    assert vision_rows[0] == (2 if shares else 6) and vision_rows[1] == 6

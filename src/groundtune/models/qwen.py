@@ -63,6 +63,10 @@ class Family:
     # apply_rotary_pos_emb_vision: the function of the modeling module our vision attention calls
     vision_rotary: str = "apply_rotary_pos_emb_vision"
     image_processor_class: str = "Qwen2VLImageProcessorPil"  # the PIL backend: no torchvision needed
+    # whether the image's features enter the LLM only in place of its image tokens (so rows that show
+    # one image can share one vision pass, train/objective.py); Qwen3-VL also adds DeepStack features
+    # inside early LLM layers, which only the model's own forward from pixel_values passes on
+    image_features_alone: bool = True
 
     @property
     def factor(self) -> int:
@@ -136,7 +140,8 @@ FAMILIES = {
         # Qwen3-VL: patch 16, and DeepStack mergers that feed vision features into early LLM layers
         Family(name="qwen3-vl", model_type="qwen3_vl", model_class="Qwen3VLForConditionalGeneration",
                config_class="Qwen3VLConfig", patch_size=16, min_pixels=65_536, max_pixels=16_777_216,
-               vision_attention="Qwen3VLVisionAttention", merger_modules=("merger", "deepstack_merger_list")),
+               vision_attention="Qwen3VLVisionAttention", merger_modules=("merger", "deepstack_merger_list"),
+               image_features_alone=False),
     )
 }
 

@@ -14,20 +14,25 @@ import torch
 import torch.nn.functional as F
 
 from groundtune.errors import TrainingError
-from groundtune.models.adapt import base_model
+from groundtune.models.adapt import base_model, family_of
 from groundtune.models.attention import keeps_packed_samples_apart
 from groundtune.models.qwen import IGNORE_INDEX
 
 
-def answer_logprobs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def answer_logprobs(model, batch: dict[str, torch.Tensor],
+                    image_of_row: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of every labelled token of ``batch`` under the model, and the batch row
     each belongs to: two 1-D tensors over the answer tokens, row-major. ``model`` is a Qwen-VL
-    ForConditionalGeneration model or a PEFT wrapper."""
+    ForConditionalGeneration model or a PEFT wrapper. ``image_of_row`` (a padded batch, one
+    image per row): row i shows the image of row ``image_of_row[i]``, as the G answers of an RL
+    prompt do; each image then goes through the vision tower once (``_shared_images``)."""
     core = base_model(model)
     if "cu_seq_lens_q" in batch and not keeps_packed_samples_apart(core):
         raise TrainingError("a packed batch on a model whose attention would cross its samples: install "
                             "groundtune's attention first (models.speedups.install), as groundtune train does")
     inputs = {k: v for k, v in batch.items() if k != "labels"}
+    if image_of_row is not None and family_of(core).image_features_alone:
+        inputs = _shared_images(core, inputs, image_of_row)
     # no KV cache: nothing reuses it, and a recomputed (checkpointed) layer would extend it twice
     hidden = core.model(**inputs, use_cache=False).last_hidden_state  # (batch, length, hidden)
     targets = batch["labels"][:, 1:]  # position t predicts token t + 1
@@ -35,6 +40,25 @@ def answer_logprobs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor
     logits = core.get_output_embeddings()(hidden[:, :-1][answer])  # the LM head on answer tokens only
     logprobs = -F.cross_entropy(logits.float(), targets[answer], reduction="none")
     return logprobs, answer.nonzero()[:, 0]
+
+
+def _shared_images(core, inputs: dict, image_of_row: list[int]) -> dict:
+    """The batch's inputs with its images' features in place of their tokens (``inputs_embeds``),
+    each distinct image run through the vision tower once: what the model's forward would do with
+    ``pixel_values``, which would run a group's image G times. A trained vision LoRA gets the
+    gradients of every row that shows the image, summed, as it would from G separate passes."""
+    inputs = dict(inputs)
+    grid, pixels, input_ids = inputs.pop("image_grid_thw"), inputs.pop("pixel_values"), inputs.pop("input_ids")
+    inputs.pop("mm_token_type_ids", None)  # only used to derive positions, which the batch gives
+    per_row = pixels.split(grid.prod(-1).tolist())
+    shown = sorted(set(image_of_row))
+    features = core.model.get_image_features(torch.cat([per_row[r] for r in shown]), grid[shown]).pooler_output
+    by_row = dict(zip(shown, features))
+    embeds = core.model.get_input_embeddings()(input_ids)
+    image_embeds = torch.cat([by_row[r] for r in image_of_row]).to(embeds.dtype)
+    image_tokens = (input_ids == core.config.image_token_id)[..., None]
+    inputs["inputs_embeds"] = embeds.masked_scatter(image_tokens, image_embeds)
+    return inputs
 
 
 def answer_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

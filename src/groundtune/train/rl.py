@@ -251,6 +251,10 @@ def update(model, reference, batch: Rollouts, adv: torch.Tensor, optimizer, cfg:
     device = next(p for p in model.parameters() if p.requires_grad).device
     chunks = [list(range(i, min(i + cfg.micro_batch, len(batch.sequences))))
               for i in range(0, len(batch.sequences), cfg.micro_batch)]
+    group_size = batch.rewards.shape[1]
+    # the answers of one prompt show one image: the first of them in a chunk lends it to the rest
+    prompt_of = [[r // group_size for r in rows] for rows in chunks]
+    image_of_row = [[prompts.index(p) for p in prompts] for prompts in prompt_of]
     per_answer_adv = adv.flatten()
     total_tokens = int(batch.lengths.sum())
     old, ref = {}, {}
@@ -262,9 +266,9 @@ def update(model, reference, batch: Rollouts, adv: torch.Tensor, optimizer, cfg:
             micro = to_device(micro, device)
             if inner == 0 and cfg.kl_coef > 0:
                 with torch.no_grad(), autocast, reference():
-                    ref[c] = answer_logprobs(model, micro)[0].float()
+                    ref[c] = answer_logprobs(model, micro, image_of_row[c])[0].float()
             with autocast:
-                logprobs, owner = answer_logprobs(model, micro)
+                logprobs, owner = answer_logprobs(model, micro, image_of_row[c])
             if inner == 0:  # the policy has not moved yet: its log-probs are the old ones
                 old[c] = logprobs.detach()
             token_adv = per_answer_adv[torch.tensor(rows)][owner.cpu()].to(device)
