@@ -280,7 +280,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                    "index.html, to this folder (the --compare model's go to FOLDER/compare)")
     p.add_argument("--compare", metavar="M2", help="a second model evaluated on the same samples; "
                    "both reports side by side")
-    p.add_argument("--batch-size", type=_positive_int, default=16, help="samples per generate call")
+    p.add_argument("--batch-size", type=_positive_int, default=16,
+                   help="samples answered together (default 16; 64 is faster on a GPU with the memory)")
     p.add_argument("--max-pixels", type=_positive_int, help="override the model's saved pixel budget (warned: "
                    "a budget other than training's usually costs accuracy)")
     p.add_argument("--min-pixels", type=_positive_int, help="override the model's saved minimum pixels")
@@ -320,7 +321,8 @@ def _add_predict(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draw", metavar="OUT.png", help="also save the image with the predicted box drawn")
     p.add_argument("--jsonl", metavar="IN", help="predict every line of this JSONL file instead")
     p.add_argument("--out", help="with --jsonl: the JSONL file to write")
-    p.add_argument("--batch-size", type=_positive_int, default=16, help="with --jsonl: samples per generate call")
+    p.add_argument("--batch-size", type=_positive_int, default=16,
+                   help="with --jsonl: samples answered together (default 16; 64 is faster on a GPU)")
     _add_max_new_tokens(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.set_defaults(handler=_predict)

@@ -6,15 +6,17 @@
 
 One step, as the code below reads:
   1. rollouts: ``batch_size`` prompts, ``group_size`` sampled answers each, through the one
-     generation path (``infer.generate``: same resize, prompt and box parser as eval), with every
-     decoding setting given (``temperature``, ``top_p``, ``top_k`` off unless set): none comes from
-     the checkpoint, whose top_k=1 (Qwen2.5-VL) would make every answer of a group the same;
+     generation path (``infer.generate``: same resize, prompt and box parser as eval; the run's
+     generation engine prefills each prompt once for its group), with every decoding setting
+     given (``temperature``, ``top_p``, ``top_k`` off unless set): none comes from the checkpoint,
+     whose top_k=1 (Qwen2.5-VL) would make every answer of a group the same;
   2. rewards: ``rewards.reward`` of each answer (IoU with the true box plus a format term; an
      answer without a box earns 0);
   3. advantages: GRPO's group normalisation, (r - mean) / std over a prompt's answers, or REINFORCE
      with a moving-average baseline per prompt (``advantage=ema``, the seed design's variant);
   4. update: ``inner_updates`` gradient steps on the clipped policy-ratio objective, plus
-     ``kl_coef`` x KL to the starting policy.
+     ``kl_coef`` x KL to the starting policy (the answers of one prompt share one vision pass of
+     its image where the family allows: train/objective.py).
 With ``curriculum=true`` (the seed design's), step 1 draws only prompts that can still teach: one
 whose last group was solved (every answer at IoU >= 0.5) or hopeless (none) sits out its next turn
 in the prompt order, and is back on the turn after, when the policy may have changed.
