@@ -247,7 +247,7 @@ def predict_records(gm, records: list[dict], data_path, batch_size: int = 16,
 
 def default_workers(device) -> int:
     """Encoding processes for ``predict_records``: on a GPU machine enough to keep up with the GPU
-    (a 640x480 photo takes ~15 ms to decode, resize and patchify; the 3B answers ~100 a second), on
+    (a 640x480 photo takes ~15 ms to decode, resize and patchify; the 3B answers ~50 a second), on
     a CPU none: the model needs the cores more than the encoding does."""
     if torch.device(device).type == "cpu":
         return 0

@@ -28,6 +28,7 @@ fp32 for all three families and for LoRA adapters merged or not; bench/eval_spee
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -114,9 +115,18 @@ class _Step:
                 for _ in range(2):
                     self.compute()
             torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=self.pool):
-                self.compute()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.compute()
+            except RuntimeError as e:
+                # a layer that waits on the host (a quantised kernel, a custom module) cannot be
+                # captured: the step then runs as it is, slower and the same
+                warnings.warn(f"generation: the decode step cannot be captured as a CUDA graph ({e}); "
+                              "running it without", stacklevel=2)
+                self.pool = None
+                return self.compute()
+            self.graph = graph
         self.graph.replay()
 
 
