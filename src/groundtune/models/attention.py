@@ -18,9 +18,10 @@ GPU, the kernel against the fallbacks; bench/sft_speed.py shows equal first loss
 
 The language model's attention is registered with transformers as ``groundtune`` (its
 AttentionInterface). A batch that carries ``cu_seq_lens_q`` (qwen.collate_packed: the names
-transformers' flash-attention path reads) is attended per sample; any other batch (padded
-training, generation with a KV cache) goes to transformers' own SDPA function with the SDPA mask,
-unchanged. With flash-attention installed and selected, transformers' own paths already do all of
+transformers' flash-attention path reads) is attended per sample; while the generation engine
+runs the model (``attached``, models/engine.py) its own KV cache is read and written; any other
+batch (padded training, transformers' ``generate``) goes to transformers' own SDPA function with the
+SDPA mask, unchanged. With flash-attention installed and selected, transformers' own paths already do all of
 this and nothing is replaced.
 """
 
