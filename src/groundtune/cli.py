@@ -328,6 +328,37 @@ def _add_predict(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_predict)
 
 
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a model as a folder transformers and vLLM load without groundtune (LoRA merged)",
+        description="Write MODEL (a run folder, a model folder, a hub id, tiny) to --out as a self-contained\n"
+        "Hugging Face folder: a LoRA adapter merged into its base (a QLoRA adapter into the base's\n"
+        "full-precision weights), safetensors, tokenizer and chat template, a preprocessor_config.json\n"
+        "carrying the run's pixel budget (the stock processor then resizes as training did), greedy\n"
+        "generation defaults, groundtune.json, and a model card with the eval result and how to map a\n"
+        "box back to the caller's image. groundtune predict/eval/serve --model OUT load it too.\n\n"
+        "examples:\n"
+        "  groundtune export quickstart/run --out exports/quickstart\n"
+        "  groundtune export runs/sft --out exports/sft --dtype fp32 --overwrite",
+        formatter_class=_Formatter,
+    )
+    p.add_argument("model", help=_MODEL_HELP)
+    p.add_argument("--out", required=True, help="the folder to write (refused if it exists and is not empty)")
+    p.add_argument("--dtype", default="base", choices=["base", "bf16", "fp16", "fp32"],
+                   help="weights' dtype: base = the dtype the base's weights are stored in")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(handler=_export)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from groundtune.export import export
+
+    export(args.model, args.out, dtype=args.dtype, overwrite=args.overwrite,
+           say=lambda line: print(line, file=sys.stderr))
+    return 0
+
+
 # --------------------------------------------------------------------------------------------
 # The table
 
@@ -424,6 +455,7 @@ COMMANDS = {
     "train": _add_train,
     "eval": _add_eval,
     "predict": _add_predict,
+    "export": _add_export,
     "quickstart": _add_quickstart,
 }
 

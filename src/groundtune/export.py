@@ -1,0 +1,262 @@
+"""Export a trained model as a folder any transformers or vLLM user can load without groundtune.
+
+    groundtune export runs/sft --out exports/sft                  # LoRA merged into its base
+    groundtune export runs/sft --out exports/sft --dtype fp32     # another dtype than the base's
+
+What the folder holds, and why each file:
+- ``model*.safetensors`` + ``config.json``: the weights, a LoRA adapter merged into its base. A
+  QLoRA run's adapter was trained against the 4-bit base; it is merged into the base's own bf16
+  weights (4-bit weights cannot hold a merge), so the export answers as the adapter on the full-
+  precision base does: slightly unlike the 4-bit model it was trained with (the quantisation error,
+  which training partly adapted to), usually better.
+- tokenizer files and the chat template: the prompt is built exactly as in training.
+- ``preprocessor_config.json`` with the RUN's pixel budget: the stock processor then resizes every
+  image exactly as training did. Peers' merged exports drop this file or keep the base's budget,
+  and the served model sees other pixels than it was trained on.
+- ``generation_config.json`` with greedy grounding defaults (no sampling, no repetition penalty:
+  a box may repeat a digit), not the base's (Qwen2.5-VL ships top_k=1 and a penalty of 1.05).
+- ``groundtune.json``: family, box convention, pixel budget, prompt, head; ``groundtune predict``,
+  ``eval`` and ``serve`` read it back.
+- ``README.md``: a model card with the run's eval result, and how to call the model from
+  transformers and vLLM, mapping its box back to the caller's image.
+
+tests/test_export.py loads an export with transformers alone (no groundtune import) and gets
+groundtune's boxes, for all three families.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+from groundtune import boxes
+from groundtune.config import MAX_NEW_TOKENS
+from groundtune.errors import DiskFullError, MissingError, RunExistsError
+from groundtune.models import qwen
+from groundtune.models.loading import METADATA_FILE, load_model, read_metadata, resolve
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+HEAD = "text"  # how the model answers: a box written as text (the only head today)
+
+
+def export(name: str, out: str | Path, dtype: str = "base", overwrite: bool = False, say=print) -> Path:
+    """Write the model ``name`` (a run folder, a model folder, a hub id, ``tiny``) to ``out`` as a
+    self-contained Hugging Face folder; returns ``out``. ``dtype``: ``base`` (the dtype the base
+    weights are stored in) or one of DTYPES."""
+    out = Path(out)
+    _check_target(out, overwrite)
+    kind, path = _check_source(name)
+    run_meta = read_metadata(path / "model") if kind == "run" else (read_metadata(path) if path else {})
+    gm = load_model(name, device="cpu", dtype="fp32")  # merged in fp32, then cast once
+    target_dtype = _stored_dtype(gm.base_model) if dtype == "base" else DTYPES[dtype]
+    model = gm.model
+    qlora = kind == "run" and _run_method(path) == "qlora"
+    if hasattr(model, "peft_config"):
+        with warnings.catch_warnings():  # peft calls a transformers method transformers deprecates
+            warnings.simplefilter("ignore", FutureWarning)
+            model = model.merge_and_unload()
+        say(f"merged the LoRA adapter into {gm.base_model}" + (
+            " (a QLoRA adapter, merged into the base's full-precision weights: see the model card)" if qlora else ""))
+    model = model.to(target_dtype)
+    needed = sum(p.numel() * p.element_size() for p in model.parameters())
+    _check_disk(out, needed)
+
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)
+        _greedy_generation_config(gm).save_pretrained(tmp)
+        tokenizer = gm.processor.tokenizer
+        tokenizer.chat_template = gm.processor.chat_template
+        tokenizer.save_pretrained(tmp)
+        _image_processor_at(gm.processor.image_processor, gm.resize).save_pretrained(tmp)
+        metadata = {
+            "family": gm.family,
+            "convention": boxes.COORDINATES[gm.family],
+            "resize": gm.resize.to_dict(),
+            "prompt": gm.prompt,
+            "head": HEAD,
+            "exported_from": str(path.resolve()) if path is not None else name,
+            "base_model": gm.base_model,
+            "dtype": str(target_dtype).removeprefix("torch."),
+            **({"eval": run_meta["eval"]} if "eval" in run_meta else {}),
+            **({"trained_4bit": True} if qlora else {}),
+        }
+        (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+        (tmp / "README.md").write_text(model_card(metadata, out.name))
+        _usual_modes(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    say(f"exported {name} -> {out} ({needed / 2**20:,.1f} MiB of {metadata['dtype']} weights)")
+    return out
+
+
+def _usual_modes(folder: Path) -> None:
+    """The files with the mode the umask gives new files: the weights are written owner-only
+    (safetensors' temporary file), which a server running as another user could not read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in folder.iterdir():
+        file.chmod(0o666 & ~umask)
+
+
+def _check_target(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise RunExistsError(f"{out}: a file is there; name a folder for the export")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise RunExistsError(f"{out} exists and is not empty; pass --overwrite to replace it, or another --out")
+
+
+def _check_source(name: str) -> tuple[str, Path | None]:
+    """``resolve(name)``, with a run that has no model yet said as such."""
+    path = Path(name).expanduser()
+    if path.is_dir() and not (path / "model" / METADATA_FILE).exists() and (
+            (path / "config.yaml").exists() or (path / "checkpoints").is_dir()):
+        raise MissingError(f"{path}: this run has no model yet (RUN/model is written at its end and at each new "
+                           "best eval); finish or resume it first: groundtune train --resume " + str(path))
+    return resolve(name)
+
+
+def _check_disk(out: Path, needed: int) -> None:
+    parent = next(p for p in [out.resolve().parent, *out.resolve().parents] if p.exists())
+    free = shutil.disk_usage(parent).free
+    if free < needed * 1.1 + 2**20:  # the weights, and room for the small files
+        raise DiskFullError(f"{parent}: the export needs ~{needed / 2**30:.2f} GiB and {free / 2**30:.2f} GiB are free")
+
+
+def _run_method(run: Path) -> str | None:
+    import yaml
+
+    config = run / "config.yaml"
+    return (yaml.safe_load(config.read_text()) or {}).get("method") if config.exists() else None
+
+
+def _stored_dtype(base: str) -> torch.dtype:
+    """The dtype the base's weights are stored in (its config.json), fp32 when it does not say."""
+    from transformers import AutoConfig
+
+    kind, path = resolve(base)
+    config = AutoConfig.from_pretrained(path if path is not None else base)
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    return stored if stored in DTYPES.values() else torch.float32
+
+
+def _greedy_generation_config(gm):
+    """Greedy grounding defaults in place of the base's (which may sample with top_k=1 and a
+    repetition penalty of 1.05)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=MAX_NEW_TOKENS, repetition_penalty=1.0,
+                            eos_token_id=gm.processor.eos_token_ids, pad_token_id=gm.processor.pad_token_id,
+                            bos_token_id=None)
+
+
+def _image_processor_at(image_processor, resize: boxes.ResizeSpec):
+    """A copy of the image processor whose resize is the run's: its min/max pixels (``size`` in
+    transformers 5's names, ``min_pixels``/``max_pixels`` in the older ones and vLLM's)."""
+    import copy
+
+    factor = image_processor.patch_size * image_processor.merge_size
+    if factor != resize.factor:
+        raise ValueError(f"the image processor's patch x merge is {factor}, the model's resize factor {resize.factor}")
+    processor = copy.deepcopy(image_processor)
+    processor.size = {"shortest_edge": resize.min_pixels, "longest_edge": resize.max_pixels}
+    processor.min_pixels, processor.max_pixels = resize.min_pixels, resize.max_pixels
+    processor.do_resize = True
+    return processor
+
+
+def model_card(meta: dict, name: str) -> str:
+    """README.md of an export: what it is, how well it did, and how to use it without groundtune."""
+    family = qwen.family(meta["family"])
+    resize = meta["resize"]
+    example_phrase = "the red mug"
+    prompt = meta["prompt"].format(phrase=example_phrase)
+    if meta["convention"] == boxes.RESIZED_PIXELS:
+        back = ("# boxes are in pixels of the image as the processor resized it\n"
+                f"resized_h, resized_w = (inputs['image_grid_thw'][0, 1:] * {family.patch_size}).tolist()\n"
+                "box = [x1 * image.width / resized_w, y1 * image.height / resized_h,\n"
+                "       x2 * image.width / resized_w, y2 * image.height / resized_h]")
+    else:
+        back = ("# boxes are in 0-1000 of the image\n"
+                "box = [x1 * image.width / 1000, y1 * image.height / 1000, x2 * image.width / 1000, y2 * image.height / 1000]")
+    evaluated = meta.get("eval")
+    eval_line = (f"Acc@0.5 **{evaluated['acc@0.5']:.3f}**, Acc@0.75 {evaluated['acc@0.75']:.3f}, mIoU "
+                 f"{evaluated['miou']:.3f}, parse failures {evaluated['parse_fail_rate']:.3f} on {evaluated['n']} "
+                 "held-out samples (greedy decoding), at the saved step." if evaluated else
+                 "No evaluation was recorded with this model.")
+    qlora = ("\nThe adapter was trained with a 4-bit (QLoRA) base and is merged here into the base's "
+             "full-precision weights: answers can differ slightly from the 4-bit model's.\n"
+             if meta.get("trained_4bit") else "")
+    return f"""---
+library_name: transformers
+pipeline_tag: image-text-to-text
+tags: [visual-grounding, groundtune, {meta['family']}]
+---
+
+# {name}
+
+A {meta['family']} model fine-tuned for visual grounding (image + phrase -> bounding box) with
+groundtune, exported from `{meta['exported_from']}` (base: `{meta['base_model']}`), weights in
+{meta['dtype']}. Its answers are boxes as text in the {meta['family']} convention: coordinates in
+{meta['convention']}{" of the image as resized by the processor" if meta['convention'] == boxes.RESIZED_PIXELS else ""}.
+{qlora}
+## Evaluation
+
+{eval_line}
+
+## Images are resized as in training
+
+`preprocessor_config.json` carries the training pixel budget: {resize['min_pixels']:,} to
+{resize['max_pixels']:,} pixels, sides multiples of {resize['factor']}. Use the processor from this
+folder, unchanged; another budget shows the model other pixels than it learned from.
+
+## Use with transformers
+
+```python
+import json, re, torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+model = AutoModelForImageTextToText.from_pretrained("{name}", dtype="auto")
+processor = AutoProcessor.from_pretrained("{name}")
+image = Image.open("photo.jpg").convert("RGB")
+messages = [{{"role": "user", "content": [{{"type": "image"}},
+             {{"type": "text", "text": {json.dumps(prompt)}}}]}}]
+text = processor.apply_chat_template(messages, add_generation_prompt=True)
+inputs = processor(text=[text], images=[image], return_tensors="pt")
+out = model.generate(**inputs)  # greedy: generation_config.json
+answer = processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=False)[0]
+x1, y1, x2, y2 = map(float, re.findall(r"-?\\d+(?:\\.\\d+)?", answer.split("bbox_2d")[-1])[:4]) \\
+    if "bbox_2d" in answer else map(float, re.findall(r"\\d+", answer)[:4])
+{back}
+```
+
+## Use with vLLM
+
+```bash
+vllm serve {name} --limit-mm-per-prompt '{{"image": 1}}'
+```
+
+Send the same prompt with the image as an `image_url` (a data: URI), and map the box back as above
+(vLLM resizes with this folder's `preprocessor_config.json`; for {meta['convention']} boxes the
+resized size is the image's size rounded by the processor's `smart_resize` with the budget above).
+
+## Use with groundtune
+
+```bash
+groundtune predict --model {name} --image photo.jpg --phrase {json.dumps(example_phrase)}
+groundtune serve --model {name}
+```
+"""

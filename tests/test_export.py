@@ -1,0 +1,175 @@
+"""`groundtune export`: a run's model merged and written so that transformers alone (no groundtune
+import, in a process of its own) answers with groundtune's boxes, for all three families; the
+export loads back into groundtune; bad targets are refused."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from groundtune import infer
+from groundtune.cli import main
+from groundtune.data import synth
+from groundtune.errors import DiskFullError, MissingError, RunExistsError
+from groundtune.export import export
+from groundtune.models.loading import load_model
+from groundtune.train.checkpoint import save_model
+
+# The cookbook way, transformers only: the folder's tokenizer, image processor (which resizes the
+# ORIGINAL image with the folder's pixel budget), chat template and generation config.
+PLAIN = '''
+import json, sys
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+folder, image_path, phrase = sys.argv[1:4]
+model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+tokenizer = AutoTokenizer.from_pretrained(folder)
+try:
+    image_processor = AutoImageProcessor.from_pretrained(folder)
+except ImportError:  # transformers < 5.24 without torchvision: its PIL class reads the same file
+    from transformers import Qwen2VLImageProcessorPil
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(folder)
+prompt = json.load(open(folder + "/groundtune.json"))["prompt"].format(phrase=phrase)
+image = Image.open(image_path).convert("RGB")
+vision = image_processor(images=[image], return_tensors="pt")
+messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+n = int(vision["image_grid_thw"][0].prod()) // image_processor.merge_size ** 2
+text = text.replace("<|image_pad|>", "<|image_pad|>" * n, 1)
+ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+out = model.generate(**ids, **vision, mm_token_type_ids=(ids["input_ids"] == image_token).int())
+answer = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=False)
+print(json.dumps({"answer": answer, "resized": (vision["image_grid_thw"][0, 1:] * image_processor.patch_size).tolist(),
+                  "groundtune_imported": any(m.startswith("groundtune") for m in sys.modules)}))
+'''
+
+
+def _plain_box(answer: str, family: str, resized_hw: list[int], size: tuple[int, int]) -> list[float] | None:
+    """The first box of an answer in the caller's pixels, as a cookbook maps it back: Qwen2.5-VL's
+    are pixels of the processor's resized image, the others' 0-1000."""
+    if family == "qwen2-vl":
+        numbers = re.findall(r"\((\d+),(\d+)\),\((\d+),(\d+)\)", answer)
+        scale = (size[0] / 1000, size[1] / 1000)
+    else:
+        numbers = re.findall(r'"bbox_2d":\s*\[\s*(-?[\d.]+),\s*(-?[\d.]+),\s*(-?[\d.]+),\s*(-?[\d.]+)', answer)
+        scale = ((size[0] / resized_hw[1], size[1] / resized_hw[0]) if family == "qwen2.5-vl"
+                 else (size[0] / 1000, size[1] / 1000))
+    if not numbers:
+        return None
+    x1, y1, x2, y2 = map(float, numbers[0])
+    return [min(max(v, 0.0), limit) for v, limit in
+            zip((x1 * scale[0], y1 * scale[1], x2 * scale[0], y2 * scale[1]), (size[0], size[1]) * 2)]
+
+
+def _run_with_lora(model_name: str, folder: Path) -> Path:
+    """A run folder whose model is a LoRA adapter on ``model_name`` (small random weights: the
+    merged export must carry them, so they change the answers a little)."""
+    from peft import LoraConfig, get_peft_model
+
+    gm = load_model(model_name, device="cpu", dtype="fp32")
+    model = get_peft_model(gm.model, LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "qkv"],
+                                                init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.05)
+    folder.mkdir()
+    save_model(folder, gm, model, {"eval": {"acc@0.5": 0.5, "acc@0.75": 0.25, "miou": 0.5, "parse_fail_rate": 0.0,
+                                            "n": 8}})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    """Non-square scenes larger than the tiny budget, so the processor really resizes them."""
+    folder = tmp_path_factory.mktemp("photos")
+    files = []
+    for i, (w, h) in enumerate([(300, 200), (180, 260)]):
+        image, record = synth.make_sample(seed=5, index=i, width=w, height=h, task="single")
+        image.save(folder / f"{i}.png")
+        files.append((folder / f"{i}.png", record["phrase"]))
+    return files
+
+
+def test_plain_transformers_answers_with_groundtunes_boxes(any_family_model, photos, tmp_path):
+    run = _run_with_lora(any_family_model, tmp_path / "run")
+    out = export(str(run), tmp_path / "export", dtype="fp32", say=lambda line: None)
+    gm = infer.load(str(run), device="cpu")
+    meta = json.loads((out / "groundtune.json").read_text())
+    assert meta["family"] == gm.family and meta["resize"] == gm.resize.to_dict() and meta["eval"]["n"] == 8
+    boxes_seen = 0
+    for file, phrase in photos:
+        ours = infer.predict(gm, [Image.open(file)], [phrase], max_new_tokens=64)[0]
+        plain = subprocess.run([sys.executable, "-c", PLAIN, str(out), str(file), phrase],
+                               capture_output=True, text=True, check=True)
+        result = json.loads(plain.stdout.strip().splitlines()[-1])
+        assert not result["groundtune_imported"]
+        assert result["answer"].split("<|im_end|>")[0] == ours.raw
+        size = Image.open(file).size
+        assert list(gm.resize.resized_size(size))[::-1] == result["resized"]  # the stock processor resized as we do
+        box = _plain_box(result["answer"], gm.family, result["resized"], size)
+        assert (box is None) == (ours.bbox is None)
+        if box is not None:
+            boxes_seen += 1
+            assert max(abs(a - b) for a, b in zip(box, ours.bbox)) <= 0.5
+    if gm.family == "qwen2.5-vl":
+        assert boxes_seen == len(photos)  # the trained tiny model answers with boxes: the check has teeth
+    # and groundtune loads the export as a model folder, with the run's settings
+    again = infer.load(str(out), device="cpu")
+    assert again.resize == gm.resize and again.prompt == gm.prompt
+    file, phrase = photos[0]
+    assert infer.predict(again, [Image.open(file)], [phrase])[0].raw == infer.predict(gm, [Image.open(file)], [phrase])[0].raw
+
+
+def test_default_dtype_is_the_bases_and_the_card_says_how_to_use_it(tmp_path):
+    run = _run_with_lora("tiny", tmp_path / "run")
+    out = export(str(run), tmp_path / "export", say=lambda line: None)
+    config = json.loads((out / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"  # the tiny model's stored dtype
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation.get("do_sample", False) is False and generation.get("repetition_penalty", 1.0) == 1.0
+    assert "top_k" not in generation or generation["top_k"] != 1
+    preprocessor = json.loads((out / "preprocessor_config.json").read_text())
+    assert preprocessor["size"] == {"shortest_edge": 3136, "longest_edge": 50176}
+    card = (out / "README.md").read_text()
+    assert "Acc@0.5 **0.500**" in card and "image_grid_thw" in card and "vllm serve" in card
+    assert not list(tmp_path.glob(".export.tmp*"))
+
+
+def test_refusals(tmp_path, capsys, monkeypatch):
+    run = _run_with_lora("tiny", tmp_path / "run")
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    with pytest.raises(RunExistsError, match="--overwrite"):
+        export(str(run), taken, say=lambda line: None)
+    assert (taken / "keep.txt").read_text() == "mine"
+    export(str(run), taken, overwrite=True, say=lambda line: None)
+    assert (taken / "config.json").exists() and not (taken / "keep.txt").exists()
+
+    unfinished = tmp_path / "unfinished"
+    (unfinished / "checkpoints").mkdir(parents=True)
+    (unfinished / "config.yaml").write_text("method: lora\n")
+    with pytest.raises(MissingError, match="no model yet"):
+        export(str(unfinished), tmp_path / "x", say=lambda line: None)
+
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(DiskFullError, match="GiB are free"):
+        export(str(run), tmp_path / "full", say=lambda line: None)
+    assert not (tmp_path / "full").exists()
+    monkeypatch.undo()
+
+    assert main(["export", str(unfinished), "--out", str(tmp_path / "y")]) == 2
+    assert "no model yet" in capsys.readouterr().err
