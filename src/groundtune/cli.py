@@ -359,6 +359,54 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from groundtune.serve import Limits
+
+    d = Limits()
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over HTTP: /v1/ground, OpenAI-compatible /v1/chat/completions, a UI at /",
+        description="Serve MODEL over HTTP (FastAPI on uvicorn; pip install \"groundtune[serve]\"):\n"
+        "  POST /v1/ground            an image (base64/data: URI, or a multipart upload) and phrase(s) ->\n"
+        "                             boxes in pixels of the caller's original image\n"
+        "  POST /v1/chat/completions  OpenAI's chat API; the boxes in a 'groundtune' field\n"
+        "  GET  /v1/models, /health, /metrics (Prometheus), / (a one-page UI)\n"
+        "Concurrent requests are answered in batches; a full queue answers 503. Listens on 127.0.0.1\n"
+        "unless --host says otherwise; nothing is read from the server's disk or network for a caller.\n\n"
+        "examples:\n"
+        "  groundtune serve --model quickstart/export\n"
+        "  groundtune serve --model runs/sft --host 0.0.0.0 --port 8080 --api-key $GROUNDTUNE_KEY",
+        formatter_class=_Formatter,
+    )
+    p.add_argument("--model", required=True, help=_MODEL_HELP)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=_positive_int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and /metrics")
+    p.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
+                   help="phrases answered together (1: one at a time)")
+    p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms,
+                   help="how long a phrase waits for others to fill its batch")
+    p.add_argument("--queue-size", type=_positive_int, default=d.queue_size,
+                   help="phrases that may wait; beyond, 503 with Retry-After")
+    p.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20, help="largest request body")
+    p.add_argument("--max-image-pixels", type=_positive_int, default=d.max_image_pixels)
+    p.add_argument("--max-phrases", type=_positive_int, default=d.max_phrases, help="phrases per request")
+    p.add_argument("--max-phrase-chars", type=_positive_int, default=d.max_phrase_chars)
+    _add_max_new_tokens(p)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    p.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from groundtune.serve import Limits, serve
+
+    limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_image_pixels=args.max_image_pixels,
+                    max_phrases=args.max_phrases, max_phrase_chars=args.max_phrase_chars,
+                    queue_size=args.queue_size, batch_size=args.batch_size, max_wait_ms=args.max_wait_ms)
+    serve(args.model, args.host, args.port, args.api_key, limits, args.device, args.max_new_tokens)
+    return 0
+
+
 # --------------------------------------------------------------------------------------------
 # The table
 
@@ -456,6 +504,7 @@ COMMANDS = {
     "eval": _add_eval,
     "predict": _add_predict,
     "export": _add_export,
+    "serve": _add_serve,
     "quickstart": _add_quickstart,
 }
 

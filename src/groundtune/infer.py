@@ -180,6 +180,7 @@ def predict(
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     progress: bool = False,
     names: list[str] | None = None,
+    engine: Engine | None = None,
 ) -> list[Prediction]:
     """Ground each phrase in its image (images already in memory) with greedy decoding
     (``Decoding.greedy``), ``batch_size`` samples per batch.
@@ -187,7 +188,8 @@ def predict(
     ``gm`` is a loaded GroundingModel; images are resized with ITS ResizeSpec and prompted with ITS
     prompt, as in training. The model is put in eval mode and given back in the mode it was in,
     because training calls this in the middle of a run. ``names`` (each image's file) go into
-    the error about an image the model cannot take.
+    the error about an image the model cannot take. ``engine``: one the caller keeps (the server),
+    whose captured decode steps are reused; by default one for this call (``engine_for``).
     """
     if len(images) != len(phrases):
         raise ValueError(f"got {len(images)} images but {len(phrases)} phrases")
@@ -195,7 +197,8 @@ def predict(
     starts = range(0, len(images), batch_size)
     if progress:
         starts = track(starts, f"predict ({batch_size}/batch)")
-    answering, decoding, predictions = engine_for(gm), Decoding.greedy(max_new_tokens), []
+    answering = engine if engine is not None else engine_for(gm)
+    decoding, predictions = Decoding.greedy(max_new_tokens), []
     for start in starts:
         chunk = list(zip(images[start : start + batch_size], phrases[start : start + batch_size]))
         chunk_names = names[start : start + batch_size] if names is not None else None
