@@ -143,7 +143,13 @@ def test_default_dtype_is_the_bases_and_the_card_says_how_to_use_it(tmp_path):
     assert preprocessor["size"] == {"shortest_edge": 3136, "longest_edge": 50176}
     card = (out / "README.md").read_text()
     assert "Acc@0.5 **0.500**" in card and "image_grid_thw" in card and "vllm serve" in card
+    assert "4-bit" not in card
     assert not list(tmp_path.glob(".export.tmp*"))
+    # an adapter trained on a 4-bit base is merged into the base's full-precision weights, and the card says so
+    (run / "config.yaml").write_text("method: qlora\n")
+    out = export(str(run), tmp_path / "export4", say=lambda line: None)
+    assert json.loads((out / "groundtune.json").read_text())["trained_4bit"] is True
+    assert "4-bit (QLoRA) base" in (out / "README.md").read_text()
 
 
 def test_refusals(tmp_path, capsys, monkeypatch):

@@ -83,6 +83,14 @@ def test_quickstart_command_runs(tmp_path, monkeypatch, capsys):
     rl = next(c for c in _commands() if c.startswith("groundtune rl quickstart-rl"))
     assert _run(rl + " max_steps=2 batch_size=2 group_size=2 eval_samples=4 eval_every=0 save_every=0") == 0
     assert (Path("quickstart/rl/model") / "adapter_config.json").exists()
+    # the README's export command writes what its listing shows, and the export loads back
+    export = next(c for c in _commands() if c.startswith("groundtune export quickstart/run"))
+    assert _run(export) == 0
+    listed = re.search(r"quickstart/export/\n(.*?)```", README, re.S).group(1)
+    for name in re.findall(r"^  (\S+?)[ ,]", listed, re.M) + ["chat_template.jinja"]:
+        assert (Path("quickstart/export") / name).exists(), name
+    image = next(Path("quickstart/data/images").glob("*.png"))
+    assert main(["predict", "--model", "quickstart/export", "--image", str(image), "--phrase", "the red circle"]) == 0
 
 
 def test_presets_named_in_the_readme_exist():
