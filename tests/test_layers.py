@@ -17,7 +17,7 @@ LAYERS = [
     {"data"},
     {"models"},
     {"infer"},
-    {"evaluate"},
+    {"evaluate", "export", "serve"},  # the deploy half, beside evaluate on infer
     {"train"},
     {"quickstart", "cli", "__main__", "__init__"},
 ]
