@@ -139,13 +139,17 @@ def test_the_openai_client_works_unchanged(server, gm):
     ({"image": "not base64!", "phrase": "x"}, 422, "not valid base64"),
     ({"image": _b64(b"GIF89a garbage that is no image"), "phrase": "x"}, 422, "cannot be decoded"),
     ({"image": "BIG", "phrase": "x"}, 413, "--max-image-pixels"),
+    ({"image": "THIN", "phrase": "x"}, 422, "aspect ratio"),
     ({"image": "data:image/png,rawbytes", "phrase": "x"}, 422, "must be base64"),
 ])
 def test_caller_mistakes_are_4xx_json_errors(server, body, status, says):
     png, _ = _scene()
     big = io.BytesIO()
     Image.new("RGB", (700, 500)).save(big, format="PNG")  # 350,000 pixels, a small file
-    body = {k: (_b64(png) if v == "IMAGE" else _b64(big.getvalue()) if v == "BIG" else v) for k, v in body.items()}
+    thin = io.BytesIO()
+    Image.new("RGB", (1000, 4)).save(thin, format="PNG")  # a ratio of 250: Qwen-VL's resize refuses it
+    images = {"IMAGE": _b64(png), "BIG": _b64(big.getvalue()), "THIN": _b64(thin.getvalue())}
+    body = {k: images.get(v, v) if isinstance(v, str) else v for k, v in body.items()}
     response = _ground(server, body)
     assert response.status_code == status, response.text
     if says:

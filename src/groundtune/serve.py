@@ -36,6 +36,7 @@ from pathlib import Path
 
 from PIL import Image, ImageOps
 
+from groundtune.boxes import ResizeError
 from groundtune.errors import DataError, MissingPackageError
 
 UI_FILE = Path(__file__).resolve().parent / "assets" / "serve_ui.html"
@@ -279,6 +280,11 @@ def create_app(gm, model_name: str, limits: Limits = Limits(), api_key: str | No
         return response
 
     async def answer(image: Image.Image, phrases: list[str]):
+        try:  # refused here, not in the batch it would fail for every caller in it
+            gm.resize.resized_size(image.size)
+        except ResizeError as e:
+            raise RequestError(422, f"the image ({image.width}x{image.height}) cannot be resized for the model: {e}",
+                               "image") from None
         try:
             return await batcher.answer(image, phrases)
         except QueueFull:
