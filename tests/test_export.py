@@ -152,6 +152,20 @@ def test_default_dtype_is_the_bases_and_the_card_says_how_to_use_it(tmp_path):
     assert "4-bit (QLoRA) base" in (out / "README.md").read_text()
 
 
+def test_a_full_fine_tuning_run_exports_its_own_weights(tmp_path, photos):
+    """No adapter to merge: the run's full weights, in the dtype they were saved in."""
+    gm = load_model("tiny", device="cpu", dtype="fp32")
+    with torch.no_grad():
+        gm.model.lm_head.weight.mul_(1.01)  # tied to the embedding: a model that is not the base
+    (tmp_path / "run").mkdir()
+    save_model(tmp_path / "run", gm, gm.model)
+    out = export(str(tmp_path / "run"), tmp_path / "export", say=lambda line: None)
+    assert json.loads((out / "config.json").read_text()).get("dtype") == "float32"
+    file, phrase = photos[0]
+    run_answer = infer.predict(infer.load(str(tmp_path / "run"), device="cpu"), [Image.open(file)], [phrase])[0]
+    assert infer.predict(infer.load(str(out), device="cpu"), [Image.open(file)], [phrase])[0] == run_answer
+
+
 def test_refusals(tmp_path, capsys, monkeypatch):
     run = _run_with_lora("tiny", tmp_path / "run")
     taken = tmp_path / "taken"

@@ -145,7 +145,8 @@ def _stored_dtype(base: str) -> torch.dtype:
     from transformers import AutoConfig
 
     kind, path = resolve(base)
-    config = AutoConfig.from_pretrained(path if path is not None else base)
+    folder = path / "model" if kind == "run" else path  # a full fine-tuning run's weights are its model/
+    config = AutoConfig.from_pretrained(folder if folder is not None else base)
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(stored, str):
         stored = getattr(torch, stored, None)
