@@ -112,6 +112,20 @@ def test_a_group_shares_its_prefill(tiny):
     assert len({tuple(a) for a in shared}) > 2
 
 
+def test_rows_rounded_up_to_a_power_of_two_answer_the_same(tiny):
+    """With graphs, a batch of 6 runs as 8 rows (copies of the last) so batches of 5 to 8 share a
+    captured shape; the answers are those of the 6 rows alone."""
+    encoded, _ = _batch(tiny)
+    assert len(encoded) == 6
+    engine = infer.engine_for(tiny)
+    engine.row_buckets = True
+    decoding = infer.Decoding.greedy(16)
+    assert engine.generate(encoded, 16, decoding.choose) == infer.plain_generate(tiny, encoded, decoding)
+    assert list(engine.steps) == [(8, 256)]
+    assert engine.generate(encoded[:5], 16, decoding.choose) == infer.plain_generate(tiny, encoded[:5], decoding)
+    assert list(engine.steps) == [(8, 256)]  # the same shape served both
+
+
 def test_top_k_1_sampling_is_greedy(tiny):
     greedy = _both(tiny, infer.Decoding.greedy(12))[1]
     assert _both(tiny, infer.Decoding.sampled(12, temperature=1.0, top_k=1), seed=5)[1] == greedy

@@ -38,7 +38,9 @@ from groundtune.models import attention, qwen
 
 COLUMN_STEP = 256  # cache lengths round up to this so batches of similar prompts share a graph (the 3B at
 # batch 64 reads 256 more columns in ~0.1 ms a step, its weights in ~1.3)
-GRAPHS_KEPT = 2  # captured (rows, columns) shapes kept, each with its cache (the 3B at 64 x 512: ~1.2 GB)
+# Captured (rows, columns) shapes are kept, each with its cache, least recently used dropped first,
+# while their caches fit this many bytes (the 3B at 64 rows x 512 columns: ~1.2 GB; at 16: ~0.3)
+CACHE_BYTES_KEPT = 2.5 * 2**30
 CHECK_EVERY = 4  # decode steps between checks that every row has finished
 GRAPHS_ENABLED = True  # bench/eval_speed.py switches the graphs off to measure what they give
 
@@ -132,8 +134,10 @@ class _Step:
 
 class Engine:
     """Generation for one model (a Qwen-VL model, or a PEFT model around one), in eval mode with
-    our language-model attention installed (``usable``). Keeps up to GRAPHS_KEPT captured decode
-    steps; ``release`` (or dropping the engine) frees them and their caches."""
+    our language-model attention installed (``usable``). Keeps the captured decode steps whose
+    caches fit CACHE_BYTES_KEPT; ``release`` (or dropping the engine) frees them. With graphs, a
+    batch's rows are rounded up to a power of two (copies of its last row fill the rest), so a
+    server's batches of 1 to 16 share five captured shapes instead of sixteen."""
 
     def __init__(self, model, pad_token_id: int, stop_token_ids: list[int], use_graphs: bool | None = None):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -150,6 +154,7 @@ class Engine:
         self.pad_token_id = pad_token_id
         self.stop_token_ids = torch.tensor(sorted(set(stop_token_ids) | {pad_token_id}), device=self.device)
         self.use_graphs = GRAPHS_ENABLED and self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.row_buckets = self.use_graphs  # rows rounded up to a power of two (the class docstring says why)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.steps: OrderedDict[tuple[int, int], _Step] = OrderedDict()
 
@@ -169,10 +174,11 @@ class Engine:
         key = (rows, columns)
         if key in self.steps:
             self.steps.move_to_end(key)
-        else:
-            while len(self.steps) >= GRAPHS_KEPT:
-                self.steps.popitem(last=False)
-            self.steps[key] = _Step(self, rows, columns)
+            return self.steps[key]
+        cache_bytes = 2 * self.layers * rows * self.kv_heads * columns * self.head_dim * self.dtype.itemsize
+        while self.steps and (len(self.steps) + 1) * cache_bytes > CACHE_BYTES_KEPT:
+            self.steps.popitem(last=False)  # (shapes of one engine are of similar size)
+        self.steps[key] = _Step(self, rows, columns)
         return self.steps[key]
 
     @torch.inference_mode()
@@ -184,9 +190,15 @@ class Engine:
         lengths = [len(p["input_ids"]) for p in prompts]
         prompt_columns = max(lengths)
         rows = len(prompts) * num_samples
+        width = 1 << (rows - 1).bit_length() if self.row_buckets else rows  # rows computed, the copies included
         columns = -(-(prompt_columns + max_new_tokens) // COLUMN_STEP) * COLUMN_STEP
-        step = self._step(rows, columns)
+        step = self._step(width, columns)
         cache = step.cache
+
+        def each_row(t: torch.Tensor) -> torch.Tensor:
+            """Per prompt -> per row: each prompt's num_samples rows, then copies of the last row."""
+            t = t.repeat_interleave(num_samples, dim=0)
+            return torch.cat([t, t[-1:].expand(width - rows, *t.shape[1:])]) if width > rows else t
 
         # 1. prefill, one packed row; each row's prompt columns come from its prompt's tokens
         packed = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
@@ -194,18 +206,17 @@ class Engine:
         ends = packed["cu_seq_lens_q"][1:].long()
         index = torch.arange(prompt_columns, device=self.device) - prompt_columns  # ..., -2, -1
         index = (ends[:, None] + index).clamp(min=0)  # (prompts, columns); before a prompt: masked anyway
-        cache.prompt_index = index.repeat_interleave(num_samples, dim=0).flatten()
+        cache.prompt_index = each_row(index).flatten()
         cache.prompt_columns = prompt_columns
-        starts = prompt_columns - torch.tensor(lengths, device=self.device)
-        cache.row_start.copy_(starts.repeat_interleave(num_samples))
+        cache.row_start.copy_(each_row(prompt_columns - torch.tensor(lengths, device=self.device)))
         with attention.attached(cache):
             logits = self.model(**packed, logits_to_keep=ends - 1, use_cache=False).logits[0].float()
         cache.prompt_index = None
         # the next token's M-RoPE position: one past the prompt's last (a text token: equal on all axes)
-        next_position = packed["position_ids"][0, 0, ends - 1].repeat_interleave(num_samples) + 1
+        next_position = each_row(packed["position_ids"][0, 0, ends - 1]) + 1
 
         # 2. decode
-        tokens = choose(logits.repeat_interleave(num_samples, dim=0))
+        tokens = choose(each_row(logits))
         finished = torch.isin(tokens, self.stop_token_ids)
         answer = [tokens]
         for i in range(1, max_new_tokens):
@@ -219,7 +230,7 @@ class Engine:
             tokens = torch.where(finished, self.pad_token_id, tokens)
             finished |= torch.isin(tokens, self.stop_token_ids)
             answer.append(tokens)
-        answer = torch.stack(answer, dim=1).tolist()
+        answer = torch.stack(answer, dim=1)[:rows].tolist()
         return [ids + [self.pad_token_id] * (max_new_tokens - len(ids)) for ids in answer]
 
 
