@@ -185,7 +185,7 @@ class Batcher:
                 predictions = await asyncio.to_thread(
                     infer.predict, self.gm, [b[0] for b in batch], [b[1] for b in batch],
                     batch_size=len(batch), max_new_tokens=self.max_new_tokens, engine=self.engine)
-            except DataError as e:  # an image the resize refuses (extreme aspect ratio): that batch's callers
+            except DataError as e:  # an image the resize refuses: checked per request before it queues; a guard
                 predictions = [RequestError(422, str(e), "image")] * len(batch)
             except Exception as e:  # noqa: BLE001 - the server must outlive a failed batch
                 predictions = [e] * len(batch)
