@@ -193,3 +193,7 @@ def test_refusals(tmp_path, capsys, monkeypatch):
 
     assert main(["export", str(unfinished), "--out", str(tmp_path / "y")]) == 2
     assert "no model yet" in capsys.readouterr().err
+    # said where every command resolves a model name: predict too
+    Image.new("RGB", (56, 56)).save(tmp_path / "x.png")
+    assert main(["predict", "--model", str(unfinished), "--image", str(tmp_path / "x.png"), "--phrase", "x"]) == 2
+    assert "no model yet" in capsys.readouterr().err

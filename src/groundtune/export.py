@@ -36,7 +36,7 @@ import torch
 
 from groundtune import boxes
 from groundtune.config import MAX_NEW_TOKENS
-from groundtune.errors import DiskFullError, MissingError, RunExistsError
+from groundtune.errors import DiskFullError, RunExistsError
 from groundtune.models import qwen
 from groundtune.models.loading import METADATA_FILE, load_model, read_metadata, resolve
 
@@ -50,7 +50,7 @@ def export(name: str, out: str | Path, dtype: str = "base", overwrite: bool = Fa
     weights are stored in) or one of DTYPES."""
     out = Path(out)
     _check_target(out, overwrite)
-    kind, path = _check_source(name)
+    kind, path = resolve(name)
     run_meta = read_metadata(path / "model") if kind == "run" else (read_metadata(path) if path else {})
     gm = load_model(name, device="cpu", dtype="fp32")  # merged in fp32, then cast once
     target_dtype = _stored_dtype(gm.base_model) if dtype == "base" else DTYPES[dtype]
@@ -114,16 +114,6 @@ def _check_target(out: Path, overwrite: bool) -> None:
         raise RunExistsError(f"{out}: a file is there; name a folder for the export")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise RunExistsError(f"{out} exists and is not empty; pass --overwrite to replace it, or another --out")
-
-
-def _check_source(name: str) -> tuple[str, Path | None]:
-    """``resolve(name)``, with a run that has no model yet said as such."""
-    path = Path(name).expanduser()
-    if path.is_dir() and not (path / "model" / METADATA_FILE).exists() and (
-            (path / "config.yaml").exists() or (path / "checkpoints").is_dir()):
-        raise MissingError(f"{path}: this run has no model yet (RUN/model is written at its end and at each new "
-                           "best eval); finish or resume it first: groundtune train --resume " + str(path))
-    return resolve(name)
 
 
 def _check_disk(out: Path, needed: int) -> None:

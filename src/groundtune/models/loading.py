@@ -155,6 +155,10 @@ def resolve(name: str) -> tuple[str, Path | None]:
             return "run", path
         if (path / "config.json").exists() or (path / "adapter_config.json").exists():
             return "folder", path
+        if (path / "config.yaml").exists() or (path / "checkpoints").is_dir():
+            raise MissingError(f"{path}: this run has no model yet (RUN/model is written at its end and at each new "
+                               f"best eval); finish it first: groundtune train --resume {path} (an RL run: "
+                               f"groundtune rl --resume {path})")
         raise MissingError(f"{path}: neither a training run (model/{METADATA_FILE}) nor a model folder (config.json)")
     if path.exists():
         raise MissingError(f"{path}: a file, not a model folder")
