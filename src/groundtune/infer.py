@@ -116,10 +116,16 @@ class Prediction:
     raw: str
     error: str | None
 
-    def to_json(self) -> dict:
-        """The printed form: the box rounded to 0.1 px (finer is noise), raw text kept whole."""
-        bbox = [round(v, 1) for v in self.bbox] if self.bbox is not None else None
-        return {"bbox": bbox, "label": self.label, "raw": self.raw, "error": self.error}
+    def to_json(self, all_boxes: bool = False) -> dict:
+        """The printed form: boxes rounded to 0.1 px (finer is noise), raw text kept whole; with
+        ``all_boxes`` every box of the answer too (the server's answer)."""
+        def rounded(box: list[float]) -> list[float]:
+            return [round(v, 1) for v in box]
+
+        out = {"bbox": rounded(self.bbox) if self.bbox is not None else None}
+        if all_boxes:
+            out["boxes"] = [rounded(box) for box in self.boxes]
+        return {**out, "label": self.label, "raw": self.raw, "error": self.error}
 
 
 def read_answer(

@@ -302,8 +302,7 @@ def create_app(gm, model_name: str, limits: Limits = Limits(), api_key: str | No
             "model": model_name,
             "width": image.width,
             "height": image.height,
-            "results": [{"phrase": phrase, "bbox": p.to_json()["bbox"], "boxes": [[round(v, 1) for v in b] for b in p.boxes],
-                         "label": p.label, "raw": p.raw, "error": p.error} for phrase, p in zip(phrases, predictions)],
+            "results": [{"phrase": phrase, **p.to_json(all_boxes=True)} for phrase, p in zip(phrases, predictions)],
             "timing_ms": {"decode": round((decoded - start) * 1000, 1), "model": round((done - decoded) * 1000, 1),
                           "total": round((done - start) * 1000, 1)},
         }
@@ -322,8 +321,8 @@ def create_app(gm, model_name: str, limits: Limits = Limits(), api_key: str | No
             "model": model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": prediction.raw},
                          "finish_reason": "stop", "logprobs": None}],
-            "groundtune": {"boxes": [[round(v, 1) for v in b] for b in prediction.boxes], "bbox": prediction.to_json()["bbox"],
-                           "label": prediction.label, "error": prediction.error,
+            # the answer's boxes in the caller's pixels (its raw text is the message above)
+            "groundtune": {**{k: v for k, v in prediction.to_json(all_boxes=True).items() if k != "raw"},
                            "width": image.width, "height": image.height},
         }
 
