@@ -18,16 +18,14 @@ import asyncio
 import base64
 import io
 import json
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
 from groundtune.data import synth
+from groundtune.serve import launch
 
 
 def scenes(n: int, width: int, height: int) -> list[dict]:
@@ -77,26 +75,6 @@ def _metric(text: str, name: str) -> float:
     return float(next((line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")), 0))
 
 
-def start_server(args, batch_size: int) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "groundtune", "serve", "--model", args.model, "--device", args.device,
-                                "--port", str(port), "--batch-size", str(batch_size),
-                                "--queue-size", str(max(256, args.concurrency * 2))])
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.25)
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode}")
-    process.kill()
-    raise SystemExit("the server did not start within 5 minutes")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a running server (else one is started with --model)")
@@ -114,7 +92,9 @@ def main() -> None:
     results = []
     runs = [("running server", None)] if args.url else [("batched", args.batch_size), ("one at a time", 1)]
     for name, batch_size in runs:
-        process, url = (None, args.url) if args.url else start_server(args, batch_size)
+        process, url = (None, args.url) if args.url else launch(
+            args.model, "--device", args.device, "--batch-size", str(batch_size),
+            "--queue-size", str(max(256, args.concurrency * 2)), timeout_s=300)
         try:
             asyncio.run(load(url, bodies[:4], min(64, args.requests), args.concurrency, args.api_key))  # warm-up
             row = {"variant": name, "model": args.model, "device": args.device, "server_batch_size": batch_size,

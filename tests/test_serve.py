@@ -8,10 +8,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
-import socket
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -19,33 +16,15 @@ from PIL import Image, ImageOps
 
 from groundtune import infer
 from groundtune.data import synth
+from groundtune.serve import launch
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(*flags: str):
-    port = _free_port()
-    process = subprocess.Popen([sys.executable, "-m", "groundtune", "serve", "--model", "tiny", "--device", "cpu",
-                                "--port", str(port), *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited: {process.stdout.read()}")
-        time.sleep(0.1)
-    process.kill()
-    raise RuntimeError("the server did not start within 30 s")
+    return launch("tiny", "--device", "cpu", *flags, timeout_s=30, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                  text=True)
 
 
 @pytest.fixture(scope="module")
