@@ -62,15 +62,18 @@ def _peak_gib() -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None
 
 
+def encode_in_process(gm, chunk: list[dict], data: Path) -> tuple[list[dict], list[tuple]]:
+    """Records -> encoded prompts and sizes, their files read and encoded here, one after another."""
+    images = [load_image(image_path(s, data), record_size(s)) for s in chunk]
+    return infer.encode_prompts(gm, list(zip(images, [s["phrase"] for s in chunk])))
+
+
 def loop_in_process(gm, samples: list[dict], data: Path, batch: int, new_tokens: int) -> list[str]:
     """The loop peers (and infer.predict before the engine) run: read a batch of files, encode it
     in this process, left-pad it, transformers' generate."""
     decoding, answers = infer.Decoding.greedy(new_tokens), []
     for start in range(0, len(samples), batch):
-        chunk = samples[start : start + batch]
-        files = [image_path(s, data) for s in chunk]
-        images = [load_image(f, record_size(s)) for f, s in zip(files, chunk)]
-        encoded, sizes = infer.encode_prompts(gm, list(zip(images, [s["phrase"] for s in chunk])))
+        encoded, sizes = encode_in_process(gm, samples[start : start + batch], data)
         answers += [p.raw for _, p in infer.generate(gm, encoded, sizes, decoding, engine=None)]
     return answers
 
@@ -112,9 +115,7 @@ def breakdown(gm, samples: list[dict], data: Path, batch: int, new_tokens: int) 
     """Where one batch's time goes, the images already encoded: prefill alone (one new token) and
     the whole answer, for transformers' generate and the engine (with and without graphs); and
     what the encoding workers deliver alone."""
-    chunk = samples[:batch]
-    images = [load_image(image_path(s, data), record_size(s)) for s in chunk]
-    encoded, _ = infer.encode_prompts(gm, list(zip(images, [s["phrase"] for s in chunk])))
+    encoded, _ = encode_in_process(gm, samples[:batch], data)
     out = {"prompt_tokens_mean": round(sum(len(e["input_ids"]) for e in encoded) / len(encoded), 1)}
 
     def best_of_3(fn) -> float:
@@ -155,9 +156,7 @@ def profile(gm, samples: list[dict], data: Path, batch: int) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    chunk = samples[:batch]
-    images = [load_image(image_path(s, data), record_size(s)) for s in chunk]
-    encoded, _ = infer.encode_prompts(gm, list(zip(images, [s["phrase"] for s in chunk])))
+    encoded, _ = encode_in_process(gm, samples[:batch], data)
     engine = engine_module.Engine(gm.model, gm.processor.pad_token_id, gm.processor.eos_token_ids, use_graphs=False)
     greedy = infer.Decoding.greedy(1).choose
     out = {}
