@@ -189,3 +189,19 @@ def test_a_full_queue_answers_503_with_retry_after():
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def test_a_taken_port_is_one_line_and_exit_2():
+    import socket
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "groundtune", "serve", "--model", "tiny", "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in "
+                                   "use); choose another --port (or --host)")
+    assert "serving" not in done.stdout  # said before the model loads, not after

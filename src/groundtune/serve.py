@@ -37,7 +37,7 @@ from pathlib import Path
 from PIL import Image, ImageOps
 
 from groundtune.boxes import ResizeError
-from groundtune.errors import DataError, MissingPackageError
+from groundtune.errors import ConfigError, DataError, MissingPackageError
 
 UI_FILE = Path(__file__).resolve().parent / "assets" / "serve_ui.html"
 
@@ -434,13 +434,30 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
         raise MissingPackageError('groundtune serve needs FastAPI and uvicorn: pip install "groundtune[serve]"') from None
     from groundtune import infer
 
+    listening = _listen(host, port)  # before the model loads: a taken port is said at once
     gm = infer.load(model, device=device)
     app = create_app(gm, model, limits, api_key, max_new_tokens)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {host} without --api-key: anyone who can reach it can use it")
     print(f"serving {model} ({gm.family}) on http://{host}:{port}  (UI at /, API at /v1/ground and /v1/chat/completions)",
           flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listening])
+
+
+def _listen(host: str, port: int):
+    """A socket bound to host:port for uvicorn; one that cannot be bound is a ConfigError naming the
+    flags (uvicorn itself would log it and exit 3 after the model had loaded)."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); "
+                          "choose another --port (or --host)") from None
+    return sock
 
 
 def launch(model: str, *flags: str, timeout_s: float = 60.0, **popen) -> tuple:
