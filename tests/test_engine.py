@@ -195,3 +195,28 @@ def test_cuda_graph_steps_equal_plain_generate(dtype):
     assert first == again
     same = sum(a == b for a, b in zip(first, plain))
     assert same == len(plain) if dtype == "fp32" else same >= len(plain) - 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_steps_dropped_for_room_are_captured_again(monkeypatch):
+    """A server's batches come in many shapes; steps are dropped to keep their caches small. When
+    every captured step is gone, the next capture must still work (a pool with no live graph
+    cannot take one) and answer as before, without falling back to uncaptured steps."""
+    import warnings
+
+    from groundtune.models import engine as engine_module
+
+    gm = load_model("tiny", device="cuda", dtype="fp32")
+    _scramble(gm.model)
+    speedups.install(gm.model)
+    encoded, _ = _batch(gm)
+    engine = infer.engine_for(gm)
+    decoding = infer.Decoding.greedy(8)
+    monkeypatch.setattr(engine_module, "CACHE_BYTES_KEPT", 1)  # room for one step: each new shape drops all
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a step that could not be captured warns
+        first = engine.generate(encoded, 8, decoding.choose)
+        fewer = engine.generate(encoded[:2], 8, decoding.choose)  # another shape: the first step is dropped
+        again = engine.generate(encoded, 8, decoding.choose)  # and the first shape again, captured anew
+    assert list(engine.steps) == [(8, 256)] and all(step.graph is not None for step in engine.steps.values())
+    assert again == first and fewer == first[:2]

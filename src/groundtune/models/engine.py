@@ -86,7 +86,7 @@ class _Step:
     """The static inputs and outputs of one decode step for one (rows, columns) shape, with its
     cache, and (on a GPU) the step captured as a CUDA graph."""
 
-    def __init__(self, engine: "Engine", rows: int, columns: int):
+    def __init__(self, engine: Engine, rows: int, columns: int):
         # what the step runs, not the engine itself: the engine holds its steps, and a cycle would
         # keep a dropped engine's caches and graphs on the GPU until the next garbage collection
         self.decoder, self.lm_head, self.pool = engine.decoder, engine.lm_head, engine.graph_pool
@@ -178,6 +178,10 @@ class Engine:
         cache_bytes = 2 * self.layers * rows * self.kv_heads * columns * self.head_dim * self.dtype.itemsize
         while self.steps and (len(self.steps) + 1) * cache_bytes > CACHE_BYTES_KEPT:
             self.steps.popitem(last=False)  # (shapes of one engine are of similar size)
+        if not self.steps and self.use_graphs:
+            # A pool whose graphs are all gone cannot take another capture (the caching allocator
+            # asserts that a shared pool has a live user): the next graphs go into a fresh one.
+            self.graph_pool = torch.cuda.graph_pool_handle()
         self.steps[key] = _Step(self, rows, columns)
         return self.steps[key]
 
