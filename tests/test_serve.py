@@ -9,6 +9,8 @@ import base64
 import concurrent.futures
 import io
 import subprocess
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -173,6 +175,51 @@ def test_concurrent_requests_are_answered_in_batches(server):
     count = float(next(line.split()[-1] for line in metrics.splitlines() if line.startswith("groundtune_batch_size_count")))
     total = float(next(line.split()[-1] for line in metrics.splitlines() if line.startswith("groundtune_batch_size_sum")))
     assert total / count > 1.5  # phrases per model call, over every request this server answered
+
+
+def test_encoding_processes_answer_as_the_server_does_alone(gm):
+    """--workers N (a GPU machine's default): images decoded and prompts encoded in processes of
+    their own; the same boxes, and a caller's mistake found there is still its 4xx."""
+    process, url = _start("--workers", "2", "--max-image-pixels", "300000")
+    try:
+        png, phrase = _scene(200, 140)
+        ours = infer.predict(gm, [Image.open(io.BytesIO(png))], [phrase])[0]
+        answer = httpx.post(url + "/v1/ground", json={"image": _b64(png), "phrases": [phrase, phrase]}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert [r["bbox"] for r in answer.json()["results"]] == [ours.to_json()["bbox"]] * 2
+        big, thin = io.BytesIO(), io.BytesIO()
+        Image.new("RGB", (700, 500)).save(big, format="PNG")
+        Image.new("RGB", (1000, 4)).save(thin, format="PNG")
+        for image, status, says in [(b"GIF89a no image", 422, "cannot be decoded"),
+                                    (big.getvalue(), 413, "--max-image-pixels"), (thin.getvalue(), 422, "aspect ratio")]:
+            refused = httpx.post(url + "/v1/ground", json={"image": _b64(image), "phrase": "x"}, timeout=60)
+            assert refused.status_code == status and says in refused.json()["error"]["message"], refused.text
+        chat = httpx.post(url + "/v1/chat/completions", timeout=60, json={"model": "tiny", "messages": [{
+            "role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + _b64(png)}},
+                                        {"type": "text", "text": phrase}]}]})
+        assert chat.json()["groundtune"]["bbox"] == ours.to_json()["bbox"]
+        workers = _children(process.pid)
+        assert len(workers) >= 2
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+    deadline = time.monotonic() + 10
+    while [pid for pid in workers if Path(f"/proc/{pid}").exists()] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]  # the workers ended with the server
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux: /proc)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
 
 
 def test_a_full_queue_answers_503_with_retry_after():

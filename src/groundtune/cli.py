@@ -102,6 +102,16 @@ def _positive_int(text: str) -> int:
 _positive_int.__name__ = "positive integer"  # argparse names a type by it: "invalid positive integer value: 'x'"
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+_count.__name__ = "count"
+
+
 def _require(args: argparse.Namespace, *names: str) -> None:
     missing = [n for n in names if getattr(args, n) is None]
     if missing:
@@ -388,6 +398,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="how long a phrase waits for others to fill its batch")
     p.add_argument("--queue-size", type=_positive_int, default=d.queue_size,
                    help="phrases that may wait; beyond, 503 with Retry-After")
+    p.add_argument("--workers", type=_count, default=None,
+                   help="processes decoding and encoding request images, 0: threads of the server (default: "
+                        "some on a GPU machine, none on a CPU one, where the model needs the cores)")
     p.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20, help="largest request body")
     p.add_argument("--max-image-pixels", type=_positive_int, default=d.max_image_pixels)
     p.add_argument("--max-phrases", type=_positive_int, default=d.max_phrases, help="phrases per request")
@@ -402,7 +415,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_image_pixels=args.max_image_pixels,
                     max_phrases=args.max_phrases, max_phrase_chars=args.max_phrase_chars,
-                    queue_size=args.queue_size, batch_size=args.batch_size, max_wait_ms=args.max_wait_ms)
+                    queue_size=args.queue_size, batch_size=args.batch_size, max_wait_ms=args.max_wait_ms,
+                    workers=args.workers)
     serve(args.model, args.host, args.port, args.api_key, limits, args.device, args.max_new_tokens)
     return 0
 

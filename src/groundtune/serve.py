@@ -13,9 +13,12 @@ Endpoints (the contract is in the README, "Serve"):
   the caller's pixels;
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /`` (a one-page UI).
 
-Requests are answered in batches: the phrases of all waiting requests (up to ``batch_size``, for
-at most ``max_wait_ms`` after the first arrives) go through ONE ``infer.predict`` call, on a
-worker thread while the server keeps accepting. The queue is bounded: a full one answers 503 with
+Requests are answered in batches. Each request's image is decoded and its prompts encoded as it
+arrives (``infer.encode_prompt``, the resize and prompt of training), in worker processes on a
+GPU machine (as `groundtune eval` reads its files; threads on a CPU one), so the next batch is
+ready while the model answers this one; the prompts of all waiting requests (up to
+``batch_size``, for at most ``max_wait_ms`` after the first arrives) then go through ONE
+``infer.generate`` call on the inference engine. The queue is bounded: a full one answers 503 with
 Retry-After, never an unbounded backlog. The server reads nothing from its own disk or network
 on a caller's behalf (no file paths, no http(s) image URLs), listens on 127.0.0.1 unless told
 otherwise, and answers every caller mistake with a 4xx JSON error that names what was wrong:
@@ -29,14 +32,15 @@ import binascii
 import io
 import json
 import secrets
+import sys
 import time
 import uuid
 from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 from PIL import Image, ImageOps
 
-from groundtune.boxes import ResizeError
 from groundtune.errors import ConfigError, DataError, MissingPackageError
 
 UI_FILE = Path(__file__).resolve().parent / "assets" / "serve_ui.html"
@@ -44,7 +48,8 @@ UI_FILE = Path(__file__).resolve().parent / "assets" / "serve_ui.html"
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask; each is a flag of `groundtune serve`."""
+    """What one request may ask, and how requests are queued and batched; each is a flag of
+    `groundtune serve`."""
 
     max_body_bytes: int = 20 * 2**20  # a 20 MB upload: a large phone photo, base64-encoded
     max_image_pixels: int = 50_000_000  # decoded pixels; PIL would decode a forged header's billions
@@ -53,6 +58,7 @@ class Limits:
     queue_size: int = 256  # phrases waiting for the model; beyond: 503
     batch_size: int = 16  # phrases answered together (1: no batching)
     max_wait_ms: float = 5.0  # how long the first waiting phrase waits for others
+    workers: int | None = None  # processes decoding and encoding images (None: infer.default_workers)
 
 
 class RequestError(Exception):
@@ -61,6 +67,9 @@ class RequestError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def __reduce__(self):  # raised in an encoding process, said by the server
+        return RequestError, (self.status, self.message, self.param, self.kind)
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,9 +97,9 @@ def decode_image(data: bytes, limits: Limits, param: str = "image") -> Image.Ima
     return to_rgb(image)
 
 
-def image_from_string(value: str, limits: Limits, param: str) -> Image.Image:
-    """A base64 string or a data: URI -> image. Anything else (a URL, a file path) is refused:
-    the server reads nothing from its disk or network on a caller's behalf."""
+def image_bytes(value: str, param: str) -> bytes:
+    """A base64 string or a data: URI -> the image file's bytes. Anything else (a URL, a file path)
+    is refused: the server reads nothing from its disk or network on a caller's behalf."""
     if not isinstance(value, str) or not value:
         raise RequestError(422, "expected an image as base64 or a data: URI", param)
     if value.startswith("data:"):
@@ -101,13 +110,12 @@ def image_from_string(value: str, limits: Limits, param: str) -> Image.Image:
         raise RequestError(422, "images are accepted as base64 or data: URIs only: the server does not fetch "
                                 "URLs on a caller's behalf", param)
     try:
-        data = base64.b64decode(value, validate=True)
+        return base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
         looks_like_a_path = value.startswith(("/", "./", "~")) or "." in value[-6:]
         raise RequestError(422, "the server does not read files on a caller's behalf: send the image itself, "
                                 "as base64 or a data: URI" if looks_like_a_path else "the image is not valid base64",
                            param) from None
-    return decode_image(data, limits, param)
 
 
 def check_phrases(phrases, limits: Limits, param: str = "phrases") -> list[str]:
@@ -127,6 +135,85 @@ def check_phrases(phrases, limits: Limits, param: str = "phrases") -> list[str]:
     return phrases
 
 
+class Encoder:
+    """A request's image bytes and phrases -> (width, height, [(encoded prompt, sizes)]): the image
+    decoded as a viewer shows it, each phrase encoded with the model's resize and prompt, pixels in
+    the model's dtype (the vision tower casts them to it). What an encoding process keeps."""
+
+    def __init__(self, gm, limits: Limits):
+        self.processor, self.resize, self.prompt, self.limits = gm.processor, gm.resize, gm.prompt, limits
+        self.pixel_dtype = gm.model.get_input_embeddings().weight.dtype
+
+    def __call__(self, data: bytes, phrases: list[str], param: str) -> tuple[int, int, list[tuple[dict, tuple]]]:
+        from groundtune import infer
+
+        image = decode_image(data, self.limits, param)
+        try:
+            prompts = [infer.encode_prompt(self.processor, self.resize, self.prompt, image, phrase, "the image")
+                       for phrase in phrases]
+        except DataError as e:  # refused here, not in the batch: it would fail there for every caller in it
+            raise RequestError(422, f"{e}: the model cannot take it", param) from None
+        for encoded, _ in prompts:
+            encoded["pixel_values"] = encoded["pixel_values"].to(self.pixel_dtype)
+        return image.width, image.height, prompts
+
+
+_worker_encoder: Encoder | None = None  # an encoding process's own
+
+
+def _start_worker(encoder: Encoder) -> None:
+    global _worker_encoder
+    import os
+    import threading
+
+    import torch
+
+    from groundtune.data.samples import ignore_stop_signals
+
+    ignore_stop_signals(0)  # Ctrl-C and SIGTERM stop the server, which ends its workers
+    torch.set_num_threads(1)  # one image at a time each: the workers together use the cores
+    _worker_encoder = encoder
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A server killed outright (SIGKILL, out of memory) cannot end its workers: they end themselves."""
+    import os
+
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(0)
+
+
+def _encode_in_worker(data: bytes, phrases: list[str], param: str):
+    """The encoder's answer with its tensors as numpy arrays, which travel back in the result's own
+    bytes: torch would hand each tensor over as a shared-memory file, a round trip between the
+    processes for every one of them, on the server's busiest thread."""
+    import torch
+
+    def wire(tensor: torch.Tensor):  # numpy has no bfloat16: its bits, as int16
+        bf16 = tensor.dtype == torch.bfloat16
+        return bf16, (tensor.view(torch.int16) if bf16 else tensor).numpy()
+
+    width, height, prompts = _worker_encoder(data, phrases, param)
+    return width, height, [({k: wire(v) for k, v in encoded.items()}, sizes) for encoded, sizes in prompts]
+
+
+def _from_wire(prompts: list) -> list:
+    import torch
+
+    def tensor(value) -> torch.Tensor:
+        bf16, array = value
+        t = torch.from_numpy(array)
+        return t.view(torch.bfloat16) if bf16 else t
+
+    return [({k: tensor(v) for k, v in encoded.items()}, sizes) for encoded, sizes in prompts]
+
+
+def _worker_ready() -> None:
+    """A task that only shows its worker has started."""
+
+
 # --------------------------------------------------------------------------------------------
 # Batching
 
@@ -135,36 +222,87 @@ class QueueFull(Exception):
     pass
 
 
+class Answer(NamedTuple):
+    width: int  # the caller's image as a viewer shows it
+    height: int
+    predictions: list  # infer.Prediction, one per phrase
+    encoded_at: float  # time.perf_counter() when the prompts were ready and queued
+
+
 class Batcher:
-    """Phrases from any number of requests -> one ``infer.predict`` call per batch."""
+    """Phrases from any number of requests -> one ``infer.generate`` call per batch."""
 
     def __init__(self, gm, limits: Limits, max_new_tokens: int, metrics):
         from groundtune import infer
 
-        self.gm, self.limits, self.max_new_tokens, self.metrics = gm, limits, max_new_tokens, metrics
+        self.gm, self.limits, self.metrics = gm, limits, metrics
+        self.decoding = infer.Decoding.greedy(max_new_tokens)
         self.engine = infer.engine_for(gm)  # kept: on a GPU its captured decode steps are reused
+        self.encoder = Encoder(gm, limits)
+        self.workers = infer.default_workers(gm.device) if limits.workers is None else limits.workers
+        self.pool = None
         self.queue: asyncio.Queue | None = None
         self.task: asyncio.Task | None = None
+        self.waiting = 0  # phrases admitted (being encoded or queued) and not yet in a batch: the bound
 
-    def start(self) -> None:
-        self.queue = asyncio.Queue(maxsize=self.limits.queue_size)
-        self.task = asyncio.get_running_loop().create_task(self._run())
+    async def start(self) -> None:
+        self.queue = asyncio.Queue()  # bounded by ``waiting``, which counts the phrases being encoded too
+        loop = asyncio.get_running_loop()
+        self.task = loop.create_task(self._run())
+        if self.workers:  # started (each submit starts one) and imported before the server says it is up
+            self.pool = self._new_pool()
+            await asyncio.gather(*(loop.run_in_executor(self.pool, _worker_ready) for _ in range(self.workers)))
+
+    def _new_pool(self):
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawned, not forked: the server has threads and a CUDA context by now
+        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_start_worker, initargs=(self.encoder,))
 
     async def stop(self) -> None:
         if self.task is not None:
             self.task.cancel()
+        if self.pool is not None:  # waited for: uvicorn ends the process with the signal it stopped on
+            await asyncio.to_thread(self.pool.shutdown, wait=True, cancel_futures=True)
 
-    async def answer(self, image: Image.Image, phrases: list[str]) -> list:
-        """The predictions for ``phrases`` in ``image``; QueueFull when they do not fit the queue."""
-        if self.queue.qsize() + len(phrases) > self.limits.queue_size:
+    async def answer(self, data: bytes, phrases: list[str], param: str = "image") -> Answer:
+        """The predictions for ``phrases`` in the image file ``data``; QueueFull when they do not
+        fit the queue, a RequestError naming ``param`` for an image the server or the model cannot
+        take."""
+        from concurrent.futures.process import BrokenProcessPool
+
+        if self.waiting + len(phrases) > self.limits.queue_size:
             raise QueueFull()
+        self.waiting += len(phrases)
+        start = time.perf_counter()
+        try:
+            if self.pool is None:
+                width, height, prompts = await asyncio.to_thread(self.encoder, data, phrases, param)
+            else:
+                pool = self.pool
+                try:
+                    width, height, prompts = await asyncio.get_running_loop().run_in_executor(
+                        pool, _encode_in_worker, data, phrases, param)
+                    prompts = _from_wire(prompts)
+                except BrokenProcessPool:  # a worker died (killed, out of memory): new ones for the next
+                    if self.pool is pool:
+                        self.pool = self._new_pool()
+                        pool.shutdown(wait=False)
+                    raise
+        except BaseException:
+            self.waiting -= len(phrases)
+            raise
+        queued = time.perf_counter()
+        self.metrics.encode_seconds.observe(queued - start)
         loop = asyncio.get_running_loop()
         futures = []
-        for phrase in phrases:
+        for encoded, sizes in prompts:
             future = loop.create_future()
-            self.queue.put_nowait((image, phrase, future))
+            self.queue.put_nowait((encoded, sizes, future, queued))
             futures.append(future)
-        return list(await asyncio.gather(*futures))
+        return Answer(width, height, list(await asyncio.gather(*futures)), queued)
 
     async def _run(self) -> None:
         from groundtune import infer
@@ -173,6 +311,9 @@ class Batcher:
             batch = [await self.queue.get()]
             deadline = time.monotonic() + self.limits.max_wait_ms / 1000
             while len(batch) < self.limits.batch_size:
+                if not self.queue.empty():  # what waits already, taken without yielding: a busy event
+                    batch.append(self.queue.get_nowait())  # loop would spend the deadline between gets
+                    continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -180,16 +321,19 @@ class Batcher:
                     batch.append(await asyncio.wait_for(self.queue.get(), remaining))
                 except asyncio.TimeoutError:
                     break
+            self.waiting -= len(batch)
             self.metrics.batch_size.observe(len(batch))
+            start = time.perf_counter()
+            for *_, queued in batch:
+                self.metrics.queue_seconds.observe(start - queued)
             try:
-                predictions = await asyncio.to_thread(
-                    infer.predict, self.gm, [b[0] for b in batch], [b[1] for b in batch],
-                    batch_size=len(batch), max_new_tokens=self.max_new_tokens, engine=self.engine)
-            except DataError as e:  # an image the resize refuses: checked per request before it queues; a guard
-                predictions = [RequestError(422, str(e), "image")] * len(batch)
+                answers = await asyncio.to_thread(infer.generate, self.gm, [b[0] for b in batch],
+                                                  [b[1] for b in batch], self.decoding, engine=self.engine)
+                predictions = [prediction for _, prediction in answers]
             except Exception as e:  # noqa: BLE001 - the server must outlive a failed batch
                 predictions = [e] * len(batch)
-            for (_, _, future), prediction in zip(batch, predictions):
+            self.metrics.batch_seconds.observe(time.perf_counter() - start)
+            for (_, _, future, _), prediction in zip(batch, predictions):
                 if not future.done():
                     (future.set_exception if isinstance(prediction, Exception) else future.set_result)(prediction)
 
@@ -208,6 +352,14 @@ class Metrics:
                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.batch_size = Histogram("groundtune_batch_size", "phrases answered per model call",
                                     registry=self.registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+        # where a request's time goes: its image decoded and prompts encoded, waiting for a batch, the batch
+        seconds = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+        self.encode_seconds = Histogram("groundtune_encode_seconds", "decoding and encoding a request "
+                                        "(waiting for a worker included)", registry=self.registry, buckets=seconds)
+        self.queue_seconds = Histogram("groundtune_queue_seconds", "a phrase's wait for its batch",
+                                       registry=self.registry, buckets=seconds)
+        self.batch_seconds = Histogram("groundtune_batch_seconds", "one model call (a batch)",
+                                       registry=self.registry, buckets=seconds)
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,7 +385,7 @@ def create_app(gm, model_name: str, limits: Limits = Limits(), api_key: str | No
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        batcher.start()
+        await batcher.start()
         yield
         await batcher.stop()
 
@@ -279,14 +431,9 @@ def create_app(gm, model_name: str, limits: Limits = Limits(), api_key: str | No
             metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
         return response
 
-    async def answer(image: Image.Image, phrases: list[str]):
-        try:  # refused here, not in the batch it would fail for every caller in it
-            gm.resize.resized_size(image.size)
-        except ResizeError as e:
-            raise RequestError(422, f"the image ({image.width}x{image.height}) cannot be resized for the model: {e}",
-                               "image") from None
+    async def answer(data: bytes, phrases: list[str], param: str):
         try:
-            return await batcher.answer(image, phrases)
+            return await batcher.answer(data, phrases, param)
         except QueueFull:
             raise RequestError(503, f"the server is busy ({limits.queue_size} phrases waiting); retry shortly",
                                kind="server_busy") from None
@@ -294,16 +441,19 @@ def create_app(gm, model_name: str, limits: Limits = Limits(), api_key: str | No
     @app.post("/v1/ground")
     async def ground(request: Request):
         start = time.perf_counter()
-        image, phrases = await _ground_inputs(request, limits)
-        decoded = time.perf_counter()
-        predictions = await answer(image, phrases)
+        data, phrases = await _ground_inputs(request, limits)
+        answered = await answer(data, phrases, "image")
         done = time.perf_counter()
         return {
             "model": model_name,
-            "width": image.width,
-            "height": image.height,
-            "results": [{"phrase": phrase, **p.to_json(all_boxes=True)} for phrase, p in zip(phrases, predictions)],
-            "timing_ms": {"decode": round((decoded - start) * 1000, 1), "model": round((done - decoded) * 1000, 1),
+            "width": answered.width,
+            "height": answered.height,
+            "results": [{"phrase": phrase, **p.to_json(all_boxes=True)}
+                        for phrase, p in zip(phrases, answered.predictions)],
+            # decode: the request read, its image decoded and prompts encoded; model: its batch's
+            # wait and the batch
+            "timing_ms": {"decode": round((answered.encoded_at - start) * 1000, 1),
+                          "model": round((done - answered.encoded_at) * 1000, 1),
                           "total": round((done - start) * 1000, 1)},
         }
 
@@ -312,8 +462,9 @@ def create_app(gm, model_name: str, limits: Limits = Limits(), api_key: str | No
         body = await _json_body(request, limits)
         if body.get("stream"):
             raise RequestError(422, "streaming is not supported: the answer is one box", "stream")
-        image, phrase = _chat_inputs(body, limits)
-        prediction = (await answer(image, [phrase]))[0]
+        data, phrase = _chat_inputs(body, limits)
+        answered = await answer(data, [phrase], "messages")
+        prediction = answered.predictions[0]
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -323,7 +474,7 @@ def create_app(gm, model_name: str, limits: Limits = Limits(), api_key: str | No
                          "finish_reason": "stop", "logprobs": None}],
             # the answer's boxes in the caller's pixels (its raw text is the message above)
             "groundtune": {**{k: v for k, v in prediction.to_json(all_boxes=True).items() if k != "raw"},
-                           "width": image.width, "height": image.height},
+                           "width": answered.width, "height": answered.height},
         }
 
     @app.get("/v1/models")
@@ -374,8 +525,9 @@ async def _json_body(request, limits: Limits) -> dict:
     return body
 
 
-async def _ground_inputs(request, limits: Limits) -> tuple[Image.Image, list[str]]:
-    """JSON {"image", "phrase" | "phrases"} or multipart (an ``image`` file, ``phrase`` fields)."""
+async def _ground_inputs(request, limits: Limits) -> tuple[bytes, list[str]]:
+    """JSON {"image", "phrase" | "phrases"} or multipart (an ``image`` file, ``phrase`` fields) ->
+    the image file's bytes (decoded with the prompts' encoding, off the event loop) and phrases."""
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
         await _body(request, limits)
         form = await request.form()
@@ -383,7 +535,7 @@ async def _ground_inputs(request, limits: Limits) -> tuple[Image.Image, list[str
         if upload is None or isinstance(upload, str):
             raise RequestError(422, "multipart requests need an 'image' file field", "image")
         phrases = form.getlist("phrase") + form.getlist("phrases")
-        return decode_image(await upload.read(), limits), check_phrases(phrases, limits, "phrase")
+        return await upload.read(), check_phrases(phrases, limits, "phrase")
     body = await _json_body(request, limits)
     if "image" not in body:
         raise RequestError(422, "missing 'image' (base64 or a data: URI)", "image")
@@ -391,10 +543,10 @@ async def _ground_inputs(request, limits: Limits) -> tuple[Image.Image, list[str
         raise RequestError(422, "give exactly one of 'phrase' (a string) and 'phrases' (a list)", "phrase")
     param = "phrase" if "phrase" in body else "phrases"
     phrases = check_phrases(body[param], limits, param)
-    return image_from_string(body["image"], limits, "image"), phrases
+    return image_bytes(body["image"], "image"), phrases
 
 
-def _chat_inputs(body: dict, limits: Limits) -> tuple[Image.Image, str]:
+def _chat_inputs(body: dict, limits: Limits) -> tuple[bytes, str]:
     """The last user message: its text is the phrase, its image_url (a data: URI) the image."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -422,7 +574,7 @@ def _chat_inputs(body: dict, limits: Limits) -> tuple[Image.Image, str]:
     if len(images) != 1:
         raise RequestError(422, f"the user message needs exactly one image_url, got {len(images)}", "messages")
     phrase = check_phrases(" ".join(t.strip() for t in texts if t.strip()), limits, "messages")[0]
-    return image_from_string(images[0], limits, "messages"), phrase
+    return image_bytes(images[0], "messages"), phrase
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
@@ -435,6 +587,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     from groundtune import infer
 
     listening = _listen(host, port)  # before the model loads: a taken port is said at once
+    # The model's thread gives up the GIL at every wait for the GPU and must get it back from the
+    # threads serving HTTP: by default that can take 5 ms each time, dozens of times a batch.
+    sys.setswitchinterval(0.0005)
     gm = infer.load(model, device=device)
     app = create_app(gm, model, limits, api_key, max_new_tokens)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
@@ -467,7 +622,6 @@ def launch(model: str, *flags: str, timeout_s: float = 60.0, **popen) -> tuple:
     (where its output goes). A server that exits or does not answer in ``timeout_s`` is a RuntimeError."""
     import socket
     import subprocess
-    import sys
     import urllib.error
     import urllib.request
 
