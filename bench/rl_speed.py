@@ -17,7 +17,9 @@ Reported per implementation: rollouts/s, and the step split into generation / re
 - groundtune: `train/rl.py`'s own rollouts / advantages / update (grouped vision attention,
   positions from the encoder, LM head on the answer tokens only), rollouts by the generation
   engine kept for the run (each prompt prefilled once for its G answers, CUDA-graph decode);
-- groundtune-before: the same with rollouts by transformers' `generate`, as before the engine.
+- groundtune-before: the same with rollouts by transformers' `generate`, as before the engine;
+- groundtune-vision-per-row: the engine's rollouts, but the update runs the vision tower once per
+  row (each of the G copies of an image), as before the update shared it per prompt.
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ from sft_speed import MODELS, make_refcoco_like
 from groundtune import infer
 from groundtune.boxes import iou, parse_answer
 from groundtune.config import RLConfig
-from groundtune.data.samples import open_samples
 from groundtune.data.records import sample_boxes
+from groundtune.data.samples import open_samples
 from groundtune.models import adapt, qwen, speedups
 from groundtune.models.loading import load_model
-from groundtune.train import rl
+from groundtune.train import objective, rl
 from groundtune.train.rewards import RewardWeights
+
+shared_images = objective._shared_images
 
 
 def _sync() -> None:
@@ -127,7 +131,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--impls", default="plain,groundtune-before,groundtune",
-                        help="plain, groundtune-before (rollouts by transformers' generate), groundtune (the engine)")
+                        help="plain, groundtune-before (rollouts by transformers' generate), groundtune (the engine), "
+                             "groundtune-vision-per-row (the update without its shared vision pass)")
     parser.add_argument("--out")
     args = parser.parse_args()
     cfg = RLConfig(train_data="x", batch_size=args.prompts, group_size=args.group, max_new_tokens=args.new_tokens,
@@ -153,6 +158,9 @@ def main() -> None:
                 step = groundtune_step
             else:  # the run's engine, as train/rl.py keeps it: prefill shared by each group, graph decode
                 step = functools.partial(groundtune_step, engine=infer.engine_for(gm))
+            # the update's vision pass once per row: the shared pass switched off for this variant only
+            objective._shared_images = ((lambda core, inputs, image_of_row: inputs) if impl == "groundtune-vision-per-row"
+                                        else shared_images)
             times = []
             for s in range(args.steps + 1):  # the first step warms up
                 pairs = [samples[i] for i in range(s * args.prompts, (s + 1) * args.prompts)]
@@ -167,7 +175,7 @@ def main() -> None:
                    "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None}
             results.append(row)
             print(json.dumps(row), flush=True)
-            del gm, model
+            del gm, model, step  # the step holds the engine, which holds the model
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
