@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -199,10 +200,13 @@ def test_encoding_processes_answer_as_the_server_does_alone(gm):
                                         {"type": "text", "text": phrase}]}]})
         assert chat.json()["groundtune"]["bbox"] == ours.to_json()["bbox"]
         workers = _children(process.pid)
-        assert len(workers) >= 2
+        assert len(workers) >= 3  # the model's process and two encoding workers
     finally:
         process.terminate()
         process.wait(timeout=20)
+    # stopped by SIGTERM as systemd stops it: a normal exit, nothing said, nothing left behind
+    output = process.stdout.read()
+    assert process.returncode == 0 and "Traceback" not in output and "leaked" not in output, output
     deadline = time.monotonic() + 10
     while [pid for pid in workers if Path(f"/proc/{pid}").exists()] and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -252,3 +256,36 @@ def test_a_taken_port_is_one_line_and_exit_2():
     assert done.stderr.strip() == (f"error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in "
                                    "use); choose another --port (or --host)")
     assert "serving" not in done.stdout  # said before the model loads, not after
+
+
+def test_a_model_that_cannot_load_is_said_with_exit_2(tmp_path):
+    import socket
+    import sys
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    done = subprocess.run([sys.executable, "-m", "groundtune", "serve", "--model", str(tmp_path / "nothing"),
+                           "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and str(tmp_path / "nothing") in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_server_stops_when_its_model_process_dies():
+    """The model answers in a process of its own; killed (out of memory, say), the waiting request
+    gets a 500 and the server exits 1 saying why, for a supervisor to restart it."""
+    import signal
+
+    process, url = _start()
+    try:
+        (model,) = [pid for pid in _children(process.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        png, phrase = _scene()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(httpx.post, url + "/v1/ground", json={"image": _b64(png), "phrase": phrase},
+                                  timeout=60)
+            os.kill(model, signal.SIGKILL)
+            answer = waiting.result()
+        assert answer.status_code in (200, 500)  # answered before the kill, or failed by it
+        assert process.wait(timeout=30) == 1
+        assert "the model's process exited with -9; the server stops" in process.stdout.read()
+    finally:
+        process.kill()

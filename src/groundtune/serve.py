@@ -13,15 +13,21 @@ Endpoints (the contract is in the README, "Serve"):
   the caller's pixels;
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /`` (a one-page UI).
 
-Requests are answered in batches. Each request's image is decoded and its prompts encoded as it
-arrives (``infer.encode_prompt``, the resize and prompt of training), in worker processes on a
-GPU machine (as `groundtune eval` reads its files; threads on a CPU one), so the next batch is
-ready while the model answers this one; the prompts of all waiting requests (up to
-``batch_size``, for at most ``max_wait_ms`` after the first arrives) then go through ONE
-``infer.generate`` call on the inference engine. The queue is bounded: a full one answers 503 with
-Retry-After, never an unbounded backlog. The server reads nothing from its own disk or network
-on a caller's behalf (no file paths, no http(s) image URLs), listens on 127.0.0.1 unless told
-otherwise, and answers every caller mistake with a 4xx JSON error that names what was wrong:
+Three kinds of process (all started by the server, all ended with it):
+- the server's own: HTTP (uvicorn's event loop), the checks on each request, and the answers;
+- encoding workers (``--workers``; on a CPU machine threads of the server instead): each
+  request's image decoded and its prompts encoded as it arrives (``infer.encode_prompt``, the
+  resize and prompt of training), straight into the model's inbox, so the next batch is ready
+  while the model answers this one;
+- the model's (``_model_process``): the prompts waiting (up to ``batch_size``, for at most
+  ``max_wait_ms`` after the first) go through ONE ``infer.generate`` call on the inference
+  engine. It has the process to itself: sharing the server's interpreter with the event loop, a
+  batch of the tiny model on the CPU took 40% longer (BENCHMARKS.md, "Serving").
+
+The queue is bounded (phrases sent to the model and not answered yet): a full one answers 503
+with Retry-After, never an unbounded backlog. The server reads nothing from its own disk or
+network on a caller's behalf (no file paths, no http(s) image URLs), listens on 127.0.0.1 unless
+told otherwise, and answers every caller mistake with a 4xx JSON error that names what was wrong:
 ``{"error": {"message", "type", "param"}}``.
 """
 
@@ -32,6 +38,7 @@ import binascii
 import io
 import json
 import secrets
+import signal
 import sys
 import time
 import uuid
@@ -138,7 +145,8 @@ def check_phrases(phrases, limits: Limits, param: str = "phrases") -> list[str]:
 class Encoder:
     """A request's image bytes and phrases -> (width, height, [(encoded prompt, sizes)]): the image
     decoded as a viewer shows it, each phrase encoded with the model's resize and prompt, pixels in
-    the model's dtype (the vision tower casts them to it). What an encoding process keeps."""
+    the model's dtype (the vision tower casts them to it). Made by the model's process, used by the
+    encoding workers (or threads)."""
 
     def __init__(self, gm, limits: Limits):
         self.processor, self.resize, self.prompt, self.limits = gm.processor, gm.resize, gm.prompt, limits
@@ -158,48 +166,19 @@ class Encoder:
         return image.width, image.height, prompts
 
 
-_worker_encoder: Encoder | None = None  # an encoding process's own
-
-
-def _start_worker(encoder: Encoder) -> None:
-    global _worker_encoder
-    import os
-    import threading
-
-    import torch
-
-    from groundtune.data.samples import ignore_stop_signals
-
-    ignore_stop_signals(0)  # Ctrl-C and SIGTERM stop the server, which ends its workers
-    torch.set_num_threads(1)  # one image at a time each: the workers together use the cores
-    _worker_encoder = encoder
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-
-
-def _exit_with_parent(parent: int) -> None:
-    """A server killed outright (SIGKILL, out of memory) cannot end its workers: they end themselves."""
-    import os
-
-    while os.getppid() == parent:
-        time.sleep(1)
-    os._exit(0)
-
-
-def _encode_in_worker(data: bytes, phrases: list[str], param: str):
-    """The encoder's answer with its tensors as numpy arrays, which travel back in the result's own
-    bytes: torch would hand each tensor over as a shared-memory file, a round trip between the
-    processes for every one of them, on the server's busiest thread."""
+def _to_wire(encoded: dict) -> dict:
+    """An encoded prompt's tensors as numpy arrays, which a queue carries in its own bytes: torch
+    would hand each tensor over as a shared-memory file descriptor, one per tensor in flight."""
     import torch
 
     def wire(tensor: torch.Tensor):  # numpy has no bfloat16: its bits, as int16
         bf16 = tensor.dtype == torch.bfloat16
         return bf16, (tensor.view(torch.int16) if bf16 else tensor).numpy()
 
-    width, height, prompts = _worker_encoder(data, phrases, param)
-    return width, height, [({k: wire(v) for k, v in encoded.items()}, sizes) for encoded, sizes in prompts]
+    return {k: wire(v) for k, v in encoded.items()}
 
 
-def _from_wire(prompts: list) -> list:
+def _from_wire(encoded: dict) -> dict:
     import torch
 
     def tensor(value) -> torch.Tensor:
@@ -207,15 +186,123 @@ def _from_wire(prompts: list) -> list:
         t = torch.from_numpy(array)
         return t.view(torch.bfloat16) if bf16 else t
 
-    return [({k: tensor(v) for k, v in encoded.items()}, sizes) for encoded, sizes in prompts]
+    return {k: tensor(v) for k, v in encoded.items()}
+
+
+def _encode_and_send(encoder: Encoder, inbox, keys: list[int], data: bytes, phrases: list[str],
+                     param: str) -> tuple[int, int]:
+    """Encode a request and put its prompts in the model's inbox, one item per phrase; returns the
+    image's size. Nothing is sent for a request that fails (a RequestError for the caller)."""
+    width, height, prompts = encoder(data, phrases, param)
+    queued = time.monotonic()  # the system's monotonic clock: the model's process reads it too
+    for key, (encoded, sizes) in zip(keys, prompts):
+        inbox.put((key, _to_wire(encoded), sizes, queued))
+    return width, height
+
+
+_worker_state: tuple | None = None  # an encoding process's (encoder, inbox)
+
+
+def _start_worker(encoder: Encoder, inbox) -> None:
+    global _worker_state
+    import torch
+
+    _detach_from_server()
+    torch.set_num_threads(1)  # one image at a time each: the workers together use the cores
+    inbox.cancel_join_thread()  # at exit, prompts the model will never read are not waited for
+    _worker_state = (encoder, inbox)
+
+
+def _encode_in_worker(keys: list[int], data: bytes, phrases: list[str], param: str) -> tuple[int, int]:
+    return _encode_and_send(*_worker_state, keys, data, phrases, param)
 
 
 def _worker_ready() -> None:
     """A task that only shows its worker has started."""
 
 
+def _detach_from_server() -> None:
+    """In a process the server started: Ctrl-C and SIGTERM stop the server, which ends this process;
+    a server killed outright (SIGKILL, out of memory) cannot, so this process ends itself then."""
+    import os
+    import threading
+
+    from groundtune.data.samples import ignore_stop_signals
+
+    ignore_stop_signals(0)
+    parent = os.getppid()
+
+    def exit_with_parent() -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(0)
+
+    threading.Thread(target=exit_with_parent, daemon=True).start()
+
+
 # --------------------------------------------------------------------------------------------
-# Batching
+# The model's process
+
+
+def _model_process(model: str, device: str, limits: Limits, max_new_tokens: int, inbox, outbox, ready) -> None:
+    """The model, in a process of its own so that nothing competes with its thread for the
+    interpreter (the server's event loop did: a batch took 40% longer on the CPU). Loads ``model``, says ("ready", Encoder, family) or ("error", exception) on ``ready``, then
+    answers batches: the items waiting in ``inbox`` (up to ``batch_size``, for at most
+    ``max_wait_ms`` after the first), one ``infer.generate`` call, the predictions to ``outbox``
+    as ([(key, Prediction or an error's text)], the batch's stats). None in the inbox ends it."""
+    import pickle
+    import queue
+    import threading
+
+    from groundtune import infer
+
+    _detach_from_server()
+    try:
+        gm = infer.load(model, device=device)
+    except BaseException as e:  # noqa: BLE001 - said by the server, which exits with it
+        try:
+            pickle.dumps(e)
+        except Exception:  # noqa: BLE001
+            e = RuntimeError(f"{type(e).__name__}: {e}")
+        ready.send(("error", e))
+        return
+    engine, decoding = infer.engine_for(gm), infer.Decoding.greedy(max_new_tokens)
+    outbox.cancel_join_thread()  # at exit, answers to a server that is gone are not waited for
+    ready.send(("ready", Encoder(gm, limits), gm.family))
+
+    waiting: queue.Queue = queue.Queue()
+
+    def read_inbox() -> None:  # (its items unpickled) on a thread of its own, while the model works
+        for item in iter(inbox.get, None):
+            waiting.put(item)
+        waiting.put(None)
+
+    threading.Thread(target=read_inbox, daemon=True).start()
+    while True:
+        first = waiting.get()
+        if first is None:
+            return
+        batch, deadline, stop = [first], time.monotonic() + limits.max_wait_ms / 1000, False
+        while len(batch) < limits.batch_size:
+            try:  # what waits already is taken at once; then more, until the deadline
+                item = waiting.get(timeout=max(0.0, deadline - time.monotonic())) if waiting.empty() else waiting.get()
+            except queue.Empty:
+                break
+            if item is None:
+                stop = True
+                break
+            batch.append(item)
+        start = time.monotonic()
+        try:
+            answers = infer.generate(gm, [_from_wire(item[1]) for item in batch], [item[2] for item in batch],
+                                     decoding, engine=engine)
+            results = [(item[0], prediction) for item, (_, prediction) in zip(batch, answers)]
+        except Exception as e:  # noqa: BLE001 - the server must outlive a failed batch
+            results = [(item[0], f"{type(e).__name__}: {e}") for item in batch]
+        outbox.put((results, {"size": len(batch), "seconds": time.monotonic() - start,
+                              "waits": [start - item[3] for item in batch]}))
+        if stop:
+            return
 
 
 class QueueFull(Exception):
@@ -229,43 +316,77 @@ class Answer(NamedTuple):
     encoded_at: float  # time.perf_counter() when the prompts were ready and queued
 
 
-class Batcher:
-    """Phrases from any number of requests -> one ``infer.generate`` call per batch."""
+class Model:
+    """The server's side of the model's process: starts it (and the encoding workers), sends it
+    each request's prompts, and hands its answers to the requests that wait for them."""
 
-    def __init__(self, gm, limits: Limits, max_new_tokens: int, metrics):
+    def __init__(self, model: str, device: str, limits: Limits, max_new_tokens: int):
+        import multiprocessing
+
         from groundtune import infer
 
-        self.gm, self.limits, self.metrics = gm, limits, metrics
-        self.decoding = infer.Decoding.greedy(max_new_tokens)
-        self.engine = infer.engine_for(gm)  # kept: on a GPU its captured decode steps are reused
-        self.encoder = Encoder(gm, limits)
-        self.workers = infer.default_workers(gm.device) if limits.workers is None else limits.workers
+        self.limits, self.metrics = limits, None
+        # spawned, not forked: the server has threads by now
+        self.context = multiprocessing.get_context("spawn")
+        self.inbox, self.outbox = self.context.Queue(), self.context.Queue()
+        ours, theirs = self.context.Pipe()
+        self.process = self.context.Process(target=_model_process, name="groundtune-model",
+                                            args=(model, device, limits, max_new_tokens, self.inbox, self.outbox,
+                                                  theirs))
+        self.process.start()
+        theirs.close()
+        try:
+            said, *what = ours.recv()
+        except EOFError:
+            self.process.join()
+            raise RuntimeError(f"the model's process exited with {self.process.exitcode} while loading "
+                               f"{model}") from None
+        if said == "error":
+            self.process.join()
+            raise what[0]
+        self.encoder, self.family = what
+        self.workers = infer.default_workers(device) if limits.workers is None else limits.workers
         self.pool = None
-        self.queue: asyncio.Queue | None = None
-        self.task: asyncio.Task | None = None
-        self.waiting = 0  # phrases admitted (being encoded or queued) and not yet in a batch: the bound
+        self.pending: dict[int, tuple] = {}  # key -> (loop, future): the phrases sent and not answered
+        self.next_key = 0
+        self.died: str | None = None
+        self.on_death = None  # what the server does then (serve: stop)
 
-    async def start(self) -> None:
-        self.queue = asyncio.Queue()  # bounded by ``waiting``, which counts the phrases being encoded too
-        loop = asyncio.get_running_loop()
-        self.task = loop.create_task(self._run())
+    async def start(self, metrics) -> None:
+        import threading
+
+        self.metrics = metrics
+        threading.Thread(target=self._read_answers, daemon=True).start()
         if self.workers:  # started (each submit starts one) and imported before the server says it is up
             self.pool = self._new_pool()
+            loop = asyncio.get_running_loop()
             await asyncio.gather(*(loop.run_in_executor(self.pool, _worker_ready) for _ in range(self.workers)))
 
     def _new_pool(self):
-        import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        # spawned, not forked: the server has threads and a CUDA context by now
-        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_start_worker, initargs=(self.encoder,))
+        return ProcessPoolExecutor(self.workers, mp_context=self.context, initializer=_start_worker,
+                                   initargs=(self.encoder, self.inbox))
 
     async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-        if self.pool is not None:  # waited for: uvicorn ends the process with the signal it stopped on
+        """The workers and the model's process ended and waited for (the server's shutdown)."""
+        self.inbox.cancel_join_thread()  # prompts the model will not read are not waited for at exit
+        if self.pool is not None:
             await asyncio.to_thread(self.pool.shutdown, wait=True, cancel_futures=True)
+        if self.process.is_alive():
+            self.inbox.put(None)
+            await asyncio.to_thread(self.process.join, 30)
+            if self.process.is_alive():
+                self.process.kill()
+
+    def close(self) -> None:
+        """What ``stop`` did not end (a server that failed or was stopped before it started) ended
+        now: the model's process ignores the signals that stop the server."""
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
     async def answer(self, data: bytes, phrases: list[str], param: str = "image") -> Answer:
         """The predictions for ``phrases`` in the image file ``data``; QueueFull when they do not
@@ -273,69 +394,76 @@ class Batcher:
         take."""
         from concurrent.futures.process import BrokenProcessPool
 
-        if self.waiting + len(phrases) > self.limits.queue_size:
+        if self.died:
+            raise RuntimeError(self.died)
+        if len(self.pending) + len(phrases) > self.limits.queue_size:
             raise QueueFull()
-        self.waiting += len(phrases)
+        loop = asyncio.get_running_loop()
+        keys = list(range(self.next_key, self.next_key + len(phrases)))
+        self.next_key += len(phrases)
+        futures = [loop.create_future() for _ in keys]
+        self.pending.update({key: (loop, future) for key, future in zip(keys, futures)})
         start = time.perf_counter()
         try:
             if self.pool is None:
-                width, height, prompts = await asyncio.to_thread(self.encoder, data, phrases, param)
+                width, height = await asyncio.to_thread(_encode_and_send, self.encoder, self.inbox, keys, data,
+                                                        phrases, param)
             else:
                 pool = self.pool
                 try:
-                    width, height, prompts = await asyncio.get_running_loop().run_in_executor(
-                        pool, _encode_in_worker, data, phrases, param)
-                    prompts = _from_wire(prompts)
+                    width, height = await loop.run_in_executor(pool, _encode_in_worker, keys, data, phrases, param)
                 except BrokenProcessPool:  # a worker died (killed, out of memory): new ones for the next
                     if self.pool is pool:
                         self.pool = self._new_pool()
                         pool.shutdown(wait=False)
                     raise
         except BaseException:
-            self.waiting -= len(phrases)
+            for key in keys:
+                self.pending.pop(key, None)
             raise
-        queued = time.perf_counter()
-        self.metrics.encode_seconds.observe(queued - start)
-        loop = asyncio.get_running_loop()
-        futures = []
-        for encoded, sizes in prompts:
-            future = loop.create_future()
-            self.queue.put_nowait((encoded, sizes, future, queued))
-            futures.append(future)
-        return Answer(width, height, list(await asyncio.gather(*futures)), queued)
+        encoded_at = time.perf_counter()
+        self.metrics.encode_seconds.observe(encoded_at - start)
+        return Answer(width, height, list(await asyncio.gather(*futures)), encoded_at)
 
-    async def _run(self) -> None:
-        from groundtune import infer
+    def _read_answers(self) -> None:
+        """The answers, as the model's process sends them, to their requests' futures (a thread)."""
+        import queue
 
         while True:
-            batch = [await self.queue.get()]
-            deadline = time.monotonic() + self.limits.max_wait_ms / 1000
-            while len(batch) < self.limits.batch_size:
-                if not self.queue.empty():  # what waits already, taken without yielding: a busy event
-                    batch.append(self.queue.get_nowait())  # loop would spend the deadline between gets
-                    continue
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                try:
-                    batch.append(await asyncio.wait_for(self.queue.get(), remaining))
-                except asyncio.TimeoutError:
-                    break
-            self.waiting -= len(batch)
-            self.metrics.batch_size.observe(len(batch))
-            start = time.perf_counter()
-            for *_, queued in batch:
-                self.metrics.queue_seconds.observe(start - queued)
             try:
-                answers = await asyncio.to_thread(infer.generate, self.gm, [b[0] for b in batch],
-                                                  [b[1] for b in batch], self.decoding, engine=self.engine)
-                predictions = [prediction for _, prediction in answers]
-            except Exception as e:  # noqa: BLE001 - the server must outlive a failed batch
-                predictions = [e] * len(batch)
-            self.metrics.batch_seconds.observe(time.perf_counter() - start)
-            for (_, _, future, _), prediction in zip(batch, predictions):
-                if not future.done():
-                    (future.set_exception if isinstance(prediction, Exception) else future.set_result)(prediction)
+                results, stats = self.outbox.get(timeout=1)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    return self._model_died()
+                continue
+            self.metrics.batch_size.observe(stats["size"])
+            self.metrics.batch_seconds.observe(stats["seconds"])
+            for wait in stats["waits"]:
+                self.metrics.queue_seconds.observe(wait)
+            for key, result in results:
+                loop, future = self.pending.pop(key, (None, None))
+                if future is not None:
+                    loop.call_soon_threadsafe(_settle, future, result)
+
+    def _model_died(self) -> None:
+        if self.process.exitcode == 0:  # ended by stop()
+            return
+        self.died = f"the model's process exited with {self.process.exitcode}; the server stops"
+        print(f"error: {self.died}", file=sys.stderr, flush=True)
+        for key in list(self.pending):
+            loop, future = self.pending.pop(key)
+            loop.call_soon_threadsafe(_settle, future, self.died)
+        if self.on_death is not None:
+            self.on_death()
+
+
+def _settle(future, result) -> None:
+    if future.done():
+        return
+    if isinstance(result, str):  # the model failed on this phrase's batch
+        future.set_exception(RuntimeError(result))
+    else:
+        future.set_result(result)
 
 
 class Metrics:
@@ -366,9 +494,8 @@ class Metrics:
 # The app
 
 
-def create_app(gm, model_name: str, limits: Limits = Limits(), api_key: str | None = None,
-               max_new_tokens: int | None = None):
-    """The FastAPI app serving ``gm`` (a loaded GroundingModel)."""
+def create_app(model: Model, model_name: str, limits: Limits = Limits(), api_key: str | None = None):
+    """The FastAPI app serving ``model`` (its process started)."""
     try:
         from fastapi import FastAPI, Request
         from fastapi.exceptions import RequestValidationError
@@ -378,19 +505,15 @@ def create_app(gm, model_name: str, limits: Limits = Limits(), api_key: str | No
         raise MissingPackageError('groundtune serve needs FastAPI and uvicorn: pip install "groundtune[serve]"') from None
     import contextlib
 
-    from groundtune import infer
-
     metrics = Metrics()
-    batcher = Batcher(gm, limits, max_new_tokens or infer.DEFAULT_MAX_NEW_TOKENS, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        await batcher.start()
+        await model.start(metrics)
         yield
-        await batcher.stop()
+        await model.stop()
 
     app = FastAPI(title="groundtune", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.batcher = batcher
 
     def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
               headers: dict | None = None) -> JSONResponse:
@@ -433,7 +556,7 @@ def create_app(gm, model_name: str, limits: Limits = Limits(), api_key: str | No
 
     async def answer(data: bytes, phrases: list[str], param: str):
         try:
-            return await batcher.answer(data, phrases, param)
+            return await model.answer(data, phrases, param)
         except QueueFull:
             raise RequestError(503, f"the server is busy ({limits.queue_size} phrases waiting); retry shortly",
                                kind="server_busy") from None
@@ -483,7 +606,7 @@ def create_app(gm, model_name: str, limits: Limits = Limits(), api_key: str | No
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "family": gm.family, "waiting": batcher.queue.qsize()}
+        return {"status": "ok", "model": model_name, "family": model.family, "waiting": len(model.pending)}
 
     @app.get("/metrics")
     async def prometheus():
@@ -587,16 +710,29 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     from groundtune import infer
 
     listening = _listen(host, port)  # before the model loads: a taken port is said at once
-    # The model's thread gives up the GIL at every wait for the GPU and must get it back from the
-    # threads serving HTTP: by default that can take 5 ms each time, dozens of times a batch.
-    sys.setswitchinterval(0.0005)
-    gm = infer.load(model, device=device)
-    app = create_app(gm, model, limits, api_key, max_new_tokens)
-    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
-        print(f"warning: serving on {host} without --api-key: anyone who can reach it can use it")
-    print(f"serving {model} ({gm.family}) on http://{host}:{port}  (UI at /, API at /v1/ground and /v1/chat/completions)",
-          flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listening])
+    answering = Model(model, device, limits, max_new_tokens or infer.DEFAULT_MAX_NEW_TOKENS)
+    try:
+        app = create_app(answering, model, limits, api_key)
+        if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+            print(f"warning: serving on {host} without --api-key: anyone who can reach it can use it")
+        print(f"serving {model} ({answering.family}) on http://{host}:{port}  (UI at /, API at /v1/ground and "
+              "/v1/chat/completions)", flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        answering.on_death = lambda: setattr(server, "should_exit", True)
+        # uvicorn shuts down gracefully on Ctrl-C or SIGTERM, then raises the signal again with the
+        # handler it found: this one ends the process as a normal exit (its workers' queues and
+        # semaphores released, no KeyboardInterrupt traceback), not by the signal
+        for stop in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(stop, _stopped)
+        server.run(sockets=[listening])
+    finally:
+        answering.close()
+    if answering.died:
+        raise SystemExit(1)  # said when it happened
+
+
+def _stopped(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 def _listen(host: str, port: int):
