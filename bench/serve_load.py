@@ -1,8 +1,9 @@
 """Load on `groundtune serve`: N grounding requests at concurrency C, with batching and without.
 
     python bench/serve_load.py --out bench/results/serve_load.json           # tiny model, CPU: 2,000 at 64
-    python bench/serve_load.py --model random:qwen2.5-vl-3b --device cuda --batch-size 64 --concurrency 128 \
-        --max-new-tokens 32 --eval-too --unbatched-requests 128               # the 3B on a GPU, beside eval
+    python bench/serve_load.py --model random:qwen2.5-vl-3b --device cuda --data DIR/train.jsonl \
+        --requests 1024 --concurrency 128 --batch-size 64 --max-new-tokens 32 --eval-too \
+        --unbatched-requests 32                                              # the 3B on a GPU, beside eval
     python bench/serve_load.py --url http://127.0.0.1:8000 --requests 500    # a server already running
 
 With --model (the default), the script starts the real server twice on 127.0.0.1 (uvicorn, a free
@@ -12,7 +13,9 @@ Requests are /v1/ground with one phrase each: one of 32 distinct synthetic scene
 or with --data the records of a JSONL file, their image files sent as they are on disk.
 --eval-too also times `groundtune eval`'s own code (``evaluate.evaluate``) on the same images and
 phrases at the same batch size, in a process of its own before the servers start: the ratio the
-server is measured by. Random weights seldom stop, so on a random architecture every answer runs
+server is measured by. Both are timed warm: eval after a whole pass, each server after four
+batches' worth of requests (a CUDA-graph capture of a new batch shape costs ~1 s on the 3B, paid
+once by a running server). Random weights seldom stop, so on a random architecture every answer runs
 to --max-new-tokens in both. Zero errors is required: any non-200 answer is counted and printed.
 """
 
@@ -44,7 +47,8 @@ def from_records(data: Path, n: int) -> list[dict]:
 
 def time_eval(model: str, device: str, data: Path, n: int, batch_size: int, max_new_tokens: int | None) -> dict:
     """`groundtune eval`'s code on the first n records, in a process of its own (the GPU is the
-    server's afterwards): loaded as the server loads it, one warm-up batch, then timed."""
+    server's afterwards): loaded as the server loads it, one whole pass to warm up (every batch
+    shape captured), then a second, timed."""
     code = f"""
 import json, time
 from pathlib import Path
@@ -54,7 +58,7 @@ data = Path({str(data)!r})
 records = read_samples(data)[:{n}]
 gm = infer.load({model!r}, device={device!r})
 kw = dict(batch_size={batch_size}, progress=False, **({{}} if {max_new_tokens!r} is None else {{"max_new_tokens": {max_new_tokens!r}}}))
-evaluate.evaluate(gm, records[:{batch_size}], data, **kw)
+evaluate.evaluate(gm, records, data, **kw)
 start = time.perf_counter()
 evaluate.evaluate(gm, records, data, **kw)
 seconds = time.perf_counter() - start
@@ -160,7 +164,9 @@ def main() -> None:
             flags += ["--max-new-tokens", str(args.max_new_tokens)] if args.max_new_tokens else []
             process, url = (None, args.url) if args.url else launch(args.model, *flags, timeout_s=600)
             try:
-                asyncio.run(load(url, bodies[:4], min(64, requests), concurrencies[0], args.api_key))  # warm-up
+                # warm-up: enough batches of the real mix for the server to capture its batch shapes
+                # (a first capture costs ~1 s on the 3B: in the timed load it would count against it)
+                asyncio.run(load(url, bodies, min(requests, 4 * batch_size), concurrencies[0], args.api_key))
                 for concurrency in concurrencies if batch_size != 1 else concurrencies[:1]:
                     save({"variant": name, "model": args.model, "device": args.device, "batch_size": batch_size,
                           **asyncio.run(load(url, bodies, requests, concurrency, args.api_key))})
