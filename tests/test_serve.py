@@ -178,6 +178,19 @@ def test_concurrent_requests_are_answered_in_batches(server):
     assert total / count > 1.5  # phrases per model call, over every request this server answered
 
 
+def test_served_with_no_flags_as_the_readme_says():
+    """`groundtune serve --model M` alone: the device and the encoding workers chosen for the machine."""
+    process, url = launch("tiny", timeout_s=30, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        png, phrase = _scene()
+        answer = httpx.post(url + "/v1/ground", json={"image": _b64(png), "phrase": phrase}, timeout=60)
+        assert answer.status_code == 200 and answer.json()["results"][0]["raw"]
+        assert httpx.get(url + "/health").json()["family"] == "qwen2.5-vl"
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+
+
 def test_encoding_processes_answer_as_the_server_does_alone(gm):
     """--workers N (a GPU machine's default): images decoded and prompts encoded in processes of
     their own; the same boxes, and a caller's mistake found there is still its 4xx."""

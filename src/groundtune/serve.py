@@ -246,7 +246,7 @@ def _detach_from_server() -> None:
 
 def _model_process(model: str, device: str, limits: Limits, max_new_tokens: int, inbox, outbox, ready) -> None:
     """The model, in a process of its own so that nothing competes with its thread for the
-    interpreter (the server's event loop did: a batch took 40% longer on the CPU). Loads ``model``, says ("ready", Encoder, family) or ("error", exception) on ``ready``, then
+    interpreter (the server's event loop did: a batch took 40% longer on the CPU). Loads ``model``, says ("ready", Encoder, family, device) or ("error", exception) on ``ready``, then
     answers batches: the items waiting in ``inbox`` (up to ``batch_size``, for at most
     ``max_wait_ms`` after the first), one ``infer.generate`` call, the predictions to ``outbox``
     as ([(key, Prediction or an error's text)], the batch's stats). None in the inbox ends it."""
@@ -268,7 +268,7 @@ def _model_process(model: str, device: str, limits: Limits, max_new_tokens: int,
         return
     engine, decoding = infer.engine_for(gm), infer.Decoding.greedy(max_new_tokens)
     outbox.cancel_join_thread()  # at exit, answers to a server that is gone are not waited for
-    ready.send(("ready", Encoder(gm, limits), gm.family))
+    ready.send(("ready", Encoder(gm, limits), gm.family, str(gm.device)))
 
     waiting: queue.Queue = queue.Queue()
 
@@ -335,18 +335,21 @@ class Model:
                                                   theirs))
         self.process.start()
         theirs.close()
+        self.pool = None
         try:
             said, *what = ours.recv()
         except EOFError:
             self.process.join()
             raise RuntimeError(f"the model's process exited with {self.process.exitcode} while loading "
                                f"{model}") from None
+        except BaseException:  # Ctrl-C while it loads: it ignores the signal, and would be waited for
+            self.close()
+            raise
         if said == "error":
             self.process.join()
             raise what[0]
-        self.encoder, self.family = what
+        self.encoder, self.family, device = what  # the device it chose ("auto" resolved)
         self.workers = infer.default_workers(device) if limits.workers is None else limits.workers
-        self.pool = None
         self.pending: dict[int, tuple] = {}  # key -> (loop, future): the phrases sent and not answered
         self.next_key = 0
         self.died: str | None = None
