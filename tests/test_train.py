@@ -232,6 +232,16 @@ def test_packed_training_follows_the_padded_run(synth_single, tmp_path):
     assert [r["samples"] for r in rows if "samples" in r] == [4, 8, 12]  # samples, not rows, are counted
 
 
+def test_gradient_accumulation_weights_every_answer_token_alike(synth_single, tmp_path):
+    """Two micro-batches of 2 make the update one batch of 4 makes: the loss is the mean over the
+    step's answer tokens, not the mean of each micro-batch's mean (answers differ in length, so
+    those would weigh a short answer's tokens more)."""
+    whole = train(_cfg(synth_single, tmp_path / "whole", max_steps=3, method="lora", lr=5e-3, device="cpu"))
+    halves = train(_cfg(synth_single, tmp_path / "halves", max_steps=3, method="lora", lr=5e-3, device="cpu",
+                        batch_size=2, grad_accum=2))
+    assert _losses(halves) == pytest.approx(_losses(whole), rel=1e-5)
+
+
 def test_existing_run_is_not_overwritten(synth_single, tmp_path):
     stopped = train(_cfg(synth_single, tmp_path / "stopped", max_steps=3),
                     on_step=lambda step, run, model: (run / "STOP").touch())

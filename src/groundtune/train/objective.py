@@ -61,7 +61,16 @@ def _shared_images(core, inputs: dict, image_of_row: list[int]) -> dict:
     return inputs
 
 
-def answer_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token cross-entropy over the labelled positions of ``batch`` (a training batch
-    with ``labels``)."""
-    return -answer_logprobs(model, batch)[0].mean()
+def answer_loss(model, batch: dict[str, torch.Tensor], tokens: int | None = None) -> torch.Tensor:
+    """Next-token cross-entropy over the labelled positions of ``batch`` (a training batch with
+    ``labels``), summed and divided by ``tokens``: the answer tokens of the whole update
+    (``answer_tokens`` over its micro-batches), so that every token weighs the same however the
+    update is split. By default, the mean over this batch's."""
+    logprobs = answer_logprobs(model, batch)[0]
+    return -(logprobs.sum() / tokens if tokens is not None else logprobs.mean())
+
+
+def answer_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """The labelled positions ``answer_logprobs`` scores in ``batch`` (read from its labels, on
+    whatever device they are)."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) if "labels" in batch else 0

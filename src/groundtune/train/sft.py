@@ -28,7 +28,7 @@ from groundtune.progress import progress_bar
 from groundtune.train.batches import GroundingDataset, make_loader, to_device
 from groundtune.train.loop import Loop, RunData, TrainingError, run_stage, seed_everything, use_bf16
 from groundtune.train.monitor import StopRequest, gpu_stats
-from groundtune.train.objective import answer_loss
+from groundtune.train.objective import answer_loss, answer_tokens
 
 __all__ = ["TrainingError", "train"]
 
@@ -61,16 +61,19 @@ def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData,
         task = bar.add_task("train", total=cfg.max_steps, completed=state["step"], info="")
         say = functools.partial(bar.console.print, soft_wrap=True)  # never wrap a command users copy
         while state["step"] < cfg.max_steps:
-            # ---- one optimizer step: grad_accum micro-batches
+            # ---- one optimizer step: grad_accum micro-batches, their answer tokens counted first
+            # (on the CPU) so that each token weighs the same whatever micro-batch it is in
+            micro_batches = [next(batches) for _ in range(cfg.grad_accum)]
+            tokens = max(1, sum(answer_tokens(b) for b in micro_batches))
             step_loss, finite = 0.0, True
-            for _ in range(cfg.grad_accum):
-                batch = to_device(next(batches), device)
+            for batch in micro_batches:
+                batch = to_device(batch, device)
                 drawn, failed = batch.pop("drawn"), batch.pop("failed")  # positions used; samples that failed to load
                 if failed:
                     loop.skip_unreadable(failed, drawn)
                 with adapt.lora_inputs_uncast(model):  # forward and the backward's recomputation
                     with autocast:  # the LM head runs on the answer tokens only (train/objective.py)
-                        loss = answer_loss(model, batch) / cfg.grad_accum
+                        loss = answer_loss(model, batch, tokens)
                     finite = finite and bool(torch.isfinite(loss))
                     if finite:
                         loss.backward()
