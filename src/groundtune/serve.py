@@ -22,7 +22,7 @@ Three kinds of process (all started by the server, all ended with it):
 - the model's (``_model_process``): the prompts waiting (up to ``batch_size``, for at most
   ``max_wait_ms`` after the first) go through ONE ``infer.generate`` call on the inference
   engine. It has the process to itself: sharing the server's interpreter with the event loop, a
-  batch of the tiny model on the CPU took 40% longer (BENCHMARKS.md, "Serving").
+  batch of the tiny model on the CPU took ~30% longer (BENCHMARKS.md, "Serving").
 
 The queue is bounded (phrases sent to the model and not answered yet): a full one answers 503
 with Retry-After, never an unbounded backlog. The server reads nothing from its own disk or
@@ -246,7 +246,8 @@ def _detach_from_server() -> None:
 
 def _model_process(model: str, device: str, limits: Limits, max_new_tokens: int, inbox, outbox, ready) -> None:
     """The model, in a process of its own so that nothing competes with its thread for the
-    interpreter (the server's event loop did: a batch took 40% longer on the CPU). Loads ``model``, says ("ready", Encoder, family, device) or ("error", exception) on ``ready``, then
+    interpreter (the server's event loop did: a batch took ~30% longer on the CPU). Loads
+    ``model``, says ("ready", Encoder, family, device) or ("error", exception) on ``ready``, then
     answers batches: the items waiting in ``inbox`` (up to ``batch_size``, for at most
     ``max_wait_ms`` after the first), one ``infer.generate`` call, the predictions to ``outbox``
     as ([(key, Prediction or an error's text)], the batch's stats). None in the inbox ends it."""
