@@ -449,7 +449,8 @@ def _train(args: argparse.Namespace) -> int:
     else:
         from groundtune.train.sft import train as run_fn
     run = run_fn(**start)
-    print(f"run folder: {run}  (model: {run / 'model'})")
+    if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, rank 0 speaks for the run
+        print(f"run folder: {run}  (model: {run / 'model'})")
     return 0
 
 

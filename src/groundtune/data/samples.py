@@ -85,10 +85,14 @@ def open_samples(train_data: str, seed: int) -> FileSamples | SyntheticStream:
 
 class ResumableBatches(torch.utils.data.Sampler):
     """Batches of (index, position) from ``start`` on, cycling through epochs forever (in a new
-    order each epoch when ``shuffle``, else in index order)."""
+    order each epoch when ``shuffle``, else in index order). With ``world`` ranks, the order is
+    drawn in global batches of ``world * batch_size`` positions, and rank r's batch is the r-th
+    slice of each: together the ranks see what one process with the global batch would."""
 
-    def __init__(self, n: int, batch_size: int, seed: int, start: int = 0, shuffle: bool = True):
+    def __init__(self, n: int, batch_size: int, seed: int, start: int = 0, shuffle: bool = True, rank: int = 0,
+                 world: int = 1):
         self.n, self.batch_size, self.seed, self.start, self.shuffle = n, batch_size, seed, start, shuffle
+        self.rank, self.world = rank, world
 
     def _epoch_order(self, epoch: int):
         if not self.shuffle:
@@ -96,7 +100,7 @@ class ResumableBatches(torch.utils.data.Sampler):
         return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
 
     def __iter__(self):
-        position = self.start
+        position = self.start + self.rank * self.batch_size  # this rank's slice of the global batch
         order, epoch = None, -1
         while True:
             batch = []
@@ -106,6 +110,7 @@ class ResumableBatches(torch.utils.data.Sampler):
                     order, epoch = self._epoch_order(e), e
                 batch.append((int(order[position % self.n]), position))
                 position += 1
+            position += (self.world - 1) * self.batch_size  # the other ranks' slices
             yield batch
 
 

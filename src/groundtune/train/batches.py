@@ -89,10 +89,13 @@ class Collate:
 
 
 def make_loader(dataset: GroundingDataset, batch_size: int, seed: int, start: int, num_workers: int,
-                pad_token_id: int, pin_memory: bool = False, packing: bool = False) -> torch.utils.data.DataLoader:
+                pad_token_id: int, pin_memory: bool = False, packing: bool = False, rank: int = 0,
+                world: int = 1) -> torch.utils.data.DataLoader:
+    """Batches of ``batch_size`` from position ``start`` of the run's order; with ``world`` ranks,
+    this rank's share of each global batch of ``world * batch_size``."""
     return torch.utils.data.DataLoader(
         dataset,
-        batch_sampler=ResumableBatches(len(dataset), batch_size, seed, start, dataset.samples.shuffle),
+        batch_sampler=ResumableBatches(len(dataset), batch_size, seed, start, dataset.samples.shuffle, rank, world),
         collate_fn=Collate(pad_token_id, packing),
         num_workers=num_workers,
         pin_memory=pin_memory,

@@ -36,6 +36,7 @@ from groundtune.infer import Decoding
 from groundtune.models import adapt
 from groundtune.models.loading import GroundingModel, pick_device, resolve
 from groundtune.train import checkpoint as ckpt
+from groundtune.train import distributed
 from groundtune.train.monitor import MetricsLog, StopRequest, thermal_pause
 
 __all__ = ["Loop", "RunData", "TrainingError", "run_stage", "prepare_run", "check_data", "open_run",
@@ -47,14 +48,43 @@ RESUME_OVERRIDES = ("train_data", "eval_data")
 
 def run_stage(cls: type, cfg, resume, resume_overrides: tuple[str, ...], body: Callable, on_step) -> Path:
     """Start a run of ``cls``'s command (new or resumed) and train it with ``body(run, cfg,
-    resume_from, data, on_step)`` while holding its folder; returns the run folder."""
-    run, cfg, resume_from = prepare_run(cfg, resume, cls, resume_overrides)
-    if finished_already(run, resume_from):
+    resume_from, data, on_step, ranks)`` while holding its folder; returns the run folder. Under
+    torchrun, rank 0 prepares, checks and claims the run and hands what it found to the others
+    (train/distributed.py)."""
+    ranks = distributed.from_environment()
+    if ranks.many and cls.command != "train":
+        raise ConfigError(f"groundtune {cls.command} runs on one process for now; launch it without torchrun")
+    distributed.start(ranks)
+    if not ranks.main:
+        said, *found = distributed.share(None, ranks)
+        if said == "error":
+            distributed.finish(ranks, wait=False)
+            raise TrainingError(f"rank 0 stopped before training: {found[0]}")
+        run, cfg, resume_from, data = found
+        if data is None:  # finished already (rank 0 said so)
+            distributed.finish(ranks)
+            return run
+        distributed.share(None, ranks)  # rank 0 has claimed and written the folder
+        run = body(run, cfg, resume_from, data, on_step, ranks)
+        distributed.finish(ranks)
         return run
-    data = check_data(cfg)  # every record, before the model loads
+    try:
+        run, cfg, resume_from = prepare_run(cfg, resume, cls, resume_overrides)
+        data = None if finished_already(run, resume_from) else check_data(cfg)  # every record, before the model loads
+    except BaseException as e:
+        distributed.share(("error", str(e)), ranks)
+        distributed.finish(ranks, wait=False)
+        raise
+    distributed.share(("ok", run, cfg, resume_from, data), ranks)
+    if data is None:
+        distributed.finish(ranks)
+        return run
     with ckpt.RunLock(run, f"groundtune {cls.command} (out_dir={run})"):
         open_run(run, cfg, resume_from, data)
-        return body(run, cfg, resume_from, data, on_step)
+        distributed.share(None, ranks)
+        run = body(run, cfg, resume_from, data, on_step, ranks)
+    distributed.finish(ranks)  # the folder released first: the others wait for rank 0 here
+    return run
 
 
 def prepare_run(cfg, resume, cls: type = TrainConfig,
@@ -220,10 +250,12 @@ class Loop:
     eval_samples: list[dict]
     log: MetricsLog
     on_step: Callable | None = None  # on_step(step, run, model) after every update (tests drop a STOP file)
+    ranks: distributed.Ranks = distributed.Ranks()  # rank 0 alone writes the run and evaluates
 
     @classmethod
     def start(cls, run: Path, cfg, gm: GroundingModel, resume_from: Path | None, data: RunData,
-              on_step: Callable | None = None, **extra_state) -> "Loop":
+              on_step: Callable | None = None, ranks: distributed.Ranks = distributed.Ranks(),
+              **extra_state) -> "Loop":
         """The optimizer (AdamW over ``adapt.param_groups``), the schedule, the loop state (plus
         ``extra_state``) of a new run, or all of them restored from ``resume_from``, the run's
         newest checkpoint; ``data``: the checked records (its eval subset is evaluated)."""
@@ -234,22 +266,25 @@ class Loop:
         state = {"step": 0, "samples": 0, "best_acc": -1.0, "bad_steps": 0, "finished": False, **extra_state}
         if resume_from is not None:  # over the defaults: a run saved before a state key existed resumes too
             state = {**state, **ckpt.load_checkpoint(resume_from, gm.model, optimizer, scheduler)}
-            print(f"resumed from {resume_from} at step {state['step']}")
+            if ranks.main:
+                print(f"resumed from {resume_from} at step {state['step']}")
         # a resumed run's log keeps each step once: lines past its checkpoint are replayed
-        log = MetricsLog(run, resume_step=state["step"] if resume_from is not None else None)
+        log = (MetricsLog(run, resume_step=state["step"] if resume_from is not None else None) if ranks.main
+               else _NoLog())
         if resume_from is None:
             log.log(0, {"data/bad_records": len(data.bad),
                         **({"eval/decoding": Decoding.greedy(cfg.eval_max_new_tokens).to_dict()} if data.eval_records
                            else {})})
-        return cls(run, cfg, gm, optimizer, scheduler, state, data.eval_records, log, on_step)
+        return cls(run, cfg, gm, optimizer, scheduler, state, data.eval_records, log, on_step, ranks)
 
     def skip_unreadable(self, failed: list[str], drawn: int) -> None:
         """Samples of a batch that failed to load during the run (a file deleted or damaged since the
         check): left out, counted and listed; more than ``max_bad_fraction`` of a batch stops the run."""
         self.state["skipped_samples"] = self.state.get("skipped_samples", 0) + len(failed)
-        with open(self.run / BAD_RECORDS, "a", encoding="utf-8") as f:
-            f.writelines(json.dumps({"step": self.state["step"] + 1, "message": m}, ensure_ascii=False) + "\n"
-                         for m in failed)
+        if self.ranks.main:
+            with open(self.run / BAD_RECORDS, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps({"step": self.state["step"] + 1, "message": m}, ensure_ascii=False) + "\n"
+                             for m in failed)
         self.log.log(self.state["step"] + 1, {"data/skipped": len(failed), "data/skipped_total": self.state["skipped_samples"]})
         if len(failed) > self.cfg.max_bad_fraction * drawn:
             self._save_checkpoint()
@@ -298,16 +333,19 @@ class Loop:
         self.state["bad_steps"] = 0
         step, cfg = self.state["step"], self.cfg
         is_last = step == cfg.max_steps
-        if self.eval_samples and ((cfg.eval_every and step % cfg.eval_every == 0) or is_last):
-            self.evaluate(say)
+        if self.eval_samples and ((cfg.eval_every and step % cfg.eval_every == 0) or is_last) and self.ranks.main:
+            self.evaluate(say)  # rank 0's (the others wait for it at their next step)
         if self.on_step is not None:
             self.on_step(step, self.run, self.gm.model)
         reason = stop.reason
+        if self.ranks.many and distributed.any_rank(reason is not None, self.ranks, self.gm.device):
+            reason = reason or "another rank was asked to stop"  # every rank stops at the same step
         if (cfg.save_every and step % cfg.save_every == 0) or is_last or reason:
             self.state["finished"] = is_last
             self._save_checkpoint()
         if reason:
-            say(f"stopping at step {step} ({reason}); resume with: groundtune {cfg.command} --resume {self.run}")
+            if self.ranks.main:
+                say(f"stopping at step {step} ({reason}); resume with: groundtune {cfg.command} --resume {self.run}")
             return True
         waited = thermal_pause(self.gm.device, cfg.thermal_pause_c, cfg.thermal_resume_c, log=say)
         if waited:
@@ -316,10 +354,23 @@ class Loop:
 
     def finish(self) -> Path:
         """The run's model is the best evaluated one, or the last when nothing was evaluated."""
-        if not self.eval_samples or self.state["best_acc"] < 0:
+        if self.ranks.main and (not self.eval_samples or self.state["best_acc"] < 0):
             ckpt.save_model(self.run, self.gm, self.gm.model, {"step": self.state["step"]})
         self.log.close()
         return self.run
 
     def _save_checkpoint(self) -> None:
-        ckpt.save_checkpoint(self.run, self.gm.model, self.optimizer, self.scheduler, self.state, self.cfg.keep_last)
+        if self.ranks.main:  # every rank holds the same weights and optimizer state
+            ckpt.save_checkpoint(self.run, self.gm.model, self.optimizer, self.scheduler, self.state,
+                                 self.cfg.keep_last)
+
+
+class _NoLog:
+    """The metrics log of a rank that is not rank 0: rank 0 writes the run's."""
+
+    def log(self, step: int, values: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+

@@ -75,7 +75,8 @@ def rl(cfg: RLConfig | None = None, resume: str | Path | None = None, on_step=No
     return run_stage(RLConfig, cfg, resume, resume_overrides, _rl, on_step)
 
 
-def _rl(run: Path, cfg: RLConfig, resume_from: Path | None, data: RunData, on_step) -> Path:
+def _rl(run: Path, cfg: RLConfig, resume_from: Path | None, data: RunData, on_step, ranks=None) -> Path:
+    # one process (run_stage refuses torchrun for RL for now): ``ranks`` is always a single rank
     seed_everything(cfg.seed)
     gm, model, reference = _setup_policy(cfg)
     device = gm.device

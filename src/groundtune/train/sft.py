@@ -25,6 +25,7 @@ from groundtune.data.samples import SyntheticStream
 from groundtune.models import adapt, speedups
 from groundtune.models.loading import GroundingModel, load_model, pick_device, with_resize
 from groundtune.progress import progress_bar
+from groundtune.train import distributed
 from groundtune.train.batches import GroundingDataset, make_loader, to_device
 from groundtune.train.loop import Loop, RunData, TrainingError, run_stage, seed_everything, use_bf16
 from groundtune.train.monitor import StopRequest, gpu_stats
@@ -40,20 +41,24 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
     return run_stage(TrainConfig, cfg, resume, resume_overrides, _train, on_step)
 
 
-def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData, on_step) -> Path:
-    seed_everything(cfg.seed)
-    gm, model = _setup_model(cfg)
+def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData, on_step,
+           ranks: distributed.Ranks = distributed.Ranks()) -> Path:
+    seed_everything(cfg.seed)  # the same on every rank: the same initial weights
+    gm, model = _setup_model(cfg, distributed.device_for(ranks, cfg.device))
     device = gm.device
     samples = data.samples
-    loop = Loop.start(run, cfg, gm, resume_from, data, on_step)
+    loop = Loop.start(run, cfg, gm, resume_from, data, on_step, ranks)
     optimizer, scheduler, state = loop.optimizer, loop.scheduler, loop.state
     dataset = GroundingDataset(samples, gm.processor, gm.family, gm.resize, gm.prompt,
                                cfg.hflip_prob, cfg.scale_crop_prob, cfg.seed, cfg.answer_label)
     batches = iter(make_loader(dataset, cfg.batch_size, cfg.seed, state["samples"], cfg.num_workers,
-                               gm.processor.pad_token_id, pin_memory=device.type == "cuda", packing=cfg.packing))
+                               gm.processor.pad_token_id, pin_memory=device.type == "cuda", packing=cfg.packing,
+                               rank=ranks.rank, world=ranks.world))
     autocast = loop.autocast()
-    print(f"training {gm.source} ({cfg.method}; {adapt.count_parameters(model)['trainable']:,} trainable "
-          f"parameters) on {_describe(samples, cfg.train_data)} -> {run}")
+    if ranks.main:
+        on = f" on {ranks.world} ranks (batch {cfg.batch_size} each)" if ranks.many else ""
+        print(f"training {gm.source} ({cfg.method}; {adapt.count_parameters(model)['trainable']:,} trainable "
+              f"parameters) on {_describe(samples, cfg.train_data)}{on} -> {run}")
 
     model.train()
     window = {"loss": 0.0, "n": 0, "samples": 0, "tokens": 0, "t0": time.time()}
@@ -64,7 +69,8 @@ def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData,
             # ---- one optimizer step: grad_accum micro-batches, their answer tokens counted first
             # (on the CPU) so that each token weighs the same whatever micro-batch it is in
             micro_batches = [next(batches) for _ in range(cfg.grad_accum)]
-            tokens = max(1, sum(answer_tokens(b) for b in micro_batches))
+            # ... on every rank: the global batch's
+            tokens = max(1, int(distributed.total(sum(answer_tokens(b) for b in micro_batches), ranks, device)))
             step_loss, finite = 0.0, True
             for batch in micro_batches:
                 batch = to_device(batch, device)
@@ -78,10 +84,16 @@ def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData,
                     if finite:
                         loss.backward()
                 step_loss += loss.item()
-                state["samples"] += drawn  # positions of the order, the failed ones too: resume goes on after them
+                # positions of the order, the failed ones too, every rank's: resume goes on after them
+                state["samples"] += drawn * ranks.world
                 window["samples"] += len(batch["image_grid_thw"])  # one image per trained sample, packed or not
                 mask = batch.get("attention_mask")  # a packed batch has no padding and no mask
                 window["tokens"] += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+            if ranks.many:  # one rank's non-finite loss skips the step everywhere; else the global gradient
+                finite = not distributed.any_rank(not finite, ranks, device)
+                step_loss = distributed.total(step_loss, ranks, device)
+                if finite:
+                    distributed.sum_gradients(model.parameters(), ranks)
             grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                          if finite and cfg.max_grad_norm else torch.tensor(0.0))
             if not finite or not torch.isfinite(grad_norm):
@@ -100,8 +112,8 @@ def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData,
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 elapsed = max(time.time() - window["t0"], 1e-9)
                 values = {"loss": window["loss"] / window["n"], "lr": lr,
-                          "grad_norm": float(grad_norm), "samples_per_s": window["samples"] / elapsed,
-                          "tokens_per_s": window["tokens"] / elapsed, "samples": state["samples"],
+                          "grad_norm": float(grad_norm), "samples_per_s": window["samples"] * ranks.world / elapsed,
+                          "tokens_per_s": window["tokens"] * ranks.world / elapsed, "samples": state["samples"],
                           **gpu_stats(device)}
                 loop.log.log(step, values)
                 mem = f" {values['gpu_mem_peak_gib']:.1f}GiB" if "gpu_mem_peak_gib" in values else ""
@@ -122,12 +134,14 @@ def _describe(samples, train_data: str) -> str:
     return f"fresh samples of {train_data}" if isinstance(samples, SyntheticStream) else f"{len(samples):,} samples"
 
 
-def _setup_model(cfg: TrainConfig) -> tuple[GroundingModel, torch.nn.Module]:
-    device = pick_device(cfg.device)
+def _setup_model(cfg: TrainConfig, device_setting: str | None = None) -> tuple[GroundingModel, torch.nn.Module]:
+    """The model to train on ``device_setting`` (by default cfg.device; under torchrun, the rank's GPU)."""
+    device_setting = device_setting or cfg.device
+    device = pick_device(device_setting)
     if cfg.method == "qlora" and device.type != "cuda":
         raise TrainingError("method=qlora needs a CUDA GPU (bitsandbytes 4-bit); use method=lora on CPU")
     dtype = "bf16" if use_bf16(cfg, device) else "fp32"
-    gm = load_model(cfg.model, device=cfg.device, dtype=dtype, quantize_4bit=cfg.method == "qlora")
+    gm = load_model(cfg.model, device=device_setting, dtype=dtype, quantize_4bit=cfg.method == "qlora")
     # a base checkpoint's budget is pinned to fit the GPU as a matter of course; a trained one's is not
     gm = with_resize(gm, cfg.min_pixels, cfg.max_pixels, "train", pins_base_budget=True)
     gm = dataclasses.replace(gm, prompt=cfg.prompt or gm.prompt)
