@@ -32,7 +32,7 @@ def data(tmp_path_factory):
 def _train(data: Path, out: Path, ranks: int, *settings: str, resume: bool = False) -> subprocess.Popen:
     launch = [TORCHRUN, "--nproc-per-node", str(ranks), "-m"] if ranks > 1 else [sys.executable, "-m"]
     args = ["--resume", str(out)] if resume else ["quickstart", f"train_data={data}", f"out_dir={out}", *SETTINGS,
-                                                   *settings]
+                                                   *settings]  # (a later eval_data= wins over SETTINGS')
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([*launch, "groundtune", "train", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -49,9 +49,16 @@ def _logged(run: Path, key: str) -> list:
 
 
 def test_two_ranks_train_as_one_process_with_their_batches_together(data, tmp_path):
-    one = _finish(_train(data, tmp_path / "one", 1, "max_steps=4", "batch_size=4", "save_every=0"))
-    two = _finish(_train(data, tmp_path / "two", 2, "max_steps=4", "batch_size=2", "save_every=0"))
+    # eval on 11 samples every 2 steps: the two ranks answer 6 and 5 of them, rank 0 scores all 11
+    settings = ("max_steps=4", "save_every=0", f"eval_data={data}", "eval_samples=11", "eval_every=2",
+                "eval_batch_size=4")
+    one = _finish(_train(data, tmp_path / "one", 1, "batch_size=4", *settings))
+    two = _finish(_train(data, tmp_path / "two", 2, "batch_size=2", *settings))
     assert _logged(tmp_path / "two", "loss") == pytest.approx(_logged(tmp_path / "one", "loss"), rel=1e-5)
+    evals = [[r for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
+              if "eval/miou" in r] for run in ("one", "two")]
+    assert [r["step"] for r in evals[1]] == [2, 4]
+    assert [r["eval/miou"] for r in evals[1]] == pytest.approx([r["eval/miou"] for r in evals[0]], abs=1e-6)
     assert _logged(tmp_path / "two", "samples") == [4, 8, 12, 16]  # both ranks' samples counted
     assert two.count("run folder:") == 1 and "on 2 ranks (batch 2 each)" in two and "on 2 ranks" not in one
     assert (tmp_path / "two" / "model").is_dir()

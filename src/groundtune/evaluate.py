@@ -70,18 +70,20 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def evaluate(gm, samples: list[dict], data_path, batch_size: int = 16, limit: int | None = None,
-             progress: bool = True, max_new_tokens: int = infer.DEFAULT_MAX_NEW_TOKENS) -> tuple[dict, list[dict]]:
+             progress: bool = True, max_new_tokens: int = infer.DEFAULT_MAX_NEW_TOKENS,
+             predictions: list | None = None) -> tuple[dict, list[dict]]:
     """Predict (greedy) and score every sample; returns (report, one row per sample). The report
     records what was measured and how: model, data, family, pixel budget, prompt, decoding.
 
     Images are read in worker processes one batch at a time (``infer.predict_records``), so a large
-    eval set never sits in memory at once.
+    eval set never sits in memory at once. ``predictions``: the samples' predictions made already
+    (by several training ranks, each its share, with these settings), scored instead.
     """
     samples = samples[:limit] if limit is not None else samples
     if not samples:
         raise ValueError(f"{data_path}: no samples to evaluate")
-    preds = infer.predict_records(gm, samples, data_path, batch_size, max_new_tokens,
-                                  progress="eval" if progress else None)
+    preds = predictions if predictions is not None else infer.predict_records(
+        gm, samples, data_path, batch_size, max_new_tokens, progress="eval" if progress else None)
     rows = []
     for sample, pred in zip(samples, preds):
         true = sample_boxes(sample)

@@ -7,8 +7,9 @@ update exactly as one process with batch N x B does. Done by hand rather than by
 model in DistributedDataParallel: the objective runs the unwrapped model (train/objective.py),
 which DDP's hooks would never see.
 
-Rank 0 alone writes the run (folder, metrics, checkpoints, model) and evaluates; the decisions
-that end or skip a step (STOP, SIGTERM, a non-finite loss) are taken by all ranks together.
+Rank 0 alone writes the run (folder, metrics, checkpoints, model); training-time eval is answered
+by every rank, each its share of the eval subset, and scored by rank 0. The decisions that end or
+skip a step (STOP, SIGTERM, a non-finite loss) are taken by all ranks together.
 Launched without torchrun, there is one rank and nothing here communicates.
 """
 
@@ -98,6 +99,15 @@ def sum_gradients(parameters, ranks: Ranks) -> None:
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def gather(obj, ranks: Ranks) -> list | None:
+    """Every rank's ``obj``, in rank order, on rank 0 (None on the others)."""
+    if not ranks.many:
+        return [obj]
+    gathered = [None] * ranks.world if ranks.main else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
 
 
 def share(obj, ranks: Ranks):

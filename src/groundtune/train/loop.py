@@ -300,13 +300,24 @@ class Loop:
                 else contextlib.nullcontext())
 
     def evaluate(self, say=print) -> dict:
-        """Greedy eval on the fixed subset of eval_data; a new best is saved as the run's model."""
-        from groundtune import evaluate
+        """Greedy eval on the fixed subset of eval_data; a new best is saved as the run's model.
+        With several ranks, each answers its share and rank 0 scores them all (the others get {})."""
+        from groundtune import evaluate, infer
 
-        step = self.state["step"]
-        report, _ = evaluate.evaluate(self.gm, self.eval_samples, self.cfg.eval_data,
-                                      batch_size=self.cfg.eval_batch_size, progress=False,
-                                      max_new_tokens=self.cfg.eval_max_new_tokens)
+        step, cfg, ranks = self.state["step"], self.cfg, self.ranks
+        predictions = None
+        if ranks.many:
+            mine = infer.predict_records(self.gm, self.eval_samples[ranks.rank :: ranks.world], cfg.eval_data,
+                                         cfg.eval_batch_size, cfg.eval_max_new_tokens)
+            shares = distributed.gather(mine, ranks)
+            if not ranks.main:
+                return {}
+            predictions = [None] * len(self.eval_samples)
+            for rank, share in enumerate(shares):
+                predictions[rank :: ranks.world] = share
+        report, _ = evaluate.evaluate(self.gm, self.eval_samples, cfg.eval_data, batch_size=cfg.eval_batch_size,
+                                      progress=False, max_new_tokens=cfg.eval_max_new_tokens,
+                                      predictions=predictions)
         metrics = {k: report[k] for k in ("acc@0.5", "acc@0.75", "miou", "parse_fail_rate")}
         self.log.log(step, {f"eval/{k}": v for k, v in metrics.items()})
         say(f"step {step}: eval Acc@0.5 {metrics['acc@0.5']:.3f} mIoU {metrics['miou']:.3f}")
@@ -333,8 +344,8 @@ class Loop:
         self.state["bad_steps"] = 0
         step, cfg = self.state["step"], self.cfg
         is_last = step == cfg.max_steps
-        if self.eval_samples and ((cfg.eval_every and step % cfg.eval_every == 0) or is_last) and self.ranks.main:
-            self.evaluate(say)  # rank 0's (the others wait for it at their next step)
+        if self.eval_samples and ((cfg.eval_every and step % cfg.eval_every == 0) or is_last):
+            self.evaluate(say)  # every rank answers its share
         if self.on_step is not None:
             self.on_step(step, self.run, self.gm.model)
         reason = stop.reason
