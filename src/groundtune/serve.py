@@ -144,25 +144,20 @@ def check_phrases(phrases, limits: Limits, param: str = "phrases") -> list[str]:
 
 class Encoder:
     """A request's image bytes and phrases -> (width, height, [(encoded prompt, sizes)]): the image
-    decoded as a viewer shows it, each phrase encoded with the model's resize and prompt, pixels in
-    the model's dtype (the vision tower casts them to it). Made by the model's process, used by the
-    encoding workers (or threads)."""
+    decoded as a viewer shows it, each phrase encoded as eval encodes it (``infer.PromptEncoder``).
+    Made by the model's process, used by the encoding workers (or threads)."""
 
     def __init__(self, gm, limits: Limits):
-        self.processor, self.resize, self.prompt, self.limits = gm.processor, gm.resize, gm.prompt, limits
-        self.pixel_dtype = gm.model.get_input_embeddings().weight.dtype
-
-    def __call__(self, data: bytes, phrases: list[str], param: str) -> tuple[int, int, list[tuple[dict, tuple]]]:
         from groundtune import infer
 
+        self.encode, self.limits = infer.PromptEncoder(gm), limits
+
+    def __call__(self, data: bytes, phrases: list[str], param: str) -> tuple[int, int, list[tuple[dict, tuple]]]:
         image = decode_image(data, self.limits, param)
         try:
-            prompts = [infer.encode_prompt(self.processor, self.resize, self.prompt, image, phrase, "the image")
-                       for phrase in phrases]
+            prompts = [self.encode(image, phrase, "the image") for phrase in phrases]
         except DataError as e:  # refused here, not in the batch: it would fail there for every caller in it
             raise RequestError(422, f"{e}: the model cannot take it", param) from None
-        for encoded, _ in prompts:
-            encoded["pixel_values"] = encoded["pixel_values"].to(self.pixel_dtype)
         return image.width, image.height, prompts
 
 
