@@ -92,24 +92,21 @@ def _data_synth(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _int_at_least(minimum: int, name: str):
+    """An argparse type: an integer of at least ``minimum``; argparse names it by ``name`` ("invalid
+    positive integer value: 'x'")."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = name
+    return parse
 
 
-_positive_int.__name__ = "positive integer"  # argparse names a type by it: "invalid positive integer value: 'x'"
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-_count.__name__ = "count"
+_positive_int = _int_at_least(1, "positive integer")
+_count = _int_at_least(0, "count")
 
 
 def _require(args: argparse.Namespace, *names: str) -> None:
@@ -448,8 +445,10 @@ def _train(args: argparse.Namespace) -> int:
         from groundtune.train.rl import rl as run_fn
     else:
         from groundtune.train.sft import train as run_fn
+    from groundtune.train.distributed import from_environment
+
     run = run_fn(**start)
-    if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, rank 0 speaks for the run
+    if from_environment().main:  # under torchrun, rank 0 speaks for the run
         print(f"run folder: {run}  (model: {run / 'model'})")
     return 0
 

@@ -55,35 +55,29 @@ def run_stage(cls: type, cfg, resume, resume_overrides: tuple[str, ...], body: C
     if ranks.many and cls.command != "train":
         raise ConfigError(f"groundtune {cls.command} runs on one process for now; launch it without torchrun")
     distributed.start(ranks)
-    if not ranks.main:
+    if ranks.main:
+        try:
+            run, cfg, resume_from = prepare_run(cfg, resume, cls, resume_overrides)
+            data = None if finished_already(run, resume_from) else check_data(cfg)  # every record, before the model loads
+        except BaseException as e:
+            distributed.share(("error", str(e)), ranks)
+            distributed.finish(ranks, wait=False)
+            raise
+        distributed.share(("ok", run, cfg, resume_from, data), ranks)
+    else:
         said, *found = distributed.share(None, ranks)
         if said == "error":
             distributed.finish(ranks, wait=False)
             raise TrainingError(f"rank 0 stopped before training: {found[0]}")
         run, cfg, resume_from, data = found
-        if data is None:  # finished already (rank 0 said so)
-            distributed.finish(ranks)
-            return run
-        distributed.share(None, ranks)  # rank 0 has claimed and written the folder
-        run = body(run, cfg, resume_from, data, on_step, ranks)
-        distributed.finish(ranks)
-        return run
-    try:
-        run, cfg, resume_from = prepare_run(cfg, resume, cls, resume_overrides)
-        data = None if finished_already(run, resume_from) else check_data(cfg)  # every record, before the model loads
-    except BaseException as e:
-        distributed.share(("error", str(e)), ranks)
-        distributed.finish(ranks, wait=False)
-        raise
-    distributed.share(("ok", run, cfg, resume_from, data), ranks)
-    if data is None:
-        distributed.finish(ranks)
-        return run
-    with ckpt.RunLock(run, f"groundtune {cls.command} (out_dir={run})"):
-        open_run(run, cfg, resume_from, data)
-        distributed.share(None, ranks)
-        run = body(run, cfg, resume_from, data, on_step, ranks)
-    distributed.finish(ranks)  # the folder released first: the others wait for rank 0 here
+    if data is not None:  # None: finished already (rank 0 said so)
+        claim = ckpt.RunLock(run, f"groundtune {cls.command} (out_dir={run})") if ranks.main else contextlib.nullcontext()
+        with claim:
+            if ranks.main:
+                open_run(run, cfg, resume_from, data)
+            distributed.share(None, ranks)  # the others start once rank 0 has claimed and written the folder
+            run = body(run, cfg, resume_from, data, on_step, ranks)
+    distributed.finish(ranks)  # (the folder released first) every rank waits for the others here
     return run
 
 
@@ -250,7 +244,7 @@ class Loop:
     eval_samples: list[dict]
     log: MetricsLog
     on_step: Callable | None = None  # on_step(step, run, model) after every update (tests drop a STOP file)
-    ranks: distributed.Ranks = distributed.Ranks()  # rank 0 alone writes the run and evaluates
+    ranks: distributed.Ranks = distributed.Ranks()  # rank 0 alone writes the run and scores its evals
 
     @classmethod
     def start(cls, run: Path, cfg, gm: GroundingModel, resume_from: Path | None, data: RunData,
