@@ -120,6 +120,8 @@ def test_the_openai_client_works_unchanged(server, gm):
     ({"image": "../secret.png", "phrase": "x"}, 422, "does not read files"),
     ({"image": "not base64!", "phrase": "x"}, 422, "not valid base64"),
     ({"image": _b64(b"GIF89a garbage that is no image"), "phrase": "x"}, 422, "cannot be decoded"),
+    ({"image": _b64(b"no image format at all"), "phrase": "x"}, 422,
+     "the image cannot be decoded (not an image format the server reads)"),
     ({"image": "BIG", "phrase": "x"}, 413, "--max-image-pixels"),
     ({"image": "THIN", "phrase": "x"}, 422, "aspect ratio"),
     ({"image": "data:image/png,rawbytes", "phrase": "x"}, 422, "must be base64"),

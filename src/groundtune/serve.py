@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 from pathlib import Path
 
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from groundtune.errors import ConfigError, DataError, MissingPackageError
 
@@ -98,7 +98,9 @@ def decode_image(data: bytes, limits: Limits, param: str = "image") -> Image.Ima
     except Image.DecompressionBombError as e:
         raise RequestError(413, f"the image is too large to decode ({e})", param) from None
     except (OSError, SyntaxError, ValueError) as e:
-        raise RequestError(422, f"the image cannot be decoded ({e})", param) from None
+        # PIL names the buffer it read from ("<_io.BytesIO object at 0x...>"), nothing a caller sent
+        why = "not an image format the server reads" if isinstance(e, UnidentifiedImageError) else str(e)
+        raise RequestError(422, f"the image cannot be decoded ({why})", param) from None
     from groundtune.data.images import to_rgb
 
     return to_rgb(image)
