@@ -43,6 +43,8 @@ from groundtune.data.samples import open_samples
 from groundtune.models import adapt, qwen, speedups
 from groundtune.models.loading import load_model
 from groundtune.train import objective, rl
+from groundtune.train.distributed import Ranks
+from groundtune.train.parallel import Parallel
 from groundtune.train.rewards import RewardWeights
 
 shared_images = objective._shared_images
@@ -66,7 +68,8 @@ def groundtune_step(gm, model, pairs, cfg, engine=None) -> dict:
                         engine)
     t1 = _now()  # rollouts() scores as it goes: its reward time is inside generation, and tiny
     adv = rl.advantages(batch.rewards, batch.prompt_keys, cfg, None)
-    rl.update(model, model.disable_adapter, batch, adv, optimizer, cfg, autocast, gm.processor.pad_token_id)
+    rl.update(Parallel(model, Ranks()), model.disable_adapter, batch, adv, optimizer, cfg, autocast,
+              gm.processor.pad_token_id)
     t2 = _now()
     return {"generate_s": t1 - t0, "reward_s": 0.0, "update_s": t2 - t1, "reward_mean": float(batch.rewards.mean())}
 

@@ -4,6 +4,7 @@ batches: the naive transformers + PEFT stack against `groundtune train`'s own st
     python bench/sft_speed.py --models 3b,7b --out bench/results/sft_speed.json
     python bench/sft_speed.py --models 3b --variants naive,preset:qwen2.5-vl-3b-lora-24gb --profile 1
     python bench/sft_speed.py --models tiny --steps 4          # CPU smoke test of this script
+    python bench/sft_speed.py --models 3b --variants P,P@ddp,P@fsdp2,P@zero2,P   # P: preset:qwen2.5-vl-3b-lora-24gb
 
 Data: one image per sample, sizes drawn around COCO's 640x480 with varied aspect ratios, the
 official grounding prompt and a JSON answer of ~30 tokens; the same samples, in the same order,
@@ -18,6 +19,9 @@ first losses must agree within bf16 noise: the objective is the same, only the s
 - preset:NAME: the same with a shipped preset's batch, recomputation, packing and kernel settings.
   A QLoRA preset first writes the random architecture to disk and trains from that folder: the
   4-bit base is made by from_pretrained, as from a user's weights (bitsandbytes needed).
+- VARIANT@ENGINE: the same variant launched by `torchrun --nproc-per-node 1` with
+  distributed=ENGINE (ddp, fsdp2, zero2, zero3): what one rank of a multi-GPU run costs against
+  the plain command, in the same run.
 - --profile N: torch.profiler over N steps of each groundtune variant (not counted in its speed):
   GPU kernel time by kind, launches, the top kernels; --ladder: the step one change at a time.
 
@@ -99,7 +103,12 @@ LR = 1e-4
 
 
 def variant_settings(variant: str) -> dict | None:
-    """The TrainConfig settings of a variant: a name of GT_VARIANTS, or preset:NAME (configs/NAME.yaml)."""
+    """The TrainConfig settings of a variant: a name of GT_VARIANTS, or preset:NAME (configs/NAME.yaml),
+    either followed by @ENGINE (the run's ``distributed`` setting, under torchrun)."""
+    variant, _, engine = variant.partition("@")
+    if engine:
+        settings = variant_settings(variant)
+        return None if settings is None else {**settings, "distributed": engine}
     if variant.startswith("preset:"):
         preset = yaml.safe_load(preset_path(variant.removeprefix("preset:")).read_text())
         return {k: v for k, v in preset.items() if k in PRESET_SETTINGS}
@@ -134,11 +143,12 @@ def parameter_counts(model) -> dict:
     """What the FLOP count needs: LLM parameters that multiply every token (the LM head too, even
     when tied to the embedding: its matmul still runs) and the vision tower's."""
     named = dict(model.named_parameters())
-    llm = sum(p.numel() for n, p in named.items() if "visual" not in n and "embed_tokens" not in n)
+    numel = {n: getattr(p, "ds_numel", p.numel()) for n, p in named.items()}  # (ZeRO-3 leaves p.numel() 0)
+    llm = sum(k for n, k in numel.items() if "visual" not in n and "embed_tokens" not in n)
     lm_head = model.get_output_embeddings()
     if lm_head is not None and not any(lm_head.weight is p for n, p in named.items() if "lm_head" in n):
         llm += lm_head.weight.numel()
-    return {"llm": llm, "vision": sum(p.numel() for n, p in named.items() if "visual" in n)}
+    return {"llm": llm, "vision": sum(k for n, k in numel.items() if "visual" in n)}
 
 
 def flops_per_sample(counts: dict, batches: list[dict]) -> float:
@@ -378,7 +388,9 @@ def measure_in_fresh_process(key: str, variant: str, data: Path, args) -> list[d
     a crash or a hang costs that variant only."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        cmd = ([sys.executable, __file__, "--in-process", "--models", key, "--variants", variant,
+        # VARIANT@ENGINE: one rank of torchrun
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"] if "@" in variant else [sys.executable]
+        cmd = ([*launch, __file__, "--in-process", "--models", key, "--variants", variant,
                "--steps", str(args.steps), "--samples", str(args.samples), "--cap-gib", str(args.cap_gib),
                "--no-loader", "--data", str(data), "--out", str(out), "--profile", str(args.profile)]
                + (["--ladder"] if variant == "" else []))

@@ -1,12 +1,15 @@
 """Settings: YAML + key=value, types, and invalid combinations named by setting."""
 
+import json
 from pathlib import Path
 
 import pytest
 
 from groundtune.config import ConfigError, RLConfig, TrainConfig, load_config
+from groundtune.train import parallel
 
-CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 
 def test_yaml_and_overrides(tmp_path):
@@ -78,3 +81,61 @@ def test_every_shipped_config_is_valid(path):
 
 def test_configs_exist():
     assert any(p.name == "quickstart.yaml" for p in CONFIGS)
+
+
+# --------------------------------------------------------------------------------------------
+# several ranks: the engine setting, the shipped DeepSpeed and accelerate configs
+
+
+def test_the_engine_is_checked_and_qlora_is_not_sharded():
+    with pytest.raises(ConfigError, match="distributed='zero4'"):
+        TrainConfig(train_data="x", distributed="zero4")
+    with pytest.raises(ConfigError, match="bitsandbytes' 4-bit weights cannot be sharded"):
+        TrainConfig(train_data="x", method="qlora", distributed="fsdp2")
+    with pytest.raises(ConfigError, match="deepspeed_config is set but distributed=ddp"):
+        TrainConfig(train_data="x", deepspeed_config="configs/deepspeed/zero3-offload.json")
+    assert TrainConfig(train_data="x", method="qlora", distributed="zero2").distributed == "zero2"
+    assert RLConfig(train_data="x", distributed="fsdp2").distributed == "fsdp2"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "deepspeed").glob("*.json")), ids=lambda p: p.name)
+def test_shipped_deepspeed_configs_name_real_options(path):
+    """Each file merged over groundtune's settings is a config DeepSpeed accepts: its ZeRO options
+    are parsed by DeepSpeed's own (strict) model, so a misspelt or removed option fails here."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    for stage in (2, 3):
+        settings = parallel.deepspeed_settings(stage, 1.0, str(path))
+        parsed = DeepSpeedConfig(settings)
+        assert parsed.zero_optimization_stage == stage and parsed.gradient_clipping == 1.0
+        read = parsed.zero_config.model_dump(by_alias=True)
+        for key, value in json.loads(path.read_text())["zero_optimization"].items():
+            if not isinstance(value, dict):  # the nested offload settings are models of their own
+                assert read[key] == value, key
+    with pytest.raises(Exception, match="overlap_comms"):  # and a misspelt option would not pass
+        DeepSpeedConfig({**settings, "zero_optimization": {"stage": 2, "overlap_comms": True}})
+
+
+def test_a_broken_deepspeed_config_is_named():
+    with pytest.raises(ConfigError, match="deepspeed_config=nowhere.json"):
+        parallel.deepspeed_settings(2, 1.0, "nowhere.json")
+
+
+def test_the_shipped_accelerate_config_loads_as_accelerate_reads_it():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(ROOT / "configs" / "accelerate" / "multi-gpu.yaml"))
+    assert config.distributed_type == "MULTI_GPU" and config.num_processes == 2 and not config.use_cpu
+
+
+def test_a_launcher_set_up_for_another_engine_is_refused(monkeypatch):
+    parallel.check_launch("ddp")  # nothing said: a plain launch
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    parallel.check_launch("zero3")
+    with pytest.raises(ConfigError, match="launcher asks for deepspeed but the run's distributed=ddp"):
+        parallel.check_launch("ddp")
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ConfigError, match="asks for fsdp but the run's distributed=zero2"):
+        parallel.check_launch("zero2")

@@ -1,12 +1,19 @@
-"""Data parallel training (train/distributed.py): `torchrun --nproc-per-node 2 -m groundtune train`
-on the CPU (gloo), the real launcher in a subprocess. Two ranks of batch B train exactly as one
-process of batch 2B (fp32), and a two-rank run stopped and resumed equals one never stopped."""
+"""Training on several ranks (train/distributed.py, train/parallel.py): `torchrun --nproc-per-node 2
+-m groundtune train|rl` on the CPU (gloo), the real launcher in a subprocess, with each engine of the
+``distributed`` setting: DDP, FSDP2, and DeepSpeed ZeRO-2/3 (DeepSpeed runs on CPUs over gloo too).
+
+Two ranks of batch B train exactly as one process of batch 2B (fp32), and write the same checkpoints
+(whole tensors, the one-process form, whatever the engine sharded); a run whose rank is killed ends
+with a clear message and, resumed, equals one never stopped; a sharded run resumes on one process;
+RL runs on two ranks, each sampling its own groups."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -14,12 +21,18 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from groundtune.data import synth
 
 TORCHRUN = shutil.which("torchrun")
-pytestmark = pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not on PATH")
+pytestmark = [pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not on PATH"), pytest.mark.slow]
 SETTINGS = ["eval_data=", "lr=5e-3", "method=lora", "device=cpu", "log_every=1", "num_workers=0"]
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+ENGINES = ["ddp", "fsdp2",
+           *(pytest.param(k, marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed"))
+             for k in ("zero2", "zero3"))]
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +42,18 @@ def data(tmp_path_factory):
     return out / "train.jsonl"
 
 
+def _launch(command: str, ranks: int, args: list[str]) -> subprocess.Popen:
+    launch = [TORCHRUN, "--nproc-per-node", str(ranks), "-m"] if ranks else [sys.executable, "-m"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([*launch, "groundtune", command, *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
 def _train(data: Path, out: Path, ranks: int, *settings: str, resume: bool = False) -> subprocess.Popen:
-    launch = [TORCHRUN, "--nproc-per-node", str(ranks), "-m"] if ranks > 1 else [sys.executable, "-m"]
+    """``ranks`` processes under torchrun (0: one plain process, no launcher)."""
     args = ["--resume", str(out)] if resume else ["quickstart", f"train_data={data}", f"out_dir={out}", *SETTINGS,
                                                    *settings]  # (a later eval_data= wins over SETTINGS')
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([*launch, "groundtune", "train", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return _launch("train", ranks, args)
 
 
 def _finish(process: subprocess.Popen) -> str:
@@ -45,50 +63,148 @@ def _finish(process: subprocess.Popen) -> str:
 
 
 def _logged(run: Path, key: str) -> list:
-    return [r[key] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    return [r[key] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if key in r]
 
 
-def test_two_ranks_train_as_one_process_with_their_batches_together(data, tmp_path):
-    # eval on 11 samples every 2 steps: the two ranks answer 6 and 5 of them, rank 0 scores all 11
-    settings = ("max_steps=4", "save_every=0", f"eval_data={data}", "eval_samples=11", "eval_every=2",
-                "eval_batch_size=4")
-    one = _finish(_train(data, tmp_path / "one", 1, "batch_size=4", *settings))
-    two = _finish(_train(data, tmp_path / "two", 2, "batch_size=2", *settings))
-    assert _logged(tmp_path / "two", "loss") == pytest.approx(_logged(tmp_path / "one", "loss"), rel=1e-5)
-    evals = [[r for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
-              if "eval/miou" in r] for run in ("one", "two")]
-    assert [r["step"] for r in evals[1]] == [2, 4]
-    assert [r["eval/miou"] for r in evals[1]] == pytest.approx([r["eval/miou"] for r in evals[0]], abs=1e-6)
-    assert _logged(tmp_path / "two", "samples") == [4, 8, 12, 16]  # both ranks' samples counted
-    assert two.count("run folder:") == 1 and "on 2 ranks (batch 2 each)" in two and "on 2 ranks" not in one
-    assert (tmp_path / "two" / "model").is_dir()
+def _checkpoint(run: Path, step: int) -> tuple[dict, dict]:
+    folder = run / "checkpoints" / f"step-{step:06d}"
+    return (load_file(folder / "trainable.safetensors"),
+            torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False))
 
 
-def test_two_ranks_stopped_and_resumed_equal_an_uninterrupted_run(data, tmp_path):
-    whole = tmp_path / "whole"
-    _finish(_train(data, whole, 2, "max_steps=6", "batch_size=2", "save_every=1"))
-    stopped = tmp_path / "stopped"
-    process = _train(data, stopped, 2, "max_steps=6", "batch_size=2", "save_every=1")
+EVAL = ("max_steps=4", "save_every=2", "eval_every=2", "eval_samples=11", "eval_batch_size=4")
 
-    def stop_after_two_steps() -> None:  # the STOP file, as a user drops it mid-run
+
+@pytest.fixture(scope="module")
+def one_process(data, tmp_path_factory):
+    """The reference: one process of batch 4 (no launcher), evaluated on 11 samples every 2 steps."""
+    run = tmp_path_factory.mktemp("one") / "run"
+    _finish(_train(data, run, 0, "batch_size=4", f"eval_data={data}", *EVAL))
+    return run
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_two_ranks_train_as_one_process_with_their_batches_together(engine, data, one_process, tmp_path):
+    two = tmp_path / "two"
+    output = _finish(_train(data, two, 2, "batch_size=2", f"eval_data={data}", f"distributed={engine}", *EVAL))
+    assert _logged(two, "loss") == pytest.approx(_logged(one_process, "loss"), rel=1e-5)
+    # eval: the two ranks answer 6 and 5 of the 11 samples, rank 0 scores them all
+    assert _logged(two, "step")[-1] == 4 and len(_logged(two, "eval/miou")) == 2
+    assert _logged(two, "eval/miou") == pytest.approx(_logged(one_process, "eval/miou"), abs=1e-6)
+    assert _logged(two, "samples") == [4, 8, 12, 16]  # both ranks' samples counted
+    assert output.count("run folder:") == 1 and "on 2 ranks (batch 2 each)" in output
+    # written once, whole: the checkpoint and the model are what one process writes
+    weights, optimizer = _checkpoint(two, 2)
+    want_weights, want_optimizer = _checkpoint(one_process, 2)
+    assert weights.keys() == want_weights.keys()
+    assert all(torch.allclose(weights[k], want_weights[k], atol=1e-6) for k in weights)
+    assert optimizer["state"].keys() == want_optimizer["state"].keys()
+    for index, state in want_optimizer["state"].items():
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(optimizer["state"][index][moment], state[moment], atol=1e-7), (index, moment)
+    model = load_file(two / "model" / "adapter_model.safetensors")
+    assert model.keys() == load_file(one_process / "model" / "adapter_model.safetensors").keys()
+
+
+def _stop_after(run: Path, steps: int, process: subprocess.Popen, act) -> threading.Thread:
+    """``act()`` once ``run`` has logged ``steps`` steps (as a user would, watching it)."""
+    def watch() -> None:
         while process.poll() is None:
-            if (stopped / "metrics.jsonl").exists() and len(_logged(stopped, "loss")) >= 2:
-                (stopped / "STOP").touch()
+            if (run / "metrics.jsonl").exists() and len(_logged(run, "loss")) >= steps:
+                act()
                 return
             time.sleep(0.05)
 
-    watcher = threading.Thread(target=stop_after_two_steps)
+    watcher = threading.Thread(target=watch)
     watcher.start()
+    return watcher
+
+
+def _ranks_of(launcher: int) -> list[int]:
+    """The processes torchrun started for its ranks, in the order it started them (rank 0 first)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == launcher and b"groundtune" in command:
+            found.append(int(proc.name))
+    return sorted(found)
+
+
+def test_a_killed_rank_ends_the_run_clearly_and_the_resumed_run_equals_an_uninterrupted_one(data, tmp_path):
+    whole = tmp_path / "whole"
+    _finish(_train(data, whole, 2, "max_steps=6", "batch_size=2", "save_every=1"))
+    killed = tmp_path / "killed"
+    process = _train(data, killed, 2, "max_steps=6", "batch_size=2", "save_every=1")
+
+    def kill_rank_1() -> None:
+        os.kill(_ranks_of(process.pid)[1], signal.SIGKILL)
+
+    watcher = _stop_after(killed, 2, process, kill_rank_1)
+    started = time.time()
+    output = process.communicate(timeout=300)[0]
+    watcher.join()
+    assert process.returncode != 0 and time.time() - started < 120  # no hang
+    assert "rank 0: another rank of this run stopped" in output, output
+    assert f"groundtune train --resume {killed}" in output
+    assert len(_logged(killed, "loss")) < 6
+    _finish(_train(data, killed, 2, resume=True))
+    assert _logged(killed, "loss") == pytest.approx(_logged(whole, "loss"), rel=1e-5)
+
+
+def test_a_sharded_run_resumes_on_one_process(data, tmp_path):
+    run = tmp_path / "fsdp2"
+    process = _train(data, run, 2, "max_steps=4", "batch_size=2", "save_every=1", "distributed=fsdp2")
+    watcher = _stop_after(run, 2, process, lambda: (run / "STOP").touch())
     output = _finish(process)
     watcher.join()
-    assert "stopping at step" in output and output.count("stopping at step") == 1  # said once, by rank 0
-    assert len(_logged(stopped, "loss")) < 6
-    _finish(_train(data, stopped, 2, resume=True))
-    assert _logged(stopped, "loss") == pytest.approx(_logged(whole, "loss"), rel=1e-5)
+    assert output.count("stopping at step") == 1  # said once, by rank 0
+    stopped_at = len(_logged(run, "loss"))
+    weights, _ = _checkpoint(run, stopped_at)
+    output = _finish(_train(data, run, 0, resume=True))  # no launcher: one process
+    assert f"resumed from {run / 'checkpoints' / f'step-{stopped_at:06d}'} at step {stopped_at}" in output
+    assert _logged(run, "step")[-1] == 4 and (run / "model").is_dir()
+    assert all(torch.isfinite(t).all() for t in weights.values())
 
 
-def test_rl_under_torchrun_is_refused_clearly(tmp_path):
-    done = subprocess.run([TORCHRUN, "--nproc-per-node", "2", "-m", "groundtune", "rl", "quickstart-rl",
-                           f"out_dir={tmp_path / 'rl'}"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode != 0 and "runs on one process for now" in done.stdout + done.stderr
+@pytest.mark.parametrize("engine", ENGINES)
+def test_rl_on_two_ranks_samples_each_ranks_groups(engine, tmp_path):
+    out = tmp_path / "data"
+    synth.make_synthetic_set(out, n=16, seed=1, width=168, height=168, workers=1)
+    run = tmp_path / "rl"
+    process = _launch("rl", 2, ["quickstart-rl", "model=tiny", f"train_data={out / 'train.jsonl'}",
+                                f"eval_data={out / 'train.jsonl'}", f"out_dir={run}", "device=cpu", "max_steps=2",
+                                "batch_size=2", "group_size=3", "max_new_tokens=24", "eval_samples=3",
+                                "eval_every=0", "save_every=1", "log_every=1", f"distributed={engine}",
+                                "kl_coef=0.1"])
+    output = _finish(process)
+    assert "answers per step on each of 2 ranks" in output and output.count("run folder:") == 1
+    assert _logged(run, "samples") == [4, 8]  # 2 prompts on each of 2 ranks per step
+    # every rank's groups are in the logs: 2 ranks x 2 prompts x 3 answers
+    assert [sum(h) for h in _logged(run, "rollout/iou_histogram")] == [12, 12]
+    assert all(map(lambda v: v == v, _logged(run, "loss")))  # finite
+    assert len(_logged(run, "eval/miou")) == 2  # before the first step and at the end
+    assert (run / "model" / "adapter_model.safetensors").is_file()
+    weights, _ = _checkpoint(run, 2)
+    assert weights and all(".default." in k for k in weights)  # the trained adapter, whole
+
+
+def test_accelerate_launch_starts_the_ranks_and_a_launcher_for_another_engine_is_named(data, tmp_path):
+    accelerate = shutil.which("accelerate")
+    if accelerate is None:
+        pytest.skip("accelerate's launcher is not on PATH")
+    config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "multi-gpu.yaml"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["-m", "groundtune", "train", "quickstart", f"train_data={data}", *SETTINGS, "max_steps=2", "batch_size=2"]
+    done = subprocess.run([accelerate, "launch", "--config_file", str(config), *args, f"out_dir={tmp_path / 'a'}"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "on 2 ranks (batch 2 each)" in done.stdout and len(_logged(tmp_path / "a", "loss")) == 2
+    # accelerate's own DeepSpeed config would be ignored: refused, naming the setting to use instead
+    done = subprocess.run([accelerate, "launch", "--config_file", str(config), *args, f"out_dir={tmp_path / 'b'}"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**env, "ACCELERATE_USE_DEEPSPEED": "true"})
+    assert done.returncode != 0 and "the engine is the run's setting (distributed=zero2|zero3)" in done.stderr

@@ -20,7 +20,7 @@ import sys
 import traceback
 
 from groundtune.boxes import FAMILIES
-from groundtune.errors import GroundtuneError, UsageError
+from groundtune.errors import GroundtuneError, RankLostError, UsageError
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -553,6 +553,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RankLostError as e:  # the rank that failed first printed why
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except Exception as e:  # a bug or the machine: the traceback is what a report needs
         traceback.print_exc()
         print(f"\nerror: {type(e).__name__} (above). {_hint(e)}", file=sys.stderr)

@@ -31,6 +31,7 @@ KERNEL_MODES = ("auto", "liger", "none")
 BAD_RECORD_POLICIES = ("refuse", "skip")
 MAX_NEW_TOKENS = 64  # longest greedy answer by default: one box and its label is ~20-40 tokens
 ADVANTAGES = ("grpo", "ema")
+ENGINES = ("ddp", "fsdp2", "zero2", "zero3")  # train/parallel.py
 PRESETS = Path(__file__).resolve().parent / "configs"  # shipped YAML presets (also at ./configs)
 
 __all__ = ["ConfigError", "TrainConfig", "RLConfig", "load_config", "preset_path", "to_yaml", "describe"]
@@ -84,6 +85,9 @@ class _Method(_Settings):
     def check(self) -> None:
         if self.method not in ("lora", "qlora", "full"):
             raise ConfigError(f"method={self.method!r}: expected lora, qlora or full")
+        if self.method == "qlora" and getattr(self, "distributed", "ddp") in ("fsdp2", "zero3"):
+            raise ConfigError(f"method=qlora with distributed={self.distributed}: bitsandbytes' 4-bit weights cannot "
+                              "be sharded; use distributed=ddp or zero2 (the 4-bit base is small enough to copy)")
         if self.method in ("lora", "qlora") and not self.lora_targets:
             raise ConfigError(f"lora_targets is empty: method={self.method} would train nothing")
         if self.method == "full" and self.freeze_vision and self.freeze_merger and self.freeze_llm:
@@ -192,8 +196,15 @@ class _Loop(_Settings):
     thermal_pause_c: int = 0  # wait while the GPU is at or above this temperature (°C); 0 = off; read only
     thermal_resume_c: int = 75  # ... until it is back at or below this
     device: str = "auto"  # auto (a CUDA GPU when there is one) | cpu | cuda | cuda:N
+    distributed: str = "ddp"  # under torchrun / accelerate launch: ddp (a whole copy per rank) | fsdp2 (parameters sharded per decoder layer) | zero2 | zero3 (DeepSpeed ZeRO; pip install deepspeed); see docs/scaling.md
+    deepspeed_config: str = ""  # zero2/zero3: a DeepSpeed JSON whose options go over groundtune's (e.g. configs/deepspeed/zero3-offload.json)
 
     def check(self) -> None:
+        if self.distributed not in ENGINES:
+            raise ConfigError(f"distributed={self.distributed!r}: expected one of {', '.join(ENGINES)}")
+        if self.deepspeed_config and self.distributed not in ("zero2", "zero3"):
+            raise ConfigError(f"deepspeed_config is set but distributed={self.distributed}: it configures "
+                              "distributed=zero2 or zero3")
         _positive(self, "log_every", "eval_samples", "eval_batch_size", "eval_max_new_tokens", "keep_last",
                   "max_bad_steps")
         _at_least_zero(self, "eval_every", "save_every", "thermal_pause_c", "thermal_resume_c")

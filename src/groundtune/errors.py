@@ -55,3 +55,9 @@ class TrainingError(GroundtuneError, RuntimeError):
 
 class UnsupportedVersionError(GroundtuneError, RuntimeError):
     """A library version groundtune's speed-ups were not tested on."""
+
+
+class RankLostError(RuntimeError):
+    """Another rank of a run launched on several processes stopped (crashed, killed, out of
+    memory), so this one cannot go on. Not the user's mistake (exit 1), but the traceback of the
+    broken connection says nothing the message does not: the failed rank's own output does."""

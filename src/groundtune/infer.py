@@ -168,14 +168,15 @@ def load(name: str, device: str = "auto", min_pixels: int | None = None, max_pix
     return gm
 
 
-def engine_for(gm) -> Engine | None:
+def engine_for(gm, graphs: bool = True) -> Engine | None:
     """The generation engine for ``gm``'s model, or None where it cannot run (the model lacks our
     attention: ``load`` installs it): ``generate`` then uses transformers' ``generate``. One
     engine serves many batches; on a GPU it keeps the decode steps it captured (and their caches)
-    until it is dropped."""
+    until it is dropped. ``graphs=False``: none captured (for weights that move between batches:
+    sharded ones, gathered anew each time)."""
     if not Engine.usable(gm.model):
         return None
-    return Engine(gm.model, gm.processor.pad_token_id, gm.processor.eos_token_ids)
+    return Engine(gm.model, gm.processor.pad_token_id, gm.processor.eos_token_ids, use_graphs=None if graphs else False)
 
 
 def predict(

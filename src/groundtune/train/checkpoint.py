@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import random
 import shutil
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -166,21 +168,27 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run: Path, model, optimizer, scheduler, state: dict, keep_last: int) -> Path:
-    """Write RUN/checkpoints/step-N atomically and delete all but the newest ``keep_last``."""
+def save_checkpoint(run: Path, model, optimizer, scheduler, state: dict, keep_last: int,
+                    weights: dict | None = None, optimizer_state: dict | None = None,
+                    rng: dict | list | None = None) -> Path:
+    """Write RUN/checkpoints/step-N atomically and delete all but the newest ``keep_last``.
+    ``weights``, ``optimizer_state``: whole ones gathered from several ranks (by default the
+    model's trainable weights and the optimizer's state dict); ``rng``: every rank's generators
+    (by default this process's)."""
     parent = run / CHECKPOINTS
     name = f"step-{state['step']:06d}"
     if parent.is_dir():
         _remove_leftovers(parent)
     tmp = _fresh_tmp(parent, name)
-    trainable = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
-    weights = sum(t.numel() * t.element_size() for t in trainable.values())
+    trainable = weights if weights is not None else {
+        n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    size = sum(t.numel() * t.element_size() for t in trainable.values())
     try:
-        with _refused_writes_named(parent / name, needed_bytes=3 * weights):  # weights + Adam's two moments
+        with _refused_writes_named(parent / name, needed_bytes=3 * size):  # weights + Adam's two moments
             save_file(trainable, tmp / "trainable.safetensors")
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(optimizer_state if optimizer_state is not None else optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-            torch.save(rng_state(), tmp / "rng.pt")
+            torch.save(rng if rng is not None else rng_state(), tmp / "rng.pt")
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays, not even under a hidden name
@@ -200,32 +208,61 @@ def list_checkpoints(run: Path) -> list[Path]:
     return sorted(p for p in parent.iterdir() if p.is_dir() and p.name.startswith("step-"))
 
 
-def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
-    """Restore weights, optimizer, scheduler and RNG from a checkpoint; returns the loop state."""
+@dataclass
+class Checkpoint:
+    """What a checkpoint holds, read back: whole weights and optimizer state (the one-process
+    form, whatever number of ranks wrote it), scheduler, generators and the loop state."""
+
+    weights: dict[str, torch.Tensor]
+    optimizer: dict
+    scheduler: dict
+    rng: dict | list  # one process's generators, or a list of every rank's
+    state: dict
+
+    def rng_of(self, rank: int) -> dict:
+        """The generators of ``rank`` (rank 0's for a rank the writing run did not have)."""
+        return self.rng[rank if rank < len(self.rng) else 0] if isinstance(self.rng, list) else self.rng
+
+
+def read_checkpoint(path: Path, model) -> Checkpoint:
+    """A checkpoint's contents, its weights checked against ``model``'s trainable ones."""
     weights = load_file(path / "trainable.safetensors")
-    params = dict(model.named_parameters())
-    missing = [n for n, p in params.items() if p.requires_grad and n not in weights]
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in weights]
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} trainable tensors (e.g. {missing[0]}); "
                          "was it written with other method/lora settings?")
+    load = functools.partial(torch.load, map_location="cpu", weights_only=False)
+    return Checkpoint(weights, load(path / "optimizer.pt"), load(path / "scheduler.pt"), load(path / "rng.pt"),
+                      json.loads((path / "state.json").read_text()))
+
+
+def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
+    """Restore weights, optimizer, scheduler and RNG of one process from a checkpoint; returns the
+    loop state. (Several ranks restore through train/parallel.py, each its part.)"""
+    saved = read_checkpoint(path, model)
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for n, t in weights.items():
+        for n, t in saved.weights.items():
             params[n].copy_(t.to(params[n].device, params[n].dtype))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=False))
-    set_rng_state(torch.load(path / "rng.pt", map_location="cpu", weights_only=False))
-    return json.loads((path / "state.json").read_text())
+    optimizer.load_state_dict(saved.optimizer)
+    scheduler.load_state_dict(saved.scheduler)
+    set_rng_state(saved.rng_of(0))
+    return saved.state
 
 
-def save_model(run: Path, gm: GroundingModel, model, extra: dict | None = None) -> Path:
-    """Write RUN/model: the adapter (LoRA) or full weights, the processor and groundtune.json."""
+def save_model(run: Path, gm: GroundingModel, model, extra: dict | None = None,
+               weights: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write RUN/model: the adapter (LoRA) or full weights, the processor and groundtune.json.
+    ``weights``: whole ones gathered from ranks that each hold a part (else the model's own)."""
     tmp = _fresh_tmp(run, "model")
     adapter = hasattr(model, "peft_config")
-    saved = [p for n, p in model.named_parameters() if not adapter or "lora_" in n]
+    saved = list(weights.values()) if weights is not None else [
+        p for n, p in model.named_parameters() if not adapter or "lora_" in n]
+    whole = {"state_dict": weights} if weights is not None else {}
     try:
         with _refused_writes_named(run / "model", needed_bytes=sum(p.numel() * p.element_size() for p in saved)):
             # an adapter model saves its trained adapter only (RL may hold a frozen reference copy beside it)
-            model.save_pretrained(tmp, **({"selected_adapters": ["default"]} if adapter else {}))
+            model.save_pretrained(tmp, **({"selected_adapters": ["default"]} if adapter else {}), **whole)
             if not adapter:  # full weights: make the folder self-contained
                 gm.processor.tokenizer.chat_template = gm.processor.chat_template  # saved with the tokenizer
                 gm.processor.tokenizer.save_pretrained(tmp)

@@ -30,14 +30,27 @@ import torch
 from groundtune.config import TrainConfig, load_config, to_yaml
 from groundtune.data.check import check_records
 from groundtune.data.records import atomic_write
-from groundtune.data.samples import SYNTH_PREFIX, FileSamples, SyntheticStream, open_samples
-from groundtune.errors import ConfigError, DataError, MissingError, RunExistsError, TrainingError
+from groundtune.data.samples import (
+    SYNTH_PREFIX,
+    FileSamples,
+    SyntheticStream,
+    open_samples,
+)
+from groundtune.errors import (
+    ConfigError,
+    DataError,
+    MissingError,
+    RankLostError,
+    RunExistsError,
+    TrainingError,
+)
 from groundtune.infer import Decoding
 from groundtune.models import adapt
 from groundtune.models.loading import GroundingModel, pick_device, resolve
 from groundtune.train import checkpoint as ckpt
 from groundtune.train import distributed
 from groundtune.train.monitor import MetricsLog, StopRequest, thermal_pause
+from groundtune.train.parallel import Parallel, check_launch
 
 __all__ = ["Loop", "RunData", "TrainingError", "run_stage", "prepare_run", "check_data", "open_run",
            "seed_everything", "use_bf16", "lr_lambda"]
@@ -52,12 +65,12 @@ def run_stage(cls: type, cfg, resume, resume_overrides: tuple[str, ...], body: C
     torchrun, rank 0 prepares, checks and claims the run and hands what it found to the others
     (train/distributed.py)."""
     ranks = distributed.from_environment()
-    if ranks.many and cls.command != "train":
-        raise ConfigError(f"groundtune {cls.command} runs on one process for now; launch it without torchrun")
     distributed.start(ranks)
     if ranks.main:
         try:
             run, cfg, resume_from = prepare_run(cfg, resume, cls, resume_overrides)
+            if ranks.launched:
+                check_launch(cfg.distributed)
             data = None if finished_already(run, resume_from) else check_data(cfg)  # every record, before the model loads
         except BaseException as e:
             distributed.share(("error", str(e)), ranks)
@@ -72,13 +85,27 @@ def run_stage(cls: type, cfg, resume, resume_overrides: tuple[str, ...], body: C
         run, cfg, resume_from, data = found
     if data is not None:  # None: finished already (rank 0 said so)
         claim = ckpt.RunLock(run, f"groundtune {cls.command} (out_dir={run})") if ranks.main else contextlib.nullcontext()
-        with claim:
-            if ranks.main:
-                open_run(run, cfg, resume_from, data)
-            distributed.share(None, ranks)  # the others start once rank 0 has claimed and written the folder
-            run = body(run, cfg, resume_from, data, on_step, ranks)
+        try:
+            with claim:
+                if ranks.main:
+                    open_run(run, cfg, resume_from, data)
+                distributed.share(None, ranks)  # the others start once rank 0 has claimed and written the folder
+                run = body(run, cfg, resume_from, data, on_step, ranks)
+        except Exception as e:
+            distributed.finish(ranks, wait=False)
+            if ranks.many and distributed.lost_peer(e):
+                raise RankLostError(_rank_lost(ranks, run, cls.command, e)) from e
+            raise
     distributed.finish(ranks)  # (the folder released first) every rank waits for the others here
     return run
+
+
+def _rank_lost(ranks: distributed.Ranks, run: Path, command: str, error: Exception) -> str:
+    checkpoints = ckpt.list_checkpoints(run)
+    where = (f"its last checkpoint is {checkpoints[-1].name}; resume with: torchrun --nproc-per-node {ranks.world} "
+             f"-m groundtune {command} --resume {run}") if checkpoints else "it had written no checkpoint yet"
+    return (f"rank {ranks.rank}: another rank of this run stopped ({str(error).splitlines()[0][:160]}); the rank that "
+            f"failed first says why, above. The run stopped with it: {where}")
 
 
 def prepare_run(cfg, resume, cls: type = TrainConfig,
@@ -244,22 +271,35 @@ class Loop:
     eval_samples: list[dict]
     log: MetricsLog
     on_step: Callable | None = None  # on_step(step, run, model) after every update (tests drop a STOP file)
-    ranks: distributed.Ranks = distributed.Ranks()  # rank 0 alone writes the run and scores its evals
+    parallel: Parallel | None = None  # how the ranks train the model (train/parallel.py); rank 0 writes the run
+
+    @property
+    def ranks(self) -> distributed.Ranks:
+        return self.parallel.ranks
 
     @classmethod
     def start(cls, run: Path, cfg, gm: GroundingModel, resume_from: Path | None, data: RunData,
-              on_step: Callable | None = None, ranks: distributed.Ranks = distributed.Ranks(),
-              **extra_state) -> "Loop":
+              on_step: Callable | None = None, parallel: Parallel | None = None, **extra_state) -> "Loop":
         """The optimizer (AdamW over ``adapt.param_groups``), the schedule, the loop state (plus
         ``extra_state``) of a new run, or all of them restored from ``resume_from``, the run's
-        newest checkpoint; ``data``: the checked records (its eval subset is evaluated)."""
-        device = gm.device
+        newest checkpoint; ``data``: the checked records (its eval subset is evaluated).
+        ``parallel``: the model as the ranks train it (by default one process's)."""
+        parallel = parallel or Parallel(gm.model, distributed.Ranks())
+        ranks = parallel.ranks
+        # fused: one kernel for every tensor, on a GPU; sharded parameters take the default path
         optimizer = torch.optim.AdamW(adapt.param_groups(gm.model, cfg), betas=(0.9, 0.95),
-                                      fused=device.type == "cuda")
+                                      fused=gm.device.type == "cuda" and not parallel.sharded)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
         state = {"step": 0, "samples": 0, "best_acc": -1.0, "bad_steps": 0, "finished": False, **extra_state}
-        if resume_from is not None:  # over the defaults: a run saved before a state key existed resumes too
-            state = {**state, **ckpt.load_checkpoint(resume_from, gm.model, optimizer, scheduler)}
+        saved = ckpt.read_checkpoint(resume_from, gm.model) if resume_from is not None else None
+        if saved is not None:
+            parallel.load_weights(saved.weights)  # before DeepSpeed makes its copy of them
+        parallel.start(optimizer, cfg.deepspeed_config, cfg.max_grad_norm)
+        if saved is not None:  # over the defaults: a run saved before a state key existed resumes too
+            parallel.load_optimizer_state(optimizer, saved.optimizer)
+            scheduler.load_state_dict(saved.scheduler)
+            ckpt.set_rng_state(saved.rng_of(ranks.rank))
+            state = {**state, **saved.state}
             if ranks.main:
                 print(f"resumed from {resume_from} at step {state['step']}")
         # a resumed run's log keeps each step once: lines past its checkpoint are replayed
@@ -269,7 +309,7 @@ class Loop:
             log.log(0, {"data/bad_records": len(data.bad),
                         **({"eval/decoding": Decoding.greedy(cfg.eval_max_new_tokens).to_dict()} if data.eval_records
                            else {})})
-        return cls(run, cfg, gm, optimizer, scheduler, state, data.eval_records, log, on_step, ranks)
+        return cls(run, cfg, gm, optimizer, scheduler, state, data.eval_records, log, on_step, parallel)
 
     def skip_unreadable(self, failed: list[str], drawn: int) -> None:
         """Samples of a batch that failed to load during the run (a file deleted or damaged since the
@@ -281,7 +321,8 @@ class Loop:
                              for m in failed)
         self.log.log(self.state["step"] + 1, {"data/skipped": len(failed), "data/skipped_total": self.state["skipped_samples"]})
         if len(failed) > self.cfg.max_bad_fraction * drawn:
-            self._save_checkpoint()
+            if not self.ranks.many:  # (the other ranks are elsewhere: the last checkpoint is the one to resume)
+                self._save_checkpoint()
             self.log.close()
             raise TrainingError(f"{len(failed)} of {drawn} samples of a batch failed to load (more than "
                                 f"max_bad_fraction={self.cfg.max_bad_fraction}), e.g. {failed[0]}; check the data "
@@ -299,26 +340,28 @@ class Loop:
         from groundtune import evaluate, infer
 
         step, cfg, ranks = self.state["step"], self.cfg, self.ranks
-        predictions = None
-        if ranks.many:
+        with self.parallel.gathered():  # sharded weights gathered once for the whole eval
             mine = infer.predict_records(self.gm, self.eval_samples[ranks.rank :: ranks.world], cfg.eval_data,
                                          cfg.eval_batch_size, cfg.eval_max_new_tokens)
-            shares = distributed.gather(mine, ranks)
-            if not ranks.main:
-                return {}
-            predictions = [None] * len(self.eval_samples)
-            for rank, share in enumerate(shares):
-                predictions[rank :: ranks.world] = share
-        report, _ = evaluate.evaluate(self.gm, self.eval_samples, cfg.eval_data, batch_size=cfg.eval_batch_size,
-                                      progress=False, max_new_tokens=cfg.eval_max_new_tokens,
-                                      predictions=predictions)
-        metrics = {k: report[k] for k in ("acc@0.5", "acc@0.75", "miou", "parse_fail_rate")}
-        self.log.log(step, {f"eval/{k}": v for k, v in metrics.items()})
-        say(f"step {step}: eval Acc@0.5 {metrics['acc@0.5']:.3f} mIoU {metrics['miou']:.3f}")
-        if metrics["acc@0.5"] > self.state["best_acc"]:
-            self.state["best_acc"] = metrics["acc@0.5"]
-            ckpt.save_model(self.run, self.gm, self.gm.model,
-                            {"step": step, "eval": {**metrics, "n": report["n"], "decoding": report["decoding"]}})
+        shares = distributed.gather(mine, ranks)
+        predictions = [None] * len(self.eval_samples)
+        for rank, share in enumerate(shares or []):
+            predictions[rank :: ranks.world] = share
+        metrics, saved = {}, None
+        if ranks.main:
+            report, _ = evaluate.evaluate(self.gm, self.eval_samples, cfg.eval_data, batch_size=cfg.eval_batch_size,
+                                          progress=False, max_new_tokens=cfg.eval_max_new_tokens,
+                                          predictions=predictions)
+            metrics = {k: report[k] for k in ("acc@0.5", "acc@0.75", "miou", "parse_fail_rate")}
+            self.log.log(step, {f"eval/{k}": v for k, v in metrics.items()})
+            say(f"step {step}: eval Acc@0.5 {metrics['acc@0.5']:.3f} mIoU {metrics['miou']:.3f}")
+            if metrics["acc@0.5"] > self.state["best_acc"]:
+                self.state["best_acc"] = metrics["acc@0.5"]
+                saved = {"step": step, "eval": {**metrics, "n": report["n"], "decoding": report["decoding"]}}
+        # every rank knows the best so far (it decides what ``finish`` saves) and takes part in saving
+        self.state["best_acc"], saved = distributed.share((self.state["best_acc"], saved), ranks)
+        if saved is not None:
+            self._save_model(saved)
         return metrics
 
     def skip_nonfinite(self, values: dict, hint: str) -> None:
@@ -359,15 +402,27 @@ class Loop:
 
     def finish(self) -> Path:
         """The run's model is the best evaluated one, or the last when nothing was evaluated."""
-        if self.ranks.main and (not self.eval_samples or self.state["best_acc"] < 0):
-            ckpt.save_model(self.run, self.gm, self.gm.model, {"step": self.state["step"]})
+        if not self.eval_samples or self.state["best_acc"] < 0:
+            self._save_model({"step": self.state["step"]})
         self.log.close()
         return self.run
 
+    def _save_model(self, extra: dict) -> None:
+        weights = self.parallel.model_weights()  # gathered by every rank where no rank holds them whole
+        if self.ranks.main:
+            ckpt.save_model(self.run, self.gm, self.gm.model, extra, weights)
+
     def _save_checkpoint(self) -> None:
-        if self.ranks.main:  # every rank holds the same weights and optimizer state
+        """Written by rank 0 in the one-process form (any number of ranks resumes it), from whole
+        weights and optimizer state, gathered first where the ranks each hold a part; with every
+        rank's generators."""
+        parallel, ranks = self.parallel, self.ranks
+        weights = parallel.full_weights() if parallel.collective else None
+        optimizer_state = parallel.full_optimizer_state(self.optimizer) if parallel.collective else None
+        rng = distributed.gather(ckpt.rng_state(), ranks) if ranks.many else None
+        if ranks.main:
             ckpt.save_checkpoint(self.run, self.gm.model, self.optimizer, self.scheduler, self.state,
-                                 self.cfg.keep_last)
+                                 self.cfg.keep_last, weights, optimizer_state, rng)
 
 
 class _NoLog:

@@ -61,12 +61,27 @@ def _shared_images(core, inputs: dict, image_of_row: list[int]) -> dict:
     return inputs
 
 
+class Objective(torch.nn.Module):
+    """``answer_logprobs`` of ``model`` as a module of its own: what DDP, FSDP2 and DeepSpeed wrap
+    (train/parallel.py), so that their hooks run around it. Wrapping the model itself would put
+    them around its own forward, which projects every position onto the vocabulary."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict[str, torch.Tensor], image_of_row: list[int] | None = None):
+        return answer_logprobs(self.model, batch, image_of_row)
+
+
 def answer_loss(model, batch: dict[str, torch.Tensor], tokens: int | None = None) -> torch.Tensor:
     """Next-token cross-entropy over the labelled positions of ``batch`` (a training batch with
     ``labels``), summed and divided by ``tokens``: the answer tokens of the whole update
     (``answer_tokens`` over its micro-batches), so that every token weighs the same however the
-    update is split. By default, the mean over this batch's."""
-    logprobs = answer_logprobs(model, batch)[0]
+    update is split. By default, the mean over this batch's. ``model``: the model, or the
+    ``Objective`` the ranks' engine wraps (``Parallel.objective``)."""
+    wrapped = isinstance(model, Objective) or isinstance(getattr(model, "module", None), Objective)
+    logprobs = (model(batch) if wrapped else answer_logprobs(model, batch))[0]
     return -(logprobs.sum() / tokens if tokens is not None else logprobs.mean())
 
 

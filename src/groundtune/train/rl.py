@@ -3,6 +3,7 @@
     groundtune rl quickstart-rl model=quickstart/run        # from an SFT run (its LoRA adapter trains on)
     groundtune rl CONFIG.yaml model=runs/sft train_data=train.jsonl eval_data=val.jsonl
     groundtune rl --resume runs/rl                          # exact: weights, optimizer, RNG, prompts, baselines
+    torchrun --nproc-per-node N -m groundtune rl CONFIG.yaml ...   # each rank its prompts (docs/scaling.md)
 
 One step, as the code below reads:
   1. rollouts: ``batch_size`` prompts, ``group_size`` sampled answers each, through the one
@@ -20,6 +21,11 @@ One step, as the code below reads:
 With ``curriculum=true`` (the seed design's), step 1 draws only prompts that can still teach: one
 whose last group was solved (every answer at IoU >= 0.5) or hopeless (none) sits out its next turn
 in the prompt order, and is back on the turn after, when the policy may have changed.
+
+On several ranks (torchrun): every rank draws the same global list of ``batch_size`` x ranks
+prompts and samples the groups of its own share (a group never spans ranks); the rewards of
+all groups are shared, so advantages, baselines, the curriculum and the logs are the same on every
+rank; the update's loss is divided by the answer tokens of all ranks' groups, as one process would.
 
 Where it departs from GRPO (Shao et al., 2024): the loss is the mean over every answer token of
 the batch (DAPO's token-level mean), not a mean per answer first, so a long answer weighs by its
@@ -48,10 +54,11 @@ from groundtune.errors import DataError
 from groundtune.models import adapt, qwen, speedups
 from groundtune.models.loading import GroundingModel, load_model, pick_device, resolve
 from groundtune.progress import progress_bar
+from groundtune.train import distributed
 from groundtune.train.batches import to_device
 from groundtune.train.loop import Loop, RunData, run_stage, seed_everything, use_bf16
 from groundtune.train.monitor import StopRequest, gpu_stats
-from groundtune.train.objective import answer_logprobs
+from groundtune.train.parallel import Parallel
 from groundtune.train.rewards import RewardWeights, reward
 
 REFERENCE = "reference"  # the frozen copy of an SFT run's adapter, for the KL term
@@ -75,16 +82,22 @@ def rl(cfg: RLConfig | None = None, resume: str | Path | None = None, on_step=No
     return run_stage(RLConfig, cfg, resume, resume_overrides, _rl, on_step)
 
 
-def _rl(run: Path, cfg: RLConfig, resume_from: Path | None, data: RunData, on_step, ranks=None) -> Path:
-    # one process (run_stage refuses torchrun for RL for now): ``ranks`` is always a single rank
-    seed_everything(cfg.seed)
-    gm, model, reference = _setup_policy(cfg)
+def _rl(run: Path, cfg: RLConfig, resume_from: Path | None, data: RunData, on_step,
+        ranks: distributed.Ranks = distributed.Ranks()) -> Path:
+    seed_everything(cfg.seed)  # the same on every rank: the same initial weights
+    gm, model, reference = _setup_policy(cfg, distributed.device_for(ranks, cfg.device))
     device = gm.device
     samples = data.samples
-    loop = Loop.start(run, cfg, gm, resume_from, data, on_step, baselines={}, sitting_out=[])
+    trainable = adapt.count_parameters(model)["trainable"]  # (counted before an engine shards them)
+    parallel = Parallel(model, ranks, cfg.distributed, torch.bfloat16 if use_bf16(cfg, device) else None)
+    loop = Loop.start(run, cfg, gm, resume_from, data, on_step, parallel, baselines={}, sitting_out=[])
     optimizer, scheduler, state = loop.optimizer, loop.scheduler, loop.state
+    if resume_from is None and ranks.rank > 0:
+        torch.manual_seed(cfg.seed + ranks.rank)  # each rank samples its own answers (a resume restores each's)
     decoding = rollout_decoding(cfg)
-    engine = infer.engine_for(gm)  # kept for the run: on a GPU its captured decode steps are reused
+    # kept for the run: on a GPU its captured decode steps are reused; not over sharded weights,
+    # which are gathered anew (at new addresses) for every batch of rollouts
+    engine = infer.engine_for(gm, graphs=not parallel.sharded)
     if resume_from is None:
         loop.log.log(0, {"rollout/decoding": decoding.to_dict()})
     order = ResumableBatches(len(samples), cfg.batch_size, cfg.seed, state["samples"], samples.shuffle)
@@ -93,8 +106,10 @@ def _rl(run: Path, cfg: RLConfig, resume_from: Path | None, data: RunData, on_st
     baselines = state["baselines"] if isinstance(samples, FileSamples) else None
     autocast = loop.autocast()
     weights = RewardWeights(box=cfg.reward_box, format=cfg.reward_format, giou=cfg.reward_giou)
-    print(f"rl on {gm.source} ({adapt.count_parameters(model)['trainable']:,} trainable parameters): "
-          f"{cfg.batch_size} prompts x {cfg.group_size} answers per step from {cfg.train_data} -> {run}")
+    if ranks.main:
+        on = f" on each of {ranks.world} ranks" if ranks.many else ""
+        print(f"rl on {gm.source} ({trainable:,} trainable parameters): "
+              f"{cfg.batch_size} prompts x {cfg.group_size} answers per step{on} from {cfg.train_data} -> {run}")
     if loop.eval_samples and state["step"] == 0:
         loop.evaluate()  # where RL starts from
 
@@ -103,19 +118,27 @@ def _rl(run: Path, cfg: RLConfig, resume_from: Path | None, data: RunData, on_st
         say = functools.partial(bar.console.print, soft_wrap=True)
         while state["step"] < cfg.max_steps:
             t0 = time.time()
-            keys, drawn = next_prompts(prompts, cfg.batch_size, state["sitting_out"] if cfg.curriculum else None)
-            pairs, keys, failed = load_prompts(samples, keys)
+            # every rank draws the same global list (the same order and curriculum), then takes its share
+            keys, drawn = next_prompts(prompts, cfg.batch_size * ranks.world,
+                                       state["sitting_out"] if cfg.curriculum else None)
+            pairs, mine, failed = load_prompts(samples, keys[ranks.rank * cfg.batch_size :][: cfg.batch_size])
             if failed:
-                loop.skip_unreadable(failed, len(failed) + len(keys))
-            batch = rollouts(gm, pairs, keys, cfg.group_size, decoding, weights, engine)
+                loop.skip_unreadable(failed, len(failed) + len(mine))
+            # as many groups on every rank (the engines' collectives pair the ranks' micro-batches)
+            kept = min(distributed.everyone(len(mine), ranks))
+            with parallel.gathered():  # sharded weights gathered once for all the rollouts
+                batch = rollouts(gm, pairs[:kept], mine[:kept], cfg.group_size, decoding, weights, engine)
             t1 = time.time()
-            adv = advantages(batch.rewards, batch.prompt_keys, cfg, baselines)
+            everyone = shared_rollouts(batch, ranks)  # every rank's groups: the same on every rank
+            adv = advantages(everyone.rewards, everyone.prompt_keys, cfg, baselines)
+            mine_adv = adv[ranks.rank * kept :][:kept]
             with adapt.lora_inputs_uncast(model):  # the update's forward and backward (adapt.py says why)
-                stats = update(model, reference, batch, adv, optimizer, cfg, autocast, gm.processor.pad_token_id)
+                stats = update(parallel, reference, batch, mine_adv, optimizer, cfg, autocast,
+                               gm.processor.pad_token_id, int(everyone.lengths.sum()))
             t2 = time.time()
             state["samples"] += drawn
             if cfg.curriculum:
-                mark_finished_groups(state["sitting_out"], keys, batch.ious)
+                mark_finished_groups(state["sitting_out"], everyone.prompt_keys, everyone.ious)
             if not stats["finite"]:
                 loop.skip_nonfinite({}, "lower lr or temperature")
                 continue
@@ -123,7 +146,7 @@ def _rl(run: Path, cfg: RLConfig, resume_from: Path | None, data: RunData, on_st
             scheduler.step()
             step = state["step"] + 1
             if step % cfg.log_every == 0 or step == cfg.max_steps:
-                values = {**_rollout_metrics(batch, t1 - t0), "loss": stats["loss"], "kl": stats["kl"],
+                values = {**_rollout_metrics(everyone, t1 - t0), "loss": stats["loss"], "kl": stats["kl"],
                           "clip_fraction": stats["clip_fraction"], "grad_norm": stats["grad_norm"],
                           "lr": lr, "time/rollout_s": t1 - t0, "time/update_s": t2 - t1,
                           "samples": state["samples"], **gpu_stats(device)}
@@ -209,6 +232,17 @@ def rollouts(gm: GroundingModel, pairs: list[tuple], keys: list[int], group_size
     )
 
 
+def shared_rollouts(batch: Rollouts, ranks: distributed.Ranks) -> Rollouts:
+    """The scores of every rank's rollouts, in rank order, on every rank (their sequences stay
+    where they were sampled): what advantages, baselines, the curriculum and the logs read."""
+    if not ranks.many:
+        return batch
+    parts = distributed.everyone((batch.rewards, batch.ious, batch.parsed, batch.lengths, batch.prompt_keys), ranks)
+    rewards, ious, parsed, lengths, keys = zip(*parts)
+    return Rollouts(sequences=[], rewards=torch.cat(rewards), ious=torch.cat(ious), parsed=torch.cat(parsed),
+                    lengths=torch.cat(lengths), prompt_keys=[k for part in keys for k in part])
+
+
 def advantages(rewards: torch.Tensor, prompt_keys: list[int], cfg: RLConfig,
                baselines: dict[str, float] | None) -> torch.Tensor:
     """(prompts, group_size) rewards -> advantages of the same shape.
@@ -247,10 +281,13 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, token_advant
     return loss, kl, ratio != clipped_ratio
 
 
-def update(model, reference, batch: Rollouts, adv: torch.Tensor, optimizer, cfg: RLConfig, autocast,
-           pad_token_id: int) -> dict:
+def update(parallel: Parallel, reference, batch: Rollouts, adv: torch.Tensor, optimizer, cfg: RLConfig, autocast,
+           pad_token_id: int, total_tokens: int | None = None) -> dict:
     """``inner_updates`` optimizer steps on the answers, ``micro_batch`` answers per forward pass;
-    the loss is the token-level mean over the whole batch, whatever the micro-batching."""
+    the loss is the token-level mean over the whole batch (``total_tokens``: the answer tokens of
+    every rank's batch; by default this one's), whatever the micro-batching. ``parallel``: the
+    policy as the ranks train it (``Parallel``)."""
+    model, objective = parallel.model, parallel.objective
     device = next(p for p in model.parameters() if p.requires_grad).device
     chunks = [list(range(i, min(i + cfg.micro_batch, len(batch.sequences))))
               for i in range(0, len(batch.sequences), cfg.micro_batch)]
@@ -259,7 +296,7 @@ def update(model, reference, batch: Rollouts, adv: torch.Tensor, optimizer, cfg:
     prompt_of = [[r // group_size for r in rows] for rows in chunks]
     image_of_row = [[prompts.index(p) for p in prompts] for prompts in prompt_of]
     per_answer_adv = adv.flatten()
-    total_tokens = int(batch.lengths.sum())
+    total_tokens = total_tokens or int(batch.lengths.sum())
     old, ref = {}, {}
     stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0, "finite": True}
     for inner in range(cfg.inner_updates):
@@ -269,31 +306,34 @@ def update(model, reference, batch: Rollouts, adv: torch.Tensor, optimizer, cfg:
             micro = to_device(micro, device)
             if inner == 0 and cfg.kl_coef > 0:
                 with torch.no_grad(), autocast, reference():
-                    ref[c] = answer_logprobs(model, micro, image_of_row[c])[0].float()
-            with autocast:
-                logprobs, owner = answer_logprobs(model, micro, image_of_row[c])
-            if inner == 0:  # the policy has not moved yet: its log-probs are the old ones
-                old[c] = logprobs.detach()
-            token_adv = per_answer_adv[torch.tensor(rows)][owner.cpu()].to(device)
-            loss, kl, was_clipped = policy_loss(logprobs, old[c], token_adv, cfg.clip, cfg.kl_coef, ref.get(c))
-            loss = loss.sum() / total_tokens
-            if not torch.isfinite(loss):
-                stats["finite"] = False
-                break
-            loss.backward()
+                    ref[c] = objective(micro, image_of_row[c])[0].float()
+            with parallel.accumulating(last=c == len(chunks) - 1):  # the ranks' gradients meet on the last
+                with autocast:
+                    logprobs, owner = objective(micro, image_of_row[c])
+                if inner == 0:  # the policy has not moved yet: its log-probs are the old ones
+                    old[c] = logprobs.detach()
+                token_adv = per_answer_adv[torch.tensor(rows)][owner.cpu()].to(device)
+                loss, kl, was_clipped = policy_loss(logprobs, old[c], token_adv, cfg.clip, cfg.kl_coef, ref.get(c))
+                loss = loss.sum() / total_tokens
+                # one rank's non-finite loss stops the update everywhere, decided before any backward
+                if distributed.any_rank(not bool(torch.isfinite(loss)), parallel.ranks, device):
+                    stats["finite"] = False
+                    break
+                parallel.backward(loss)
             loss_sum += float(loss.detach())
             kl_sum += float(kl.detach().sum())
             clipped += float(was_clipped.sum())
-        grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                     if cfg.max_grad_norm else torch.tensor(0.0))
-        if not stats["finite"] or not torch.isfinite(grad_norm):
-            stats["finite"] = False
-            optimizer.zero_grad(set_to_none=True)
+        if not stats["finite"]:
+            parallel.drop_gradients(optimizer)
             return stats
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        stats.update(loss=loss_sum, kl=kl_sum / total_tokens, clip_fraction=clipped / total_tokens,
-                     grad_norm=float(grad_norm))
+        grad_norm = parallel.step(optimizer, cfg.max_grad_norm)
+        if grad_norm is None:  # not finite: nothing applied
+            stats["finite"] = False
+            return stats
+        ranks = parallel.ranks
+        stats.update(loss=distributed.total(loss_sum, ranks, device), grad_norm=grad_norm,
+                     kl=distributed.total(kl_sum, ranks, device) / total_tokens,
+                     clip_fraction=distributed.total(clipped, ranks, device) / total_tokens)
     return stats
 
 
@@ -301,14 +341,16 @@ def update(model, reference, batch: Rollouts, adv: torch.Tensor, optimizer, cfg:
 # setup and logs
 
 
-def _setup_policy(cfg: RLConfig):
-    """The model to train and a context manager under which it computes the reference policy.
+def _setup_policy(cfg: RLConfig, device_setting: str | None = None):
+    """The model to train (on ``device_setting``, by default cfg.device; under torchrun, the rank's
+    GPU) and a context manager under which it computes the reference policy.
 
     From an SFT run with a LoRA adapter, that adapter trains on, and the reference is a frozen copy
     of it (adapter-sized, not a second model). From anything else, a new LoRA goes on the model
     (initialised to change nothing) and the reference is the model with that adapter switched off."""
-    device = pick_device(cfg.device)
-    gm = load_model(cfg.model, device=cfg.device, dtype="bf16" if use_bf16(cfg, device) else "fp32")
+    device_setting = device_setting or cfg.device
+    device = pick_device(device_setting)
+    gm = load_model(cfg.model, device=device_setting, dtype="bf16" if use_bf16(cfg, device) else "fp32")
     if hasattr(gm.model, "peft_config"):  # an SFT run's adapter: train it further
         model = gm.model
         for name, p in model.named_parameters():

@@ -23,13 +23,26 @@ import torch
 from groundtune.config import TrainConfig
 from groundtune.data.samples import SyntheticStream
 from groundtune.models import adapt, speedups
-from groundtune.models.loading import GroundingModel, load_model, pick_device, with_resize
+from groundtune.models.loading import (
+    GroundingModel,
+    load_model,
+    pick_device,
+    with_resize,
+)
 from groundtune.progress import progress_bar
 from groundtune.train import distributed
 from groundtune.train.batches import GroundingDataset, make_loader, to_device
-from groundtune.train.loop import Loop, RunData, TrainingError, run_stage, seed_everything, use_bf16
+from groundtune.train.loop import (
+    Loop,
+    RunData,
+    TrainingError,
+    run_stage,
+    seed_everything,
+    use_bf16,
+)
 from groundtune.train.monitor import StopRequest, gpu_stats
 from groundtune.train.objective import answer_loss, answer_tokens
+from groundtune.train.parallel import Parallel
 
 __all__ = ["TrainingError", "train"]
 
@@ -47,7 +60,9 @@ def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData,
     gm, model = _setup_model(cfg, distributed.device_for(ranks, cfg.device))
     device = gm.device
     samples = data.samples
-    loop = Loop.start(run, cfg, gm, resume_from, data, on_step, ranks)
+    trainable = adapt.count_parameters(model)["trainable"]  # (counted before an engine shards them)
+    parallel = Parallel(model, ranks, cfg.distributed, torch.bfloat16 if use_bf16(cfg, device) else None)
+    loop = Loop.start(run, cfg, gm, resume_from, data, on_step, parallel)
     optimizer, scheduler, state = loop.optimizer, loop.scheduler, loop.state
     dataset = GroundingDataset(samples, gm.processor, gm.family, gm.resize, gm.prompt,
                                cfg.hflip_prob, cfg.scale_crop_prob, cfg.seed, cfg.answer_label)
@@ -57,7 +72,7 @@ def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData,
     autocast = loop.autocast()
     if ranks.main:
         on = f" on {ranks.world} ranks (batch {cfg.batch_size} each)" if ranks.many else ""
-        print(f"training {gm.source} ({cfg.method}; {adapt.count_parameters(model)['trainable']:,} trainable "
+        print(f"training {gm.source} ({cfg.method}; {trainable:,} trainable "
               f"parameters) on {_describe(samples, cfg.train_data)}{on} -> {run}")
 
     model.train()
@@ -72,38 +87,35 @@ def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData,
             # ... on every rank: the global batch's
             tokens = max(1, int(distributed.total(sum(answer_tokens(b) for b in micro_batches), ranks, device)))
             step_loss, finite = 0.0, True
-            for batch in micro_batches:
+            for i, batch in enumerate(micro_batches):
                 batch = to_device(batch, device)
                 drawn, failed = batch.pop("drawn"), batch.pop("failed")  # positions used; samples that failed to load
                 if failed:
                     loop.skip_unreadable(failed, drawn)
-                with adapt.lora_inputs_uncast(model):  # forward and the backward's recomputation
+                # forward and the backward's recomputation; the ranks' gradients meet on the last micro-batch
+                with adapt.lora_inputs_uncast(model), parallel.accumulating(last=i == len(micro_batches) - 1):
                     with autocast:  # the LM head runs on the answer tokens only (train/objective.py)
-                        loss = answer_loss(model, batch, tokens)
-                    finite = finite and bool(torch.isfinite(loss))
+                        loss = answer_loss(parallel.objective, batch, tokens)
+                    # one rank's non-finite loss skips the step everywhere, decided before any backward
+                    # (a backward some ranks skip would leave the others waiting in theirs)
+                    finite = finite and not distributed.any_rank(not bool(torch.isfinite(loss)), ranks, device)
                     if finite:
-                        loss.backward()
+                        parallel.backward(loss)
                 step_loss += loss.item()
                 # positions of the order, the failed ones too, every rank's: resume goes on after them
                 state["samples"] += drawn * ranks.world
                 window["samples"] += len(batch["image_grid_thw"])  # one image per trained sample, packed or not
                 mask = batch.get("attention_mask")  # a packed batch has no padding and no mask
                 window["tokens"] += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
-            if ranks.many:  # one rank's non-finite loss skips the step everywhere; else the global gradient
-                finite = not distributed.any_rank(not finite, ranks, device)
-                step_loss = distributed.total(step_loss, ranks, device)
-                if finite:
-                    distributed.sum_gradients(model.parameters(), ranks)
-            grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                         if finite and cfg.max_grad_norm else torch.tensor(0.0))
-            if not finite or not torch.isfinite(grad_norm):
-                optimizer.zero_grad(set_to_none=True)  # drop this step's gradients, keep going
+            step_loss = distributed.total(step_loss, ranks, device)  # the global batch's loss
+            lr = scheduler.get_last_lr()[0]  # what this update used (the scheduler then moves on)
+            if not finite:
+                parallel.drop_gradients(optimizer)
+            grad_norm = parallel.step(optimizer, cfg.max_grad_norm) if finite else None  # None: not finite
+            if grad_norm is None:  # this step's gradients dropped; keep going
                 loop.skip_nonfinite({"loss": step_loss}, "lower lr, check the data (groundtune data check)")
                 continue
-            lr = scheduler.get_last_lr()[0]  # what this update used (the scheduler then moves on)
-            optimizer.step()
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
             window["loss"] += step_loss
             window["n"] += 1
             step = state["step"] + 1
