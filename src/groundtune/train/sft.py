@@ -3,6 +3,9 @@
 Single GPU or CPU:
     groundtune train configs/quickstart.yaml
     groundtune train configs/qwen2.5-vl-3b-lora-24gb.yaml train_data=train.jsonl eval_data=val.jsonl
+Several GPUs (each rank its share of every batch; engine: distributed=ddp|fsdp2|zero2|zero3):
+    torchrun --nproc-per-node 8 -m groundtune train configs/qwen2.5-vl-3b-lora-24gb.yaml train_data=train.jsonl
+    accelerate launch --config_file configs/accelerate/multi-gpu.yaml -m groundtune train ...
 Resume (same run folder, same settings; exact: weights, optimizer, scheduler, RNG, data position):
     groundtune train --resume runs/sft
     groundtune train --resume runs/sft train_data=fixed.jsonl     # a corrected file of the same records
