@@ -139,3 +139,15 @@ def test_a_launcher_set_up_for_another_engine_is_refused(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(ConfigError, match="asks for fsdp but the run's distributed=zero2"):
         parallel.check_launch("zero2")
+
+
+def test_deepspeed_missing_is_said_before_anything_loads(monkeypatch):
+    import importlib.util
+
+    from groundtune.errors import MissingPackageError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(MissingPackageError, match="distributed=zero3 needs DeepSpeed: pip install deepspeed"):
+        parallel.check_launch("zero3")
+    parallel.check_launch("fsdp2")

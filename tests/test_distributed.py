@@ -4,8 +4,9 @@
 
 Two ranks of batch B train exactly as one process of batch 2B (fp32), and write the same checkpoints
 (whole tensors, the one-process form, whatever the engine sharded); a run whose rank is killed ends
-with a clear message and, resumed, equals one never stopped; a sharded run resumes on one process;
-RL runs on two ranks, each sampling its own groups."""
+with a clear message and, resumed, equals one never stopped; a sharded run stopped and resumed
+equals one never stopped, and resumes on one process too; RL runs on two ranks, each sampling its
+own groups."""
 
 from __future__ import annotations
 
@@ -155,6 +156,20 @@ def test_a_killed_rank_ends_the_run_clearly_and_the_resumed_run_equals_an_uninte
     assert _logged(killed, "loss") == pytest.approx(_logged(whole, "loss"), rel=1e-5)
 
 
+@pytest.mark.parametrize("engine", ENGINES[1:])
+def test_a_sharded_run_stopped_and_resumed_trains_as_one_process(engine, data, one_process, tmp_path):
+    """Its checkpoint gathered whole, then put back in each rank's shards (DeepSpeed's included):
+    the resumed run's losses are those of one uninterrupted process with the global batch."""
+    run = tmp_path / "run"
+    process = _train(data, run, 2, "max_steps=4", "batch_size=2", "save_every=1", f"distributed={engine}")
+    watcher = _stop_after(run, 2, process, lambda: (run / "STOP").touch())
+    _finish(process)
+    watcher.join()
+    assert len(_logged(run, "loss")) < 4
+    _finish(_train(data, run, 2, resume=True))
+    assert _logged(run, "loss") == pytest.approx(_logged(one_process, "loss"), rel=1e-5)
+
+
 def test_a_sharded_run_resumes_on_one_process(data, tmp_path):
     run = tmp_path / "fsdp2"
     process = _train(data, run, 2, "max_steps=4", "batch_size=2", "save_every=1", "distributed=fsdp2")
@@ -208,3 +223,35 @@ def test_accelerate_launch_starts_the_ranks_and_a_launcher_for_another_engine_is
                           capture_output=True, text=True, timeout=300,
                           env={**env, "ACCELERATE_USE_DEEPSPEED": "true"})
     assert done.returncode != 0 and "the engine is the run's setting (distributed=zero2|zero3)" in done.stderr
+
+
+POISON = """
+import os, sys, torch
+from groundtune.config import TrainConfig, load_config, preset_path
+from groundtune.train.sft import train
+
+def poison(step, run, model):  # rank 1's adapter turns to NaN after step 2: only its losses are NaN
+    if step == 2 and os.environ["RANK"] == "1":
+        with torch.no_grad():
+            next(p for n, p in model.named_parameters() if "lora_B" in n).fill_(float("nan"))
+
+train(load_config(TrainConfig, preset_path("quickstart"), sys.argv[1:]), on_step=poison)
+"""
+
+
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank(data, tmp_path):
+    driver = tmp_path / "poison.py"
+    driver.write_text(POISON)
+    run = tmp_path / "run"
+    done = subprocess.run([TORCHRUN, "--nproc-per-node", "2", str(driver), f"train_data={data}", f"out_dir={run}",
+                           *SETTINGS, "max_steps=6", "batch_size=2", "save_every=0", "max_bad_steps=2"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    # both ranks gave up together, after the same two skipped steps (rank 0's own losses were finite)
+    assert output.count("2 non-finite losses/gradients in a row at step 2") == 2, output
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["bad_steps"] for r in rows if "skipped_nonfinite" in r] == [1, 2]
+    # the checkpoint written on giving up holds step 2's weights: no NaN reached rank 0's update
+    weights, _ = _checkpoint(run, 2)
+    assert all(torch.isfinite(t).all() for t in weights.values())

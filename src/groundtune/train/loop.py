@@ -30,20 +30,8 @@ import torch
 from groundtune.config import TrainConfig, load_config, to_yaml
 from groundtune.data.check import check_records
 from groundtune.data.records import atomic_write
-from groundtune.data.samples import (
-    SYNTH_PREFIX,
-    FileSamples,
-    SyntheticStream,
-    open_samples,
-)
-from groundtune.errors import (
-    ConfigError,
-    DataError,
-    MissingError,
-    RankLostError,
-    RunExistsError,
-    TrainingError,
-)
+from groundtune.data.samples import SYNTH_PREFIX, FileSamples, SyntheticStream, open_samples
+from groundtune.errors import ConfigError, DataError, MissingError, RankLostError, RunExistsError, TrainingError
 from groundtune.infer import Decoding
 from groundtune.models import adapt
 from groundtune.models.loading import GroundingModel, pick_device, resolve

@@ -28,13 +28,14 @@ number of ranks first, so that the average is the sum one process with the globa
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 from pathlib import Path
 
 import torch
 
-from groundtune.errors import ConfigError, TrainingError
+from groundtune.errors import ConfigError, MissingPackageError, TrainingError
 from groundtune.models import adapt
 from groundtune.train.distributed import Ranks
 from groundtune.train.objective import Objective
@@ -43,8 +44,11 @@ SHARDED = ("fsdp2", "zero3")  # whose parameters are not whole on any rank betwe
 
 
 def check_launch(kind: str) -> None:
-    """A launcher configured for another engine than the run's setting is a mistake worth naming:
-    accelerate launch with a DeepSpeed or FSDP config would otherwise be silently ignored here."""
+    """What would otherwise fail only once the model loads (DeepSpeed not installed), or not at
+    all: a launcher configured for another engine than the run's setting (accelerate launch with a
+    DeepSpeed or FSDP config, which groundtune does not read)."""
+    if kind in ("zero2", "zero3") and importlib.util.find_spec("deepspeed") is None:
+        raise MissingPackageError(f"distributed={kind} needs DeepSpeed: pip install deepspeed")
     said = {"ACCELERATE_USE_DEEPSPEED": ("zero2", "zero3"), "ACCELERATE_USE_FSDP": ("fsdp2",)}
     for variable, kinds in said.items():
         if os.environ.get(variable, "").lower() == "true" and kind not in kinds:
@@ -67,11 +71,6 @@ class Parallel:
                 self.objective, device_ids=[device.index] if device.type == "cuda" else None)
         elif self.kind == "fsdp2":
             _shard(self.objective, model, compute_dtype)
-        elif self.kind in ("zero2", "zero3"):
-            try:
-                import deepspeed  # noqa: F401
-            except ImportError:
-                raise ConfigError(f"distributed={kind} needs DeepSpeed: pip install deepspeed") from None
 
     @property
     def sharded(self) -> bool:
@@ -227,10 +226,13 @@ class Parallel:
         if self.deepspeed is not None:
             from deepspeed.utils import safe_set_full_optimizer_state
 
+            _make_adam_state(self.deepspeed)
             for index, p in enumerate(params):
                 for k in ("exp_avg", "exp_avg_sq"):
                     safe_set_full_optimizer_state(p, saved["state"][index][k].to(torch.float32), k)
             _set_deepspeed_step(self.deepspeed, int(next(iter(saved["state"].values()))["step"]))
+            for group, hyper in zip(optimizer.param_groups, saved["param_groups"]):  # lr where the run was
+                group.update({k: v for k, v in hyper.items() if k != "params"})
             return
         state = {i: {k: _like(v, params[i]) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
                  for i, s in saved["state"].items()}
@@ -334,5 +336,22 @@ def _deepspeed_step(engine) -> int:
 
 def _set_deepspeed_step(engine, step: int) -> None:
     for s in engine.optimizer.optimizer.state.values():
-        if "step" in s:
-            s["step"] = torch.tensor(float(step)) if torch.is_tensor(s["step"]) else step
+        s["step"].fill_(step)
+
+
+def _make_adam_state(engine) -> None:
+    """torch's AdamW makes its state at its first step, and a resumed run's moments go in before
+    that: make it now, zeros in AdamW's own layout, for the flat fp32 shards ZeRO steps (stage 2:
+    ``single_partition_of_fp32_groups``, stage 3: ``fp32_partitioned_groups_flat``), and have
+    ZeRO-2 link its per-parameter views to it, as it does after a first step."""
+    zero = engine.optimizer
+    shards = getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups
+    inner = zero.optimizer
+    for group, shard in zip(inner.param_groups, shards):
+        on_device = group.get("fused") or group.get("capturable")  # where AdamW keeps ``step`` then
+        if not inner.state[shard]:
+            inner.state[shard] = {"step": torch.zeros((), device=shard.device if on_device else "cpu"),
+                                  "exp_avg": torch.zeros_like(shard), "exp_avg_sq": torch.zeros_like(shard)}
+    link = getattr(zero, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:
+        link()
