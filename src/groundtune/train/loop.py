@@ -58,7 +58,7 @@ def run_stage(cls: type, cfg, resume, resume_overrides: tuple[str, ...], body: C
         try:
             run, cfg, resume_from = prepare_run(cfg, resume, cls, resume_overrides)
             if ranks.launched:
-                check_launch(cfg.distributed)
+                check_launch(cfg.distributed, cfg.deepspeed_config)
             data = None if finished_already(run, resume_from) else check_data(cfg)  # every record, before the model loads
         except BaseException as e:
             distributed.share(("error", str(e)), ranks)

@@ -43,12 +43,14 @@ from groundtune.train.objective import Objective
 SHARDED = ("fsdp2", "zero3")  # whose parameters are not whole on any rank between steps
 
 
-def check_launch(kind: str) -> None:
-    """What would otherwise fail only once the model loads (DeepSpeed not installed), or not at
-    all: a launcher configured for another engine than the run's setting (accelerate launch with a
-    DeepSpeed or FSDP config, which groundtune does not read)."""
-    if kind in ("zero2", "zero3") and importlib.util.find_spec("deepspeed") is None:
-        raise MissingPackageError(f"distributed={kind} needs DeepSpeed: pip install deepspeed")
+def check_launch(kind: str, deepspeed_config: str = "") -> None:
+    """What would otherwise fail only once the model loads (DeepSpeed not installed, its config
+    file unreadable), or not at all: a launcher configured for another engine than the run's
+    setting (accelerate launch with a DeepSpeed or FSDP config, which groundtune does not read)."""
+    if kind in ("zero2", "zero3"):
+        if importlib.util.find_spec("deepspeed") is None:
+            raise MissingPackageError(f"distributed={kind} needs DeepSpeed: pip install deepspeed")
+        deepspeed_settings(int(kind[-1]), 0.0, deepspeed_config)
     said = {"ACCELERATE_USE_DEEPSPEED": ("zero2", "zero3"), "ACCELERATE_USE_FSDP": ("fsdp2",)}
     for variable, kinds in said.items():
         if os.environ.get(variable, "").lower() == "true" and kind not in kinds:
