@@ -135,9 +135,15 @@ def _ranks_of(launcher: int) -> list[int]:
     return sorted(found)
 
 
-def test_a_killed_rank_ends_the_run_clearly_and_the_resumed_run_equals_an_uninterrupted_one(data, tmp_path):
-    whole = tmp_path / "whole"
-    _finish(_train(data, whole, 2, "max_steps=6", "batch_size=2", "save_every=1"))
+@pytest.fixture(scope="module")
+def whole(data, tmp_path_factory):
+    """Two ranks of batch 2 for 6 steps, never stopped."""
+    run = tmp_path_factory.mktemp("whole") / "run"
+    _finish(_train(data, run, 2, "max_steps=6", "batch_size=2", "save_every=1"))
+    return run
+
+
+def test_a_killed_rank_ends_the_run_clearly_and_the_resumed_run_equals_an_uninterrupted_one(data, whole, tmp_path):
     killed = tmp_path / "killed"
     process = _train(data, killed, 2, "max_steps=6", "batch_size=2", "save_every=1")
 
@@ -170,6 +176,26 @@ def test_a_sharded_run_stopped_and_resumed_trains_as_one_process(engine, data, o
     assert _logged(run, "loss") == pytest.approx(_logged(one_process, "loss"), rel=1e-5)
 
 
+def test_sigterm_to_the_process_group_stops_every_rank_at_one_step_and_the_run_resumes(data, whole, tmp_path):
+    """As a cluster scheduler preempts a job: SIGTERM to the launcher and its ranks at once. Every
+    rank finishes its step, rank 0 saves, the ranks exit 0 (torchrun itself reports the signal)."""
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["quickstart", f"train_data={data}", f"out_dir={run}", *SETTINGS, "max_steps=6", "batch_size=2",
+            "save_every=0"]
+    process = subprocess.Popen([TORCHRUN, "--nproc-per-node", "2", "-m", "groundtune", "train", *args], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    watcher = _stop_after(run, 2, process, lambda: os.killpg(process.pid, signal.SIGTERM))
+    output = process.communicate(timeout=300)[0]
+    watcher.join()
+    stopped = len(_logged(run, "loss"))
+    assert f"stopping at step {stopped} (SIGTERM)" in output and output.count("stopping at step") == 1, output
+    assert "exitcode" not in output  # no rank failed: only the launcher reports the signal
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step-{stopped:06d}"]  # save_every=0: the stop's
+    _finish(_train(data, run, 2, resume=True))
+    assert _logged(run, "loss") == pytest.approx(_logged(whole, "loss"), rel=1e-5)
+
+
 def test_a_sharded_run_resumes_on_one_process(data, tmp_path):
     run = tmp_path / "fsdp2"
     process = _train(data, run, 2, "max_steps=4", "batch_size=2", "save_every=1", "distributed=fsdp2")
@@ -177,6 +203,7 @@ def test_a_sharded_run_resumes_on_one_process(data, tmp_path):
     output = _finish(process)
     watcher.join()
     assert output.count("stopping at step") == 1  # said once, by rank 0
+    assert f"resume with: torchrun --nproc-per-node 2 -m groundtune train --resume {run}" in output
     stopped_at = len(_logged(run, "loss"))
     weights, _ = _checkpoint(run, stopped_at)
     output = _finish(_train(data, run, 0, resume=True))  # no launcher: one process
@@ -205,6 +232,27 @@ def test_rl_on_two_ranks_samples_each_ranks_groups(engine, tmp_path):
     assert (run / "model" / "adapter_model.safetensors").is_file()
     weights, _ = _checkpoint(run, 2)
     assert weights and all(".default." in k for k in weights)  # the trained adapter, whole
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", *ENGINES[3:]])
+def test_rl_from_an_sft_run_on_sharded_ranks_keeps_its_frozen_reference(engine, tmp_path):
+    """The KL term's reference is a frozen copy of the SFT run's adapter (rl.py): under a sharded
+    engine it is sharded and gathered with the rest; the update is the same as under DDP."""
+    out = tmp_path / "data"
+    synth.make_synthetic_set(out, n=16, seed=1, width=168, height=168, workers=1)
+    sft = tmp_path / "sft"
+    _finish(_train(out / "train.jsonl", sft, 0, "max_steps=2", "batch_size=4", "save_every=0"))
+    logged = {}
+    for kind in ("ddp", engine):
+        run = tmp_path / kind
+        _finish(_launch("rl", 2, ["quickstart-rl", f"model={sft}", f"train_data={out / 'train.jsonl'}", "eval_data=",
+                                  f"out_dir={run}", "device=cpu", "max_steps=2", "batch_size=2", "group_size=3",
+                                  "max_new_tokens=24", "save_every=0", "log_every=1", f"distributed={kind}",
+                                  "kl_coef=0.1"]))
+        logged[kind] = (_logged(run, "loss"), _logged(run, "kl"))
+        assert not any(".reference." in k for k in load_file(run / "model" / "adapter_model.safetensors"))
+    assert logged[engine][1][-1] > 0  # the policy moved away from its reference
+    assert logged[engine] == (pytest.approx(logged["ddp"][0], abs=1e-7), pytest.approx(logged["ddp"][1], abs=1e-7))
 
 
 def test_accelerate_launch_starts_the_ranks_and_a_launcher_for_another_engine_is_named(data, tmp_path):

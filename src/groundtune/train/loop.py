@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import random
 import shutil
 from dataclasses import dataclass, field
@@ -88,10 +89,19 @@ def run_stage(cls: type, cfg, resume, resume_overrides: tuple[str, ...], body: C
     return run
 
 
+def resume_command(ranks: distributed.Ranks, command: str, run: Path) -> str:
+    """How to resume ``run`` as it was launched (torchrun: as many ranks, though any number would do)."""
+    if not ranks.launched:
+        return f"groundtune {command} --resume {run}"
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world))
+    nodes = f" (on each of its {ranks.world // per_node} nodes)" if per_node < ranks.world else ""
+    return f"torchrun --nproc-per-node {per_node} -m groundtune {command} --resume {run}{nodes}"
+
+
 def _rank_lost(ranks: distributed.Ranks, run: Path, command: str, error: Exception) -> str:
     checkpoints = ckpt.list_checkpoints(run)
-    where = (f"its last checkpoint is {checkpoints[-1].name}; resume with: torchrun --nproc-per-node {ranks.world} "
-             f"-m groundtune {command} --resume {run}") if checkpoints else "it had written no checkpoint yet"
+    where = (f"its last checkpoint is {checkpoints[-1].name}; resume with: {resume_command(ranks, command, run)}"
+             if checkpoints else "it had written no checkpoint yet")
     return (f"rank {ranks.rank}: another rank of this run stopped ({str(error).splitlines()[0][:160]}); the rank that "
             f"failed first says why, above. The run stopped with it: {where}")
 
@@ -381,7 +391,8 @@ class Loop:
             self._save_checkpoint()
         if reason:
             if self.ranks.main:
-                say(f"stopping at step {step} ({reason}); resume with: groundtune {cfg.command} --resume {self.run}")
+                say(f"stopping at step {step} ({reason}); resume with: "
+                    f"{resume_command(self.ranks, cfg.command, self.run)}")
             return True
         waited = thermal_pause(self.gm.device, cfg.thermal_pause_c, cfg.thermal_resume_c, log=say)
         if waited:
