@@ -171,6 +171,17 @@ def from_norm1000(box: Sequence[float], size: Size) -> Box:
     return scale_box(box, (NORM_SCALE, NORM_SCALE), size)
 
 
+def to_unit(box: Sequence[float], size: Size) -> Box:
+    """Pixels of an image of ``size`` -> fractions of its width and height: what a box head
+    predicts (models/head.py). Resizing scales each axis, so a box's fractions of the image the
+    model sees are its fractions of the original: no resized size is needed either way."""
+    return scale_box(box, size, (1, 1))
+
+
+def from_unit(box: Sequence[float], size: Size) -> Box:
+    return scale_box(box, (1, 1), size)
+
+
 def as_box(value) -> Box | None:
     """``value`` as four floats when it is a list/tuple of exactly four finite numbers, else None.
     The one test of "is this a box" for records, checks and the answer parser: a bool is not a

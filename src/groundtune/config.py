@@ -31,6 +31,7 @@ KERNEL_MODES = ("auto", "liger", "none")
 BAD_RECORD_POLICIES = ("refuse", "skip")
 MAX_NEW_TOKENS = 64  # longest greedy answer by default: one box and its label is ~20-40 tokens
 ADVANTAGES = ("grpo", "ema")
+HEADS = ("text", "box")  # models/head.py
 ENGINES = ("ddp", "fsdp2", "zero2", "zero3")  # train/parallel.py
 PRESETS = Path(__file__).resolve().parent / "configs"  # shipped YAML presets (also at ./configs)
 
@@ -81,8 +82,15 @@ class _Method(_Settings):
     freeze_vision: bool = True  # method=full: keep the vision tower fixed
     freeze_merger: bool = True  # method=full: keep the vision->LLM merger fixed
     freeze_llm: bool = False  # method=full: keep the language model fixed
+    head: str = "text"  # text: the box written as the answer | box: a regression head reads it off the prompt's last hidden state, one forward pass (models/head.py)
+    head_l1_weight: float = 2.0  # head=box: loss = 1 - GIoU + this x L1 (mean over the coordinates, as fractions of the image)
+    head_text_loss_weight: float = 0.0  # head=box: > 0 also trains the text answer (joint mode), weighted so
 
     def check(self) -> None:
+        if self.head not in HEADS:
+            raise ConfigError(f"head={self.head!r}: expected one of {', '.join(HEADS)}")
+        if self.head_l1_weight < 0 or self.head_text_loss_weight < 0:
+            raise ConfigError("head_l1_weight and head_text_loss_weight must be >= 0")
         if self.method not in ("lora", "qlora", "full"):
             raise ConfigError(f"method={self.method!r}: expected lora, qlora or full")
         if self.method == "qlora" and getattr(self, "distributed", "ddp") in ("fsdp2", "zero3"):

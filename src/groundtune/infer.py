@@ -36,7 +36,7 @@ from groundtune.data.images import load_image, to_rgb
 from groundtune.data.records import atomic_write, image_path, iter_jsonl, missing_fields, record_size
 from groundtune.data.samples import ignore_stop_signals
 from groundtune.errors import DataError
-from groundtune.models import qwen
+from groundtune.models import head, qwen
 from groundtune.models.engine import Engine, evaluating
 from groundtune.progress import track
 
@@ -354,6 +354,10 @@ def generate(gm, encoded: list[dict], sizes: list[tuple], decoding: Decoding, nu
     ``engine`` (``engine_for``) answers; without one, transformers' ``generate`` does."""
     if num_samples > 1 and not decoding.do_sample:
         raise ValueError(f"{num_samples} answers per prompt need sampling: greedy gives the same one each time")
+    if head.head_of(gm.model) is not None:
+        if num_samples > 1:
+            raise ValueError("a box head answers each prompt with one box: there is nothing to sample")
+        return [([], prediction) for prediction in head_boxes(gm, encoded, sizes)]
     with evaluating(gm.model):
         if engine is not None:
             answers = engine.generate(encoded, decoding.max_new_tokens, decoding.choose, num_samples)
@@ -365,6 +369,28 @@ def generate(gm, encoded: list[dict], sizes: list[tuple], decoding: Decoding, nu
         end = _answer_length(ids, gm.processor)
         results.append((ids[: end + 1], read_answer(ids, gm.processor, gm.family, original, resized)))  # + its stop token
     return results
+
+
+def head_boxes(gm, encoded: list[dict], sizes: list[tuple]) -> list[Prediction]:
+    """A box-head model's answers (models/head.py): the prompts in one forward pass (packed in one
+    row where our attention keeps them apart, as training packs them; else right-padded), the head
+    on each prompt's last hidden state, its box mapped to the original image and clipped to it."""
+    from groundtune.models.adapt import base_model
+    from groundtune.models.attention import keeps_packed_samples_apart
+
+    core = base_model(gm.model)
+    packed = keeps_packed_samples_apart(core)
+    batch = qwen.collate_packed(encoded) if packed else qwen.collate(encoded, gm.processor.pad_token_id, "right")
+    batch = {k: v.to(gm.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    with evaluating(gm.model), torch.inference_mode():
+        hidden = core.model(**{k: v for k, v in batch.items()}, use_cache=False).last_hidden_state
+        rows, columns = head.query_positions(batch)
+        units = head.head_of(gm.model)(hidden[rows, columns]).float().cpu().tolist()
+    predictions = []
+    for unit, (original, _) in zip(units, sizes):
+        box = boxes.clip_box(boxes.from_unit(unit, original), original)
+        predictions.append(Prediction(bbox=box, boxes=[box], label=None, raw=json.dumps({"bbox": box}), error=None))
+    return predictions
 
 
 def plain_generate(gm, encoded: list[dict], decoding: Decoding, num_samples: int = 1) -> list[list[int]]:

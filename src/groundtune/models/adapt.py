@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from groundtune.config import TrainConfig
 from groundtune.errors import ConfigError
-from groundtune.models import qwen
+from groundtune.models import head, qwen
 
 
 def base_model(model):
@@ -135,6 +135,9 @@ def param_groups(model, cfg) -> list[dict]:
     groups: dict[tuple[str, bool], list] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
+            if name.startswith(f"{head.ATTRIBUTE}.") or f".{head.ATTRIBUTE}." in name:  # a box head: no decay
+                groups.setdefault(("head", True), []).append(p)
+                continue
             no_decay = p.ndim < 2 or "norm" in name or name.endswith(".bias") or id(p) in tables
             groups.setdefault((family.part_of(name), no_decay), []).append(p)
     if not groups:
@@ -142,12 +145,27 @@ def param_groups(model, cfg) -> list[dict]:
     return [
         {
             "params": params,
-            "lr": cfg.part_lr(part),
+            "lr": cfg.lr if part == "head" else cfg.part_lr(part),
             "weight_decay": 0.0 if no_decay else cfg.weight_decay,
             "part": part,
         }
         for (part, no_decay), params in sorted(groups.items())
     ]
+
+
+def attach_box_head(model, text_loss: bool) -> None:
+    """``head: box``: a new box head on ``model`` (models/head.py), trained fully. Without the text
+    loss (``text_loss``) the LM head computes nothing, so a trainable, untied one is frozen (an
+    unused trainable weight would also stall DDP, which waits for its gradient)."""
+    core = base_model(model)
+    head.attach(model, hidden_size(core))
+    lm_head = core.get_output_embeddings().weight
+    if not text_loss and lm_head is not core.get_input_embeddings().weight:
+        lm_head.requires_grad_(False)
+
+
+def hidden_size(core) -> int:
+    return getattr(core.config, "text_config", core.config).hidden_size
 
 
 def count_parameters(model) -> dict[str, int]:

@@ -24,7 +24,7 @@ import torch
 
 from groundtune.boxes import ResizeSpec
 from groundtune.errors import ConfigError, MissingError, MissingPackageError, ModelError
-from groundtune.models import qwen
+from groundtune.models import head, qwen
 
 METADATA_FILE = "groundtune.json"
 TINY_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny"  # the built-in tiny model
@@ -56,6 +56,7 @@ class GroundingModel:
             "resize": self.resize.to_dict(),
             "prompt": self.prompt,
             "base_model": self.base_model,
+            "head": "box" if head.head_of(self.model) is not None else "text",
         }
 
 
@@ -250,6 +251,9 @@ def load_model(
         base_name = str(path.resolve()) if kind in ("run", "folder") else name
         base_meta = {}
         _set_aside_decoding_defaults(model)
+    if meta.get("head") == "box":  # its weights beside the model's (models/head.py)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        head.load(model, folder, getattr(base.config, "text_config", base.config).hidden_size)
     if not quantize_4bit:  # a 4-bit model is placed by from_pretrained and cannot be moved
         model.to(dev)
     model.eval()

@@ -28,7 +28,7 @@ class GroundingDataset(torch.utils.data.Dataset):
 
     def __init__(self, samples: FileSamples | SyntheticStream, processor: qwen.Processor, family: str,
                  resize: boxes.ResizeSpec, prompt: str, hflip_prob: float = 0.0, scale_crop_prob: float = 0.0,
-                 seed: int = 0, answer_label: bool = True):
+                 seed: int = 0, answer_label: bool = True, box_target: bool = False):
         self.samples = samples
         self.processor = processor
         self.family = family
@@ -38,6 +38,7 @@ class GroundingDataset(torch.utils.data.Dataset):
         self.scale_crop_prob = scale_crop_prob
         self.seed = seed
         self.answer_label = answer_label
+        self.box_target = box_target  # head=box: each sample's box as fractions of the image too
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -58,10 +59,13 @@ class GroundingDataset(torch.utils.data.Dataset):
         if self.scale_crop_prob and rng.random() < self.scale_crop_prob and not augment.is_positional(sample["phrase"]):
             image, sample = augment.scale_crop(image, sample, rng)
         try:
-            return encode_sample(self.processor, self.family, self.resize, self.prompt, image, sample,
-                                 self.answer_label)
+            encoded = encode_sample(self.processor, self.family, self.resize, self.prompt, image, sample,
+                                    self.answer_label)
         except boxes.ResizeError as e:
             raise DataError(f"{self.samples.where(index)}: {e}") from None
+        if self.box_target:  # the first box: a box head predicts one (models/head.py)
+            encoded["box_target"] = torch.tensor(boxes.to_unit(sample_boxes(sample)[0], image.size))
+        return encoded
 
 
 def encode_sample(processor, family, resize, prompt, image, sample, answer_label: bool = True) -> dict:
@@ -82,9 +86,12 @@ class Collate:
 
     def __call__(self, items: list[dict]) -> dict:
         good = [item for item in items if "failed" not in item]
+        targets = [item.pop("box_target") for item in good if "box_target" in item]
         batch = {}
         if good:
             batch = qwen.collate_packed(good) if self.packing else qwen.collate(good, self.pad_token_id, "right")
+        if targets:
+            batch["box_target"] = torch.stack(targets)
         return {**batch, "drawn": len(items), "failed": [item["failed"] for item in items if "failed" in item]}
 
 

@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from groundtune.errors import DiskFullError, RunBusyError
+from groundtune.models import head
 from groundtune.models.loading import GroundingModel, write_metadata
 
 CHECKPOINTS = "checkpoints"
@@ -258,11 +259,17 @@ def save_model(run: Path, gm: GroundingModel, model, extra: dict | None = None,
     adapter = hasattr(model, "peft_config")
     saved = list(weights.values()) if weights is not None else [
         p for n, p in model.named_parameters() if not adapter or "lora_" in n]
+    box_head = head.head_of(model)
+    if box_head is not None and not adapter:  # the head goes in a file of its own, not in the model's
+        everything = weights if weights is not None else model.state_dict()
+        weights = {k: v for k, v in everything.items() if not k.startswith(f"{head.ATTRIBUTE}.")}
     whole = {"state_dict": weights} if weights is not None else {}
     try:
         with _refused_writes_named(run / "model", needed_bytes=sum(p.numel() * p.element_size() for p in saved)):
             # an adapter model saves its trained adapter only (RL may hold a frozen reference copy beside it)
             model.save_pretrained(tmp, **({"selected_adapters": ["default"]} if adapter else {}), **whole)
+            if box_head is not None:
+                head.save(box_head, tmp, everything if not adapter else weights)
             if not adapter:  # full weights: make the folder self-contained
                 gm.processor.tokenizer.chat_template = gm.processor.chat_template  # saved with the tokenizer
                 gm.processor.tokenizer.save_pretrained(tmp)

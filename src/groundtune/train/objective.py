@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from groundtune.errors import TrainingError
+from groundtune.models import head
 from groundtune.models.adapt import base_model, family_of
 from groundtune.models.attention import keeps_packed_samples_apart
 from groundtune.models.qwen import IGNORE_INDEX
@@ -27,15 +28,23 @@ def answer_logprobs(model, batch: dict[str, torch.Tensor],
     image per row): row i shows the image of row ``image_of_row[i]``, as the G answers of an RL
     prompt do; each image then goes through the vision tower once (``_shared_images``)."""
     core = base_model(model)
+    return _answer_logprobs(core, hidden_states(core, batch, image_of_row), batch["labels"])
+
+
+def hidden_states(core, batch: dict[str, torch.Tensor], image_of_row: list[int] | None = None) -> torch.Tensor:
+    """The language model's last hidden states of ``batch`` (batch, length, hidden)."""
     if "cu_seq_lens_q" in batch and not keeps_packed_samples_apart(core):
         raise TrainingError("a packed batch on a model whose attention would cross its samples: install "
                             "groundtune's attention first (models.speedups.install), as groundtune train does")
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "box_target")}
     if image_of_row is not None and family_of(core).image_features_alone:
         inputs = _shared_images(core, inputs, image_of_row)
     # no KV cache: nothing reuses it, and a recomputed (checkpointed) layer would extend it twice
-    hidden = core.model(**inputs, use_cache=False).last_hidden_state  # (batch, length, hidden)
-    targets = batch["labels"][:, 1:]  # position t predicts token t + 1
+    return core.model(**inputs, use_cache=False).last_hidden_state
+
+
+def _answer_logprobs(core, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    targets = labels[:, 1:]  # position t predicts token t + 1
     answer = targets != IGNORE_INDEX
     logits = core.get_output_embeddings()(hidden[:, :-1][answer])  # the LM head on answer tokens only
     logprobs = -F.cross_entropy(logits.float(), targets[answer], reduction="none")
@@ -72,6 +81,35 @@ class Objective(torch.nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor], image_of_row: list[int] | None = None):
         return answer_logprobs(self.model, batch, image_of_row)
+
+
+class BoxObjective(torch.nn.Module):
+    """Box-head mode's objective as a module (what the engines wrap, as ``Objective``): the head's
+    boxes for the samples of a batch, and with ``text`` (``head_text_loss_weight`` > 0) the
+    answer's log-probs from the same forward pass, else None."""
+
+    def __init__(self, model, text: bool = False):
+        super().__init__()
+        self.model, self.text = model, text
+
+    def forward(self, batch: dict[str, torch.Tensor]):
+        core = base_model(self.model)
+        hidden = hidden_states(core, batch)
+        rows, columns = head.query_positions(batch)
+        boxes = head.head_of(self.model)(hidden[rows, columns])
+        return boxes, (_answer_logprobs(core, hidden, batch["labels"])[0] if self.text else None)
+
+
+def box_head_loss(objective: BoxObjective, batch: dict[str, torch.Tensor], samples: int, tokens: int,
+                  l1_weight: float, text_weight: float) -> torch.Tensor:
+    """The box loss (``head.box_loss``) summed over ``batch``'s samples and divided by ``samples``
+    (the update's, as ``answer_loss`` divides by its answer tokens), plus ``text_weight`` x the
+    answer's cross-entropy where the joint mode keeps the model answering in text."""
+    boxes, logprobs = objective(batch)
+    loss = head.box_loss(boxes, batch["box_target"], l1_weight).sum() / samples
+    if logprobs is not None:
+        loss = loss - text_weight * logprobs.sum() / tokens
+    return loss
 
 
 def answer_loss(model, batch: dict[str, torch.Tensor], tokens: int | None = None) -> torch.Tensor:

@@ -62,10 +62,11 @@ def check_launch(kind: str, deepspeed_config: str = "") -> None:
 class Parallel:
     """The model as several ranks train it (or, on one process, as it is: nothing wrapped)."""
 
-    def __init__(self, model, ranks: Ranks, kind: str = "ddp", compute_dtype: torch.dtype | None = None):
+    def __init__(self, model, ranks: Ranks, kind: str = "ddp", compute_dtype: torch.dtype | None = None,
+                 objective: torch.nn.Module | None = None):
         # a launcher's single rank runs its engine too (``torchrun --nproc-per-node 1`` is measured so)
         self.model, self.ranks, self.kind = model, ranks, kind if ranks.launched else "none"
-        self.objective = Objective(model)
+        self.objective = objective if objective is not None else Objective(model)  # (box head: BoxObjective)
         self.deepspeed = None  # the DeepSpeed engine, once ``start`` made it
         if self.kind == "ddp":
             device = next(p for p in model.parameters() if p.requires_grad).device

@@ -50,8 +50,8 @@ from groundtune import infer
 from groundtune.config import RLConfig
 from groundtune.data.records import sample_boxes
 from groundtune.data.samples import FileSamples, ResumableBatches
-from groundtune.errors import DataError
-from groundtune.models import adapt, qwen, speedups
+from groundtune.errors import ConfigError, DataError
+from groundtune.models import adapt, head, qwen, speedups
 from groundtune.models.loading import GroundingModel, load_model, pick_device, resolve
 from groundtune.progress import progress_bar
 from groundtune.train import distributed
@@ -351,6 +351,9 @@ def _setup_policy(cfg: RLConfig, device_setting: str | None = None):
     device_setting = device_setting or cfg.device
     device = pick_device(device_setting)
     gm = load_model(cfg.model, device=device_setting, dtype="bf16" if use_bf16(cfg, device) else "fp32")
+    if head.head_of(gm.model) is not None:
+        raise ConfigError(f"model={cfg.model} answers with a box head (head: box): RL samples answers and scores "
+                          "them, and a box head has none to sample; start RL from a run with head=text")
     if hasattr(gm.model, "peft_config"):  # an SFT run's adapter: train it further
         model = gm.model
         for name, p in model.named_parameters():

@@ -26,13 +26,30 @@ import torch
 from groundtune.config import TrainConfig
 from groundtune.data.samples import SyntheticStream
 from groundtune.models import adapt, speedups
-from groundtune.models.loading import GroundingModel, load_model, pick_device, with_resize
+from groundtune.models.loading import (
+    GroundingModel,
+    load_model,
+    pick_device,
+    with_resize,
+)
 from groundtune.progress import progress_bar
 from groundtune.train import distributed
 from groundtune.train.batches import GroundingDataset, make_loader, to_device
-from groundtune.train.loop import Loop, RunData, TrainingError, run_stage, seed_everything, use_bf16
+from groundtune.train.loop import (
+    Loop,
+    RunData,
+    TrainingError,
+    run_stage,
+    seed_everything,
+    use_bf16,
+)
 from groundtune.train.monitor import StopRequest, gpu_stats
-from groundtune.train.objective import answer_loss, answer_tokens
+from groundtune.train.objective import (
+    BoxObjective,
+    answer_loss,
+    answer_tokens,
+    box_head_loss,
+)
 from groundtune.train.parallel import Parallel
 
 __all__ = ["TrainingError", "train"]
@@ -52,11 +69,13 @@ def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData,
     device = gm.device
     samples = data.samples
     trainable = adapt.count_parameters(model)["trainable"]  # (counted before an engine shards them)
-    parallel = Parallel(model, ranks, cfg.distributed, torch.bfloat16 if use_bf16(cfg, device) else None)
+    box_head = cfg.head == "box"
+    objective = BoxObjective(model, text=cfg.head_text_loss_weight > 0) if box_head else None
+    parallel = Parallel(model, ranks, cfg.distributed, torch.bfloat16 if use_bf16(cfg, device) else None, objective)
     loop = Loop.start(run, cfg, gm, resume_from, data, on_step, parallel)
     optimizer, scheduler, state = loop.optimizer, loop.scheduler, loop.state
     dataset = GroundingDataset(samples, gm.processor, gm.family, gm.resize, gm.prompt,
-                               cfg.hflip_prob, cfg.scale_crop_prob, cfg.seed, cfg.answer_label)
+                               cfg.hflip_prob, cfg.scale_crop_prob, cfg.seed, cfg.answer_label, box_target=box_head)
     batches = iter(make_loader(dataset, cfg.batch_size, cfg.seed, state["samples"], cfg.num_workers,
                                gm.processor.pad_token_id, pin_memory=device.type == "cuda", packing=cfg.packing,
                                rank=ranks.rank, world=ranks.world))
@@ -77,6 +96,9 @@ def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData,
             micro_batches = [next(batches) for _ in range(cfg.grad_accum)]
             # ... on every rank: the global batch's
             tokens = max(1, int(distributed.total(sum(answer_tokens(b) for b in micro_batches), ranks, device)))
+            if box_head:  # ... and samples: a box head's loss is per sample
+                boxed = max(1, int(distributed.total(sum(len(b.get("box_target", ())) for b in micro_batches),
+                                                     ranks, device)))
             step_loss, finite = 0.0, True
             for i, batch in enumerate(micro_batches):
                 batch = to_device(batch, device)
@@ -86,7 +108,9 @@ def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData,
                 # forward and the backward's recomputation; the ranks' gradients meet on the last micro-batch
                 with adapt.lora_inputs_uncast(model), parallel.accumulating(last=i == len(micro_batches) - 1):
                     with autocast:  # the LM head runs on the answer tokens only (train/objective.py)
-                        loss = answer_loss(parallel.objective, batch, tokens)
+                        loss = (box_head_loss(parallel.objective, batch, boxed, tokens, cfg.head_l1_weight,
+                                              cfg.head_text_loss_weight) if box_head
+                                else answer_loss(parallel.objective, batch, tokens))
                     # one rank's non-finite loss skips the step everywhere, decided before any backward
                     # (a backward some ranks skip would leave the others waiting in theirs)
                     finite = finite and not distributed.any_rank(not bool(torch.isfinite(loss)), ranks, device)
@@ -149,6 +173,8 @@ def _setup_model(cfg: TrainConfig, device_setting: str | None = None) -> tuple[G
     gm = with_resize(gm, cfg.min_pixels, cfg.max_pixels, "train", pins_base_budget=True)
     gm = dataclasses.replace(gm, prompt=cfg.prompt or gm.prompt)
     model = adapt.prepare_for_training(gm.model, cfg)
+    if cfg.head == "box":
+        adapt.attach_box_head(model, text_loss=cfg.head_text_loss_weight > 0)
     adapt.keep_trainable_fp32(model)
     speedups.install(model, cfg.kernels, cfg.compile, say=print)
     gm = dataclasses.replace(gm, model=model)

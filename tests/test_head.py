@@ -1,0 +1,99 @@
+"""Box-head mode (models/head.py): the query position, the loss, training the tiny model with it,
+saving and loading it back, and eval/predict answering through it in one forward pass."""
+
+import json
+import random
+
+import pytest
+import torch
+from PIL import Image
+
+from groundtune import boxes, infer
+from groundtune.config import RLConfig, TrainConfig
+from groundtune.errors import ConfigError
+from groundtune.models import head, qwen
+from groundtune.models.loading import load_model
+from groundtune.train.batches import Collate, GroundingDataset
+from groundtune.train.rl import rl
+from groundtune.train.sft import train
+
+
+def test_unit_boxes_are_fractions_of_the_image_whatever_the_resize():
+    assert boxes.to_unit([64, 48, 320, 240], (640, 480)) == [0.1, 0.1, 0.5, 0.5]
+    assert boxes.from_unit([0.1, 0.1, 0.5, 0.5], (640, 480)) == pytest.approx([64, 48, 320, 240])
+    # the same fractions of the image the model sees, after its resize
+    resized = boxes.original_to_resized([64, 48, 320, 240], (640, 480), (644, 476))
+    assert boxes.to_unit(resized, (644, 476)) == pytest.approx([0.1, 0.1, 0.5, 0.5])
+
+
+def test_tensor_giou_is_boxes_giou_and_the_loss_is_zero_only_on_the_box():
+    rng = random.Random(0)
+    pairs = []
+    for _ in range(50):
+        a = sorted(rng.random() for _ in range(2)), sorted(rng.random() for _ in range(2))
+        b = sorted(rng.random() for _ in range(2)), sorted(rng.random() for _ in range(2))
+        pairs.append(([a[0][0], a[1][0], a[0][1], a[1][1]], [b[0][0], b[1][0], b[0][1], b[1][1]]))
+    a, b = (torch.tensor([p[i] for p in pairs]) for i in (0, 1))
+    assert head.giou(a, b).tolist() == pytest.approx([boxes.giou(x, y) for x, y in pairs], abs=1e-6)
+    loss = head.box_loss(a, b, 2.0)
+    assert loss.shape == (50,) and (loss > 0).all()
+    assert head.box_loss(a, a, 2.0).abs().max() < 1e-6
+
+
+def test_the_head_reads_the_last_prompt_token_padded_packed_with_and_without_answers(synth_single):
+    gm = load_model("tiny")
+    from groundtune.data.records import read_samples
+    from groundtune.data.samples import FileSamples
+
+    samples = FileSamples(read_samples(synth_single / "train.jsonl")[:3], str(synth_single / "train.jsonl"))
+    data = GroundingDataset(samples, gm.processor, gm.family, gm.resize, gm.prompt, box_target=True)
+    items = [data[(i, i)] for i in range(3)]
+    assistant_newline = items[0]["input_ids"][(items[0]["labels"] != qwen.IGNORE_INDEX).nonzero()[0] - 1]
+    prompts = [{k: v for k, v in item.items() if k not in ("labels", "box_target")} for item in items]
+    for packing in (False, True):
+        batch = Collate(gm.processor.pad_token_id, packing)([dict(item) for item in items])
+        assert batch["box_target"].shape == (3, 4)
+        rows, columns = head.query_positions(batch)
+        assert (batch["input_ids"][rows, columns] == assistant_newline).all()  # the prompt's end, 3 times
+        assert (batch["labels"][rows, columns + 1] != qwen.IGNORE_INDEX).all()  # the answer starts after it
+        alone = (qwen.collate_packed(prompts) if packing else qwen.collate(prompts, gm.processor.pad_token_id))
+        rows_alone, columns_alone = head.query_positions(alone)
+        assert (alone["input_ids"][rows_alone, columns_alone] == assistant_newline).all()
+
+
+def test_a_box_head_trains_saves_loads_and_answers_in_one_pass(synth_single, tmp_path):
+    cfg = TrainConfig(model="tiny", train_data=str(synth_single / "train.jsonl"), eval_data=str(synth_single / "val.jsonl"),
+                      out_dir=str(tmp_path / "run"), head="box", lr=3e-3, batch_size=8, max_steps=30,
+                      log_every=1, save_every=0, eval_samples=16, warmup_steps=0, packing=True)
+    run = train(cfg)
+    losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert sum(losses[-5:]) < sum(losses[:5])  # it learns
+    assert (run / "model" / head.HEAD_FILE).is_file()
+    saved = json.loads((run / "model" / "groundtune.json").read_text())
+    assert saved["head"] == "box" and "eval" in saved
+    gm = infer.load(str(run))
+    assert head.head_of(gm.model) is not None
+    # the loaded head answers as the trained one did: the eval it was saved with, again
+    from groundtune import evaluate
+
+    records = [json.loads(line) for line in (synth_single / "val.jsonl").read_text().splitlines()][:16]
+    report, rows = evaluate.evaluate(gm, records, synth_single / "val.jsonl", batch_size=5)
+    assert report["acc@0.5"] == pytest.approx(saved["eval"]["acc@0.5"]) and report["parse_fail_rate"] == 0
+    # every answer is a box inside its image, in original pixels; batches of any size agree
+    image = Image.open(synth_single / records[0]["image"])
+    one = infer.predict(gm, [image] * 3, [records[0]["phrase"]] * 3, batch_size=1)
+    three = infer.predict(gm, [image] * 3, [records[0]["phrase"]] * 3, batch_size=3)
+    for p, q in zip(one, three):
+        assert p.bbox == pytest.approx(q.bbox, abs=0.05) and p.error is None
+        assert 0 <= p.bbox[0] <= p.bbox[2] <= image.width and 0 <= p.bbox[1] <= p.bbox[3] <= image.height
+    # RL has nothing to sample from a box head: refused, naming the setting
+    with pytest.raises(ConfigError, match="box head"):
+        rl(RLConfig(model=str(run), train_data=str(synth_single / "train.jsonl"), out_dir=str(tmp_path / "rl"),
+                    max_steps=1))
+
+
+def test_head_settings_are_checked():
+    with pytest.raises(ConfigError, match="head='boxes'"):
+        TrainConfig(train_data="x", head="boxes")
+    with pytest.raises(ConfigError, match="head_l1_weight"):
+        TrainConfig(train_data="x", head="box", head_l1_weight=-1)
