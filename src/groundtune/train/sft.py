@@ -26,30 +26,13 @@ import torch
 from groundtune.config import TrainConfig
 from groundtune.data.samples import SyntheticStream
 from groundtune.models import adapt, speedups
-from groundtune.models.loading import (
-    GroundingModel,
-    load_model,
-    pick_device,
-    with_resize,
-)
+from groundtune.models.loading import GroundingModel, load_model, pick_device, with_resize
 from groundtune.progress import progress_bar
 from groundtune.train import distributed
 from groundtune.train.batches import GroundingDataset, make_loader, to_device
-from groundtune.train.loop import (
-    Loop,
-    RunData,
-    TrainingError,
-    run_stage,
-    seed_everything,
-    use_bf16,
-)
+from groundtune.train.loop import Loop, RunData, TrainingError, run_stage, seed_everything, use_bf16
 from groundtune.train.monitor import StopRequest, gpu_stats
-from groundtune.train.objective import (
-    BoxObjective,
-    answer_loss,
-    answer_tokens,
-    box_head_loss,
-)
+from groundtune.train.objective import BoxObjective, answer_loss, answer_tokens, box_head_loss
 from groundtune.train.parallel import Parallel
 
 __all__ = ["TrainingError", "train"]
