@@ -19,6 +19,7 @@ first losses must agree within bf16 noise: the objective is the same, only the s
 - preset:NAME: the same with a shipped preset's batch, recomputation, packing and kernel settings.
   A QLoRA preset first writes the random architecture to disk and trains from that folder: the
   4-bit base is made by from_pretrained, as from a user's weights (bitsandbytes needed).
+- VARIANT+KEY=VALUE: the variant with one setting changed, e.g. preset:NAME+head=box.
 - VARIANT@ENGINE: the same variant launched by `torchrun --nproc-per-node 1` with
   distributed=ENGINE (ddp, fsdp2, zero2, zero3): what one rank of a multi-GPU run costs against
   the plain command, in the same run.
@@ -105,6 +106,11 @@ LR = 1e-4
 def variant_settings(variant: str) -> dict | None:
     """The TrainConfig settings of a variant: a name of GT_VARIANTS, or preset:NAME (configs/NAME.yaml),
     either followed by @ENGINE (the run's ``distributed`` setting, under torchrun)."""
+    variant, *extras = variant.split("+")  # VARIANT+KEY=VALUE: a setting over the variant's (head=box)
+    if extras:
+        settings = variant_settings(variant)
+        return None if settings is None else {**settings, **{k: yaml.safe_load(v) for k, v in
+                                                             (extra.split("=", 1) for extra in extras)}}
     variant, _, engine = variant.partition("@")
     if engine:
         settings = variant_settings(variant)

@@ -1,0 +1,86 @@
+"""Eval speed of a box head (one forward pass, models/head.py) against text answers (generation)
+on the real Qwen2.5-VL-3B/7B architectures (random weights), through `groundtune eval`'s own code
+(`evaluate.evaluate`), from image files on disk, in ONE run, capped at --cap-gib (a 24 GB card).
+
+    python bench/head_speed.py --models 3b --out bench/results/head_speed.json
+    python bench/head_speed.py --models tiny --samples 16 --batch 8          # CPU smoke test
+
+Data: RefCOCO-like JPEGs (bench/sft_speed.py). The same model answers both ways: text, with
+answers forced to --new-tokens tokens (random weights seldom stop; a real 3B answers a box in
+~20-30), and box, with a (random) box head attached, which reads each prompt's last hidden state.
+Each variant is warmed up on one batch first, then timed from the first file read to the last box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sft_speed import MODELS, make_refcoco_like  # noqa: E402
+
+from groundtune import evaluate, infer  # noqa: E402
+from groundtune.data.records import read_samples  # noqa: E402
+from groundtune.models import adapt, head  # noqa: E402
+
+
+def _now() -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def timed_eval(gm, records: list[dict], data: Path, batch: int, new_tokens: int) -> dict:
+    evaluate.evaluate(gm, records[:batch], data, batch_size=batch, progress=False, max_new_tokens=new_tokens)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    start = _now()
+    report, _ = evaluate.evaluate(gm, records, data, batch_size=batch, progress=False, max_new_tokens=new_tokens)
+    seconds = _now() - start
+    return {"samples": len(records), "seconds": round(seconds, 2), "samples_per_s": round(len(records) / seconds, 2),
+            "parse_fail_rate": report["parse_fail_rate"],
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="3b", help="comma-separated: 3b, 7b, tiny")
+    parser.add_argument("--samples", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--cap-gib", type=float, default=24.0)
+    parser.add_argument("--data", type=Path, help="train.jsonl made by an earlier run")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory)
+    data = args.data or make_refcoco_like(Path("/tmp/head_speed_data"), args.samples)
+    records = read_samples(data)[: args.samples]
+    results = []
+    for key in args.models.split(","):
+        gm = infer.load(MODELS[key], device="cuda" if torch.cuda.is_available() else "cpu")
+        text = timed_eval(gm, records, data, args.batch, args.new_tokens)
+        torch.manual_seed(0)
+        head.attach(gm.model, adapt.hidden_size(adapt.base_model(gm.model)))
+        box = timed_eval(gm, records, data, args.batch, args.new_tokens)
+        row = {"model": key, "batch": args.batch, "new_tokens": args.new_tokens, "text": text, "box": box,
+               "box_vs_text": round(box["samples_per_s"] / text["samples_per_s"], 2)}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        del gm
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    print(f"\n{'model':6} {'text samples/s':>15} {'box samples/s':>14} {'ratio':>6} {'box peak GiB':>13}")
+    for r in results:
+        print(f"{r['model']:6} {r['text']['samples_per_s']:15.1f} {r['box']['samples_per_s']:14.1f} "
+              f"{r['box_vs_text']:6.2f} {r['box']['peak_gib'] or 0:13.2f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
