@@ -86,6 +86,14 @@ def test_a_box_head_trains_saves_loads_and_answers_in_one_pass(synth_single, tmp
     for p, q in zip(one, three):
         assert p.bbox == pytest.approx(q.bbox, abs=0.05) and p.error is None
         assert 0 <= p.bbox[0] <= p.bbox[2] <= image.width and 0 <= p.bbox[1] <= p.bbox[3] <= image.height
+    # exported (LoRA merged), it loads with its head and answers the same boxes
+    from groundtune.export import export
+
+    exported = export(str(run), tmp_path / "export")
+    assert (exported / head.HEAD_FILE).is_file()
+    assert json.loads((exported / "groundtune.json").read_text())["head"] == "box"
+    again = infer.predict(infer.load(str(exported)), [image], [records[0]["phrase"]])
+    assert again[0].bbox == pytest.approx(one[0].bbox, abs=0.05)
     # RL has nothing to sample from a box head: refused, naming the setting
     with pytest.raises(ConfigError, match="box head"):
         rl(RLConfig(model=str(run), train_data=str(synth_single / "train.jsonl"), out_dir=str(tmp_path / "rl"),

@@ -37,11 +37,11 @@ import torch
 from groundtune import boxes
 from groundtune.config import MAX_NEW_TOKENS
 from groundtune.errors import DiskFullError, RunExistsError
-from groundtune.models import qwen
+from groundtune.models import head, qwen
 from groundtune.models.loading import METADATA_FILE, load_model, read_metadata, resolve
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-HEAD = "text"  # how the model answers: a box written as text (the only head today)
+HEAD = "text"  # how a model without a box head answers: the box written as text
 
 
 def export(name: str, out: str | Path, dtype: str = "base", overwrite: bool = False, say=print) -> Path:
@@ -55,6 +55,7 @@ def export(name: str, out: str | Path, dtype: str = "base", overwrite: bool = Fa
     gm = load_model(name, device="cpu", dtype="fp32")  # merged in fp32, then cast once
     target_dtype = _stored_dtype(gm.base_model) if dtype == "base" else DTYPES[dtype]
     model = gm.model
+    box_head = head.head_of(model)  # a box-head run's head goes in a file of its own (models/head.py)
     qlora = kind == "run" and _run_method(path) == "qlora"
     if hasattr(model, "peft_config"):
         with warnings.catch_warnings():  # peft calls a transformers method transformers deprecates
@@ -69,7 +70,12 @@ def export(name: str, out: str | Path, dtype: str = "base", overwrite: bool = Fa
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp)
+        if box_head is not None:
+            model.save_pretrained(tmp, state_dict={k: v for k, v in model.state_dict().items()
+                                                   if not k.startswith(f"{head.ATTRIBUTE}.")})
+            head.save(box_head, tmp)
+        else:
+            model.save_pretrained(tmp)
         _greedy_generation_config(gm).save_pretrained(tmp)
         tokenizer = gm.processor.tokenizer
         tokenizer.chat_template = gm.processor.chat_template
@@ -80,7 +86,7 @@ def export(name: str, out: str | Path, dtype: str = "base", overwrite: bool = Fa
             "convention": boxes.COORDINATES[gm.family],
             "resize": gm.resize.to_dict(),
             "prompt": gm.prompt,
-            "head": HEAD,
+            "head": "box" if box_head is not None else HEAD,
             "exported_from": str(path.resolve()) if path is not None else name,
             "base_model": gm.base_model,
             "dtype": str(target_dtype).removeprefix("torch."),
