@@ -383,7 +383,7 @@ def head_boxes(gm, encoded: list[dict], sizes: list[tuple]) -> list[Prediction]:
     batch = qwen.collate_packed(encoded) if packed else qwen.collate(encoded, gm.processor.pad_token_id, "right")
     batch = {k: v.to(gm.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     with evaluating(gm.model), torch.inference_mode():
-        hidden = core.model(**{k: v for k, v in batch.items()}, use_cache=False).last_hidden_state
+        hidden = core.model(**batch, use_cache=False).last_hidden_state
         rows, columns = head.query_positions(batch)
         units = head.head_of(gm.model)(hidden[rows, columns]).float().cpu().tolist()
     predictions = []

@@ -218,10 +218,8 @@ class Parallel:
                     from deepspeed.utils import safe_set_full_fp32_param
 
                     safe_set_full_fp32_param(p, t.to(torch.float32))
-                elif _is_dtensor(p):
+                else:  # this rank's shard where the weight is sharded (FSDP2), else the whole of it
                     p.copy_(_like(t.to(p.dtype), p))
-                else:
-                    p.copy_(t.to(p.device, p.dtype))
 
     def load_optimizer_state(self, optimizer, saved: dict) -> None:
         """A one-process optimizer state dict into this rank's optimizer (its shards of it)."""
@@ -295,10 +293,6 @@ def _shard(objective: torch.nn.Module, model, compute_dtype) -> None:
     if vision is not None:
         fully_shard(vision, mp_policy=policy)
     fully_shard(objective, mp_policy=policy)
-
-
-def _is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
