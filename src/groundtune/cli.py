@@ -1,6 +1,6 @@
 """The command line: an explicit table of commands, each calling one Python function.
 
-    groundtune data convert|check|show|synth
+    groundtune data convert|check|show|synth|refgen
     groundtune train | rl | eval | predict | quickstart
 
 Each handler only turns flags into arguments; the work is in the function it calls, which is
@@ -54,6 +54,12 @@ def _data_convert(args: argparse.Namespace) -> int:
 def _data_check(args: argparse.Namespace) -> int:
     from groundtune.data import check
 
+    if args.refs:
+        from groundtune.data import refcheck
+
+        report = refcheck.check_refs(args.file, fix_out=args.fix_out)
+        print(json.dumps(report.to_dict()) if args.json else report.summary())
+        return 1 if report.failed else 0
     report = check.check_file(args.file, fix_out=args.fix_out)
     if args.json:
         print(json.dumps(report.to_dict()))
@@ -92,6 +98,47 @@ def _data_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_refgen(args: argparse.Namespace) -> int:
+    from groundtune.data import refgen
+    from groundtune.data.records import write_samples
+
+    settings = refgen.RefgenSettings(kinds=refgen.parse_kinds(args.kinds), per_box=args.per_box,
+                                     min_size=args.min_size, seed=args.seed)
+    if args.filter_model is None and (args.filter_iou is not None or args.filter_mode is not None):
+        raise UsageError("groundtune data refgen: --filter-iou and --filter-mode need --filter-model")
+    if args.filter_iou is not None and not 0 < args.filter_iou <= 1:
+        raise UsageError(f"groundtune data refgen: --filter-iou must be in (0, 1], got {args.filter_iou}")
+    if args.filter_model is not None:
+        from groundtune.models.loading import resolve
+
+        resolve(args.filter_model)  # a wrong model name is said before any work
+    if args.source == "coco":
+        _require(args, "instances", "images", command="refgen")
+        images = refgen.from_coco(args.instances, args.images, args.out, split=args.split,
+                                  attribute_field=args.attribute_field)
+    else:
+        _require(args, "path", command="refgen")
+        images = refgen.from_jsonl(args.path, args.out, attribute_field=args.attribute_field)
+    stats = refgen.Stats()
+    records = list(refgen.generate(images, settings, stats))
+    agreed, min_iou = None, refgen.MODEL_FILTER_IOU if args.filter_iou is None else args.filter_iou
+    if args.filter_model is not None:
+        from groundtune import evaluate, infer
+
+        gm = infer.load(args.filter_model, device=args.device, who="refgen --filter-model")
+        records, agreed = evaluate.filter_by_model(gm, records, args.out, min_iou=min_iou,
+                                                   flag_only=args.filter_mode == "flag", batch_size=args.batch_size)
+    n = write_samples(args.out, records)
+    if args.stats:
+        print(refgen.format_stats(stats))
+    if agreed is not None:
+        what = "flagged the rest" if args.filter_mode == "flag" else "kept those"
+        print(f"--filter-model {args.filter_model}: boxed back {agreed} of {stats.total()} phrases at IoU >= "
+              f"{min_iou}; {what}")
+    print(f"wrote {n} expressions for {stats.targets} of {stats.boxes} boxes to {args.out}")
+    return 0
+
+
 def _int_at_least(minimum: int, name: str):
     """An argparse type: an integer of at least ``minimum``; argparse names it by ``name`` ("invalid
     positive integer value: 'x'")."""
@@ -109,19 +156,20 @@ _positive_int = _int_at_least(1, "positive integer")
 _count = _int_at_least(0, "count")
 
 
-def _require(args: argparse.Namespace, *names: str) -> None:
+def _require(args: argparse.Namespace, *names: str, command: str = "convert") -> None:
     missing = [n for n in names if getattr(args, n) is None]
     if missing:
         flags = ", ".join("--" + n.replace("_", "-") for n in missing)
-        raise UsageError(f"groundtune data convert --from {args.source}: missing {flags}")
+        raise UsageError(f"groundtune data {command} --from {args.source}: missing {flags}")
 
 
 def _add_data(sub: argparse._SubParsersAction) -> None:
     data = sub.add_parser(
         "data",
-        help="convert, check, draw and synthesise grounding data",
+        help="convert, check, draw and synthesise grounding data; referring expressions from detections",
         description="Everything about data: convert sources to canonical JSONL, check it, draw it, "
-        "and make the built-in synthetic set.\n\nCanonical JSONL: one referring expression per line, "
+        "make the built-in synthetic set, and turn detection boxes into referring expressions.\n\n"
+        "Canonical JSONL: one referring expression per line, "
         '{"id", "image", "width", "height", "phrase", "bbox": [x1, y1, x2, y2] in pixels of the '
         'original image, "split", "source"}.',
         formatter_class=_Formatter,
@@ -163,7 +211,12 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("file", help="canonical JSONL file")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--fix-out", help="write the usable records, with automatic fixes applied, here")
+    p.add_argument("--fix-out", help="write the usable records, with automatic fixes applied, here "
+                   "(with --refs: the records whose phrase picks exactly its box)")
+    p.add_argument("--refs", action="store_true",
+                   help="instead: check that every phrase of a `data refgen` file picks exactly its box, re-read "
+                   "from the text and the image's boxes (the record's objects) by a checker independent of the "
+                   "generator; no image is read. Exit code 1 when any does not")
     p.set_defaults(handler=_data_check)
 
     p = dsub.add_parser(
@@ -203,6 +256,63 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
                         "attribute: 2-3 shapes named by colour and/or kind; multi: like full with 2-3 shapes")
     p.add_argument("--workers", type=int, default=0, help="worker processes (0: one per CPU core)")
     p.set_defaults(handler=_data_synth)
+
+    _add_data_refgen(dsub)
+
+
+def _add_data_refgen(dsub: argparse._SubParsersAction) -> None:
+    from groundtune.data.refgen import KINDS, MODEL_FILTER_IOU, RefgenSettings
+
+    d = RefgenSettings()
+    p = dsub.add_parser(
+        "refgen",
+        help="turn detection boxes into referring expressions that pick exactly one box",
+        description="Turn detection boxes (COCO instances.json, or JSONL) into canonical JSONL of referring\n"
+        "expressions, each written only when it picks exactly ONE box of its image with a margin:\n"
+        "  category   'the laptop' (the only one)       attribute  'the red cup' (from --attribute-field)\n"
+        "  extreme    'the leftmost cup', 'the top cup'  ordinal    'the second cup from the left'\n"
+        "  size       'the biggest cup', 'the small cup' relation   'the cup left of the laptop',\n"
+        "                                                           'the cup next to the laptop'\n"
+        "Each record keeps its kind, the box's label, and every box of the image (objects, target) so\n"
+        "`groundtune data check --refs` can re-derive that the phrase picks its box. Crowd boxes and\n"
+        "boxes under --min-size are never targets. The same seed writes the same bytes.\n\n"
+        "examples:\n"
+        "  groundtune data refgen --from coco --instances instances_val2017.json --images val2017 \\\n"
+        "      --out refs.jsonl --stats\n"
+        "  groundtune data refgen --from jsonl --path shelves.jsonl --out refs.jsonl --kinds relation=2,extreme,size\n"
+        "  groundtune data refgen --from coco --instances inst.json --images imgs --out refs.jsonl \\\n"
+        "      --filter-model runs/sft --filter-iou 0.5\n\n"
+        "--from jsonl: each line holds an image's boxes as bboxes + labels (lists; optional attribute\n"
+        "and crowd lists beside them), or one box as bbox + label; lines naming one image are grouped.",
+        formatter_class=_Formatter,
+    )
+    p.add_argument("--from", dest="source", required=True, choices=["coco", "jsonl"], help="detections' format")
+    p.add_argument("--out", required=True, help="canonical JSONL file to write")
+    p.add_argument("--instances", help="coco: instances.json with images, annotations and categories")
+    p.add_argument("--images", help="coco: folder holding the images")
+    p.add_argument("--path", help="jsonl: the detections file")
+    p.add_argument("--split", help="coco: split name to record (default: from the file name, instances_SPLIT.json)")
+    p.add_argument("--attribute-field", default="attributes",
+                   help="the annotation's/record's field holding attribute words of a box (a word or a list)")
+    p.add_argument("--kinds", default=",".join(d.kinds),
+                   help="kinds to emit, each with an optional weight in the mix (kind=weight): any of "
+                   + ", ".join(KINDS))
+    p.add_argument("--per-box", type=_positive_int, default=d.per_box, help="at most this many expressions per box")
+    p.add_argument("--min-size", type=float, default=d.min_size,
+                   help="boxes whose sqrt(area) is under this many pixels are never targets or anchors")
+    p.add_argument("--seed", type=int, default=d.seed, help="random seed: which phrases and words are chosen")
+    p.add_argument("--stats", action="store_true", help="print the count of each kind and of boxes skipped, by reason")
+    p.add_argument("--filter-model", metavar="M", help="ground every phrase with this model (" + _MODEL_HELP +
+                   ") and keep only those it boxes back (self-consistency)")
+    p.add_argument("--filter-iou", type=float, help="with --filter-model: the IoU that counts as boxed back "
+                   f"(default {MODEL_FILTER_IOU})")
+    p.add_argument("--filter-mode", choices=["keep", "flag"],
+                   help="with --filter-model: keep (default) writes only the phrases boxed back; flag writes all, "
+                   "each with model_iou and model_agrees")
+    p.add_argument("--batch-size", type=_positive_int, default=16,
+                   help="with --filter-model: phrases answered together")
+    p.add_argument("--device", default="auto", help="with --filter-model: auto, cpu, cuda, cuda:1, ...")
+    p.set_defaults(handler=_data_refgen)
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from PIL import Image, ImageDraw
 from groundtune import boxes, infer
 from groundtune.data.images import load_image
 from groundtune.data.records import atomic_write, image_path, read_samples, sample_boxes
+from groundtune.data.refgen import MODEL_FILTER_IOU
 
 THRESHOLDS = [round(0.5 + 0.05 * i, 2) for i in range(10)]  # 0.5, 0.55, ..., 0.95 (COCO's)
 METRICS = ["acc@0.5", "acc@0.75", "acc@0.5:0.95", "miou", "parse_fail_rate"]
@@ -111,6 +112,29 @@ def evaluate(gm, samples: list[dict], data_path, batch_size: int = 16, limit: in
         **summarise(rows),
     }
     return report, rows
+
+
+def filter_by_model(gm, records: list[dict], data_path, min_iou: float = MODEL_FILTER_IOU, flag_only: bool = False,
+                    batch_size: int = 16, progress: bool = True) -> tuple[list[dict], int]:
+    """Self-consistency for generated phrases (``data refgen --filter-model``): ground each phrase
+    with ``gm`` (greedy, as eval) and keep those whose box comes back at IoU >= ``min_iou``; with
+    ``flag_only`` keep every record, each with ``model_iou`` and ``model_agrees`` added. Returns
+    (records, how many came back). It lives here, not in data/, because data/ knows no model.
+
+    What it catches is what the model cannot read, not what is false: the phrases themselves are
+    verified from the boxes (data/refcheck.py). A weak model drops hard but true phrases."""
+    if not records:
+        return [], 0
+    preds = infer.predict_records(gm, records, data_path, batch_size, progress="filter" if progress else None)
+    out, agreed = [], 0
+    for record, pred in zip(records, preds):
+        iou = boxes.best_iou(pred.bbox, sample_boxes(record))
+        agreed += iou >= min_iou
+        if flag_only:
+            out.append({**record, "model_iou": round(iou, 4), "model_agrees": iou >= min_iou})
+        elif iou >= min_iou:
+            out.append(record)
+    return out, agreed
 
 
 # --------------------------------------------------------------------------------------------

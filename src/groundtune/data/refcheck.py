@@ -1,0 +1,351 @@
+"""Does each written phrase pick exactly its box? The check of ``data refgen``'s output that does
+not trust the generator: ``groundtune data check --refs FILE`` and the tests.
+
+It reads the phrase TEXT back with its own grammar (category, attribute, extreme, ordinal, size,
+relation and anchor) and evaluates that reading against every box of the image the record keeps
+(``objects``, ``target`` = the index of the phrase's box) with its own geometry. It shares with
+data/refgen.py only the definition of the language: the category names (SYNONYMS, PLURALS) and
+the four numbers that say what "clearly" means (MARGIN_FRAC, SIZE_RATIO, NEAR_FRAC, FAR_FRAC);
+no function of the generator is called.
+
+A reading gives the boxes the phrase surely names and those it may name (a reader could take it
+so). The phrase is right when both are exactly its box. With m = max(1 px, MARGIN_FRAC x the
+shorter image side), s = the shorter side, a cup's "group" = every box its name can mean (a crowd
+box of that category may always be meant: it holds an unknown number of them):
+
+===================================  ===================================  ===========================
+phrase                               surely                               may mean
+===================================  ===================================  ===========================
+the cup                              every cup                            every cup
+the red cup                          cups whose words include red         ... and cups without words
+the leftmost cup / cup on the left   a cup >= m left of every other       a cup no other is >= m left of
+  (right/top/bottom alike)           (box centres)
+the second cup from the left         exactly 1 cup >= m left of it,       it could be second if the
+                                     the rest >= m right of it            unclear ones fall either way
+the biggest / smallest cup           area >= SIZE_RATIO x every other's   no other clearly bigger
+the big / small cup, the bigger of   as biggest/smallest, and only when   (smaller)
+  the two cups                       the image holds exactly two cups
+the cup left of the laptop           wholly left (x2 <= laptop x1) and    centre < laptop centre + m
+  (right of / above / below,         centre >= m left of the laptop's
+  to the left of, under)
+the cup next to / beside the laptop  0 <= edge gap <= NEAR_FRAC x s       edge gap <= FAR_FRAC x s
+===================================  ===================================  ===========================
+
+The anchor ("the laptop", "the red laptop") must itself be surely and only one box. Verdicts:
+``ok``; ``wrong_box`` (the phrase does not clearly name its box); ``second_box`` (it names its
+box and, possibly, another); ``unparsed`` (outside the grammar); ``bad_record`` (no usable
+``objects``/``target``, or ``bbox`` is not the target's box).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from groundtune.boxes import as_box
+from groundtune.progress import track
+
+from .records import iter_jsonl, write_samples
+from .refgen import FAR_FRAC, MARGIN_FRAC, NEAR_FRAC, PLURALS, SIZE_RATIO, SYNONYMS
+
+VERDICTS = ("ok", "wrong_box", "second_box", "unparsed", "bad_record")
+
+
+@dataclass(frozen=True)
+class _Box:
+    x1: float
+    y1: float
+    x2: float
+    y2: float
+    label: str
+    words: frozenset | None  # attribute words; None: not recorded
+    crowd: bool
+
+    @property
+    def cx(self) -> float:
+        return (self.x1 + self.x2) / 2
+
+    @property
+    def cy(self) -> float:
+        return (self.y1 + self.y2) / 2
+
+    @property
+    def area(self) -> float:
+        return max(0.0, self.x2 - self.x1) * max(0.0, self.y2 - self.y1)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    verdict: str
+    reason: str = ""
+    sure: tuple[int, ...] = ()  # the boxes the phrase surely names
+    maybe: tuple[int, ...] = ()  # ... and those it may name
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "ok"
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the text
+
+
+def _spoken(label: str) -> set[str]:
+    return {label, *SYNONYMS.get(label, ())}
+
+
+def _plurals(name: str) -> set[str]:
+    if name in PLURALS:
+        return {PLURALS[name]}
+    # any regular spelling reads back; which one is English is the writer's business
+    return {name + "s", name + "es", name[:-1] + "ies"}
+
+
+def _alternation(words) -> str:
+    # longest first, so "teddy bear" is tried before "bear"
+    return "|".join(re.escape(w) for w in sorted(words, key=lambda w: (-len(w), w)))
+
+
+_SIDE = {"leftmost": "left", "rightmost": "right", "top": "top", "bottom": "bottom",
+         "on the left": "left", "on the right": "right", "at the top": "top", "at the bottom": "bottom"}
+_ORDINAL = {"second": 2, "third": 3, "fourth": 4, "fifth": 5}
+_REL = {"left of": "left of", "to the left of": "left of", "right of": "right of",
+        "to the right of": "right of", "above": "above", "below": "below", "under": "below",
+        "next to": "next to", "beside": "next to"}
+
+
+def _grammar(names: set[str], plurals: set[str], words: set[str]) -> list[tuple[str, re.Pattern]]:
+    n = f"(?P<n>{_alternation(names)})"
+    anchor = (f"(?:(?P<aa>{_alternation(words)}) )?" if words else "") + f"(?P<an>{_alternation(names)})"
+    forms = [
+        ("category", rf"the {n}"),
+        ("extreme", rf"the (?P<side>leftmost|rightmost|top|bottom) {n}"),
+        ("extreme", rf"the {n} (?P<side>on the left|on the right|at the top|at the bottom)"),
+        ("ordinal", rf"the (?P<ord>second|third|fourth|fifth) {n} from the (?P<from>left|right|top|bottom)"),
+        ("size", rf"the (?P<size>biggest|largest|smallest) {n}"),
+        ("size_of_two", rf"the (?P<size>big|large|small) {n}"),
+        ("size_of_two", rf"the (?P<size>bigger|smaller) of the two (?P<ns>{_alternation(plurals)})"),
+        ("relation", rf"the {n} (?P<rel>{_alternation(_REL)}) the {anchor}"),
+    ]
+    if words:
+        forms.append(("attribute", rf"the (?P<a>{_alternation(words)}) {n}"))
+    return [(kind, re.compile(pattern)) for kind, pattern in forms]
+
+
+def parse(phrase: str, boxes: list[_Box]) -> list[dict]:
+    """Every reading of the phrase in this image's vocabulary: [{"form", "labels", ...}]. More than
+    one when the words allow it ("top" is also an attribute word here)."""
+    text = " ".join(phrase.lower().split())
+    meaning: dict[str, set[str]] = {}  # a spoken name -> the categories it can mean
+    plural_of: dict[str, set[str]] = {}
+    for label in {b.label for b in boxes}:
+        for name in _spoken(label):
+            meaning.setdefault(name, set()).add(label)
+            for p in _plurals(name):
+                plural_of.setdefault(p, set()).add(label)
+    words = {w for b in boxes if b.words for w in b.words}
+    readings = []
+    for form, pattern in _grammar(set(meaning), set(plural_of), words):
+        m = pattern.fullmatch(text)
+        if not m:
+            continue
+        g = m.groupdict()
+        reading = {"form": form, "labels": meaning[g["n"]] if g.get("n") else plural_of[g["ns"]]}
+        if form == "attribute":
+            reading["word"] = g["a"]
+        elif form == "extreme":
+            reading["side"] = _SIDE[g["side"]]
+        elif form == "ordinal":
+            reading.update(rank=_ORDINAL[g["ord"]], side=g["from"])
+        elif form in ("size", "size_of_two"):
+            reading["big"] = g["size"] in ("biggest", "largest", "big", "large", "bigger")
+        elif form == "relation":
+            reading.update(rel=_REL[g["rel"]], anchor_labels=meaning[g["an"]], anchor_word=g.get("aa"))
+        readings.append(reading)
+    return readings
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluating a reading
+
+
+def _position(side: str):
+    """Smaller is further towards ``side``."""
+    return {"left": lambda b: b.cx, "right": lambda b: -b.cx, "top": lambda b: b.cy, "bottom": lambda b: -b.cy}[side]
+
+
+def _edge_gap(a: _Box, b: _Box) -> float:
+    dx = max(b.x1 - a.x2, a.x1 - b.x2)
+    dy = max(b.y1 - a.y2, a.y1 - b.y2)
+    return max(dx, dy)
+
+
+def _named(boxes: list[_Box], labels: set[str], word: str | None) -> tuple[set[int], set[int]]:
+    """(surely, maybe) for "the [word] name"."""
+    group = [i for i, b in enumerate(boxes) if b.label in labels]
+    if word is None:
+        sure = {i for i in group if not boxes[i].crowd}
+        return sure, set(group)
+    sure = {i for i in group if not boxes[i].crowd and boxes[i].words is not None and word in boxes[i].words}
+    maybe = sure | {i for i in group if boxes[i].crowd or boxes[i].words is None}
+    return sure, maybe
+
+
+def evaluate(reading: dict, boxes: list[_Box], width: float, height: float) -> tuple[set[int], set[int], str]:
+    """(surely, maybe, why) of one reading against every box."""
+    m = max(1.0, MARGIN_FRAC * min(width, height))
+    s = min(width, height)
+    form = reading["form"]
+    group = [i for i, b in enumerate(boxes) if b.label in reading["labels"]]
+    crowds = {i for i in group if boxes[i].crowd}
+    people = [i for i in group if not boxes[i].crowd]
+    if form in ("category", "attribute"):
+        sure, maybe = _named(boxes, reading["labels"], reading.get("word"))
+        return sure, maybe, ""
+    if form == "relation":
+        a_sure, a_maybe = _named(boxes, reading["anchor_labels"], reading["anchor_word"])
+        if len(a_sure) != 1 or a_maybe != a_sure:
+            return set(), set(group), "the anchor is not one box"
+        (k,) = a_sure
+        a = boxes[k]
+        cands = [i for i in people if i != k]
+        rel = reading["rel"]
+        if rel == "next to":
+            sure = {i for i in cands if 0 <= _edge_gap(boxes[i], a) <= NEAR_FRAC * s}
+            maybe = {i for i in cands if _edge_gap(boxes[i], a) <= FAR_FRAC * s}
+        else:
+            # (clearly on that side, may be read as on that side), each written out: the same
+            # comparisons in the same arithmetic as the rules state them, no sign tricks
+            tests = {
+                "left of": (lambda b: b.x2 <= a.x1 and b.cx + m <= a.cx, lambda b: not a.cx + m <= b.cx),
+                "right of": (lambda b: b.x1 >= a.x2 and a.cx + m <= b.cx, lambda b: not b.cx + m <= a.cx),
+                "above": (lambda b: b.y2 <= a.y1 and b.cy + m <= a.cy, lambda b: not a.cy + m <= b.cy),
+                "below": (lambda b: b.y1 >= a.y2 and a.cy + m <= b.cy, lambda b: not b.cy + m <= a.cy),
+            }
+            clearly, possibly = tests[rel]
+            sure = {i for i in cands if clearly(boxes[i])}
+            maybe = {i for i in cands if possibly(boxes[i])}
+        return sure, maybe | crowds, ""
+    if form == "extreme":
+        pos = _position(reading["side"])
+        sure = {i for i in people if all(pos(boxes[i]) + m <= pos(boxes[j]) for j in people if j != i)}
+        maybe = {i for i in people if not any(pos(boxes[j]) + m <= pos(boxes[i]) for j in people if j != i)}
+        return sure, maybe | crowds, ""
+    if form == "ordinal":
+        pos, rank = _position(reading["side"]), reading["rank"]
+        sure, maybe = set(), set()
+        for i in people:
+            before = sum(pos(boxes[j]) + m <= pos(boxes[i]) for j in people if j != i)
+            after = sum(pos(boxes[i]) + m <= pos(boxes[j]) for j in people if j != i)
+            unclear = len(people) - 1 - before - after
+            if unclear == 0 and before == rank - 1:
+                sure.add(i)
+            if before <= rank - 1 <= before + unclear:
+                maybe.add(i)
+        return sure, maybe | crowds, ""
+    # size, size_of_two
+    if form == "size_of_two" and len(group) != 2:
+        return set(), set(group), f"'{'big' if reading['big'] else 'small'}' among {len(group)}, not two"
+    sign = 1 if reading["big"] else -1
+
+    def clearly_larger(i: int, j: int) -> bool:  # i clearly bigger than j (smaller, for "small")
+        big, small = (boxes[i], boxes[j]) if sign > 0 else (boxes[j], boxes[i])
+        return big.area >= SIZE_RATIO * small.area
+
+    sure = {i for i in people if all(clearly_larger(i, j) for j in people if j != i)}
+    maybe = {i for i in people if not any(clearly_larger(j, i) for j in people if j != i)}
+    return sure, maybe | crowds, ""
+
+
+# --------------------------------------------------------------------------------------------
+# Records and files
+
+
+def _boxes(record: dict) -> list[_Box] | None:
+    objects = record.get("objects")
+    if not isinstance(objects, list) or not objects:
+        return None
+    out = []
+    for o in objects:
+        box = as_box(o.get("bbox")) if isinstance(o, dict) else None
+        if box is None or not isinstance(o.get("label"), str):
+            return None
+        words = o.get("attributes")
+        out.append(_Box(*box, label=o["label"], crowd=bool(o.get("crowd")),
+                        words=None if words is None else frozenset(" ".join(w.lower().split()) for w in words)))
+    return out
+
+
+def check_record(record: dict) -> Verdict:
+    """The verdict on one record of ``data refgen``'s output."""
+    boxes = _boxes(record)
+    target = record.get("target")
+    if boxes is None or not isinstance(target, int) or not 0 <= target < len(boxes):
+        return Verdict("bad_record", "no objects list with a target index into it: not written by `data refgen`?")
+    t = boxes[target]
+    if as_box(record.get("bbox")) != [t.x1, t.y1, t.x2, t.y2]:
+        return Verdict("bad_record", "bbox is not objects[target]'s box")
+    readings = parse(str(record.get("phrase", "")), boxes)
+    if not readings:
+        return Verdict("unparsed", "outside the grammar of refgen's phrases")
+    sure, maybe, why = set(), set(), []
+    for reading in readings:  # several readings: what any of them names may be meant
+        s, m, w = evaluate(reading, boxes, record.get("width", 0), record.get("height", 0))
+        sure |= s
+        maybe |= m | s
+        why += [w] if w else []
+    found = dict(sure=tuple(sorted(sure)), maybe=tuple(sorted(maybe)))
+    if sure == {target} and maybe == {target}:
+        return Verdict("ok", **found)
+    if target not in sure:
+        return Verdict("wrong_box", "; ".join(why) or "it does not clearly name its box", **found)
+    return Verdict("second_box", "; ".join(why) or "another box may be meant too", **found)
+
+
+@dataclass
+class RefsReport:
+    path: str
+    counts: Counter = field(default_factory=Counter)  # verdict -> records
+    by_kind: dict = field(default_factory=dict)  # kind -> Counter of verdicts
+    problems: list[dict] = field(default_factory=list)  # {"line", "id", "phrase", "verdict", "reason"}
+
+    @property
+    def failed(self) -> int:
+        return sum(n for v, n in self.counts.items() if v != "ok")
+
+    def to_dict(self) -> dict:
+        return {"file": self.path, "checked": sum(self.counts.values()), "failed": self.failed,
+                "counts": {v: self.counts.get(v, 0) for v in VERDICTS},
+                "by_kind": {k: dict(c) for k, c in sorted(self.by_kind.items())}, "problems": self.problems}
+
+    def summary(self, show: int = 20) -> str:
+        total = sum(self.counts.values())
+        lines = [f"{self.path}: {total} phrases checked, {self.counts.get('ok', 0)} pick exactly their box, "
+                 f"{self.failed} do not"]
+        lines += [f"  {v:<11} {self.counts.get(v, 0):>8}" for v in VERDICTS]
+        for p in self.problems[:show]:
+            lines.append(f"  line {p['line']}: {p['verdict']}: {p['phrase']!r} ({p['reason']})")
+        if len(self.problems) > show:
+            lines.append(f"  ... and {len(self.problems) - show} more (--json lists them all)")
+        return "\n".join(lines)
+
+
+def check_refs(path: str | Path, fix_out: str | Path | None = None) -> RefsReport:
+    """Check every line of a refgen file; ``fix_out`` receives the lines that pass."""
+    report, good = RefsReport(str(path)), []
+    for line in track(iter_jsonl(path), "check --refs"):
+        verdict = Verdict("bad_record", line.error) if line.error else check_record(line.record)
+        report.counts[verdict.verdict] += 1
+        kind = str((line.record or {}).get("kind", "-"))
+        report.by_kind.setdefault(kind, Counter())[verdict.verdict] += 1
+        if verdict.ok:
+            good.append(line.record)
+        else:
+            report.problems.append({"line": line.number, "id": (line.record or {}).get("id"),
+                                    "phrase": (line.record or {}).get("phrase"), "verdict": verdict.verdict,
+                                    "reason": verdict.reason})
+    if fix_out is not None:
+        write_samples(fix_out, good)
+    return report

@@ -1,0 +1,576 @@
+"""Referring expressions from detection boxes: ``groundtune data refgen``.
+
+Most data sets have detections (a box and a category per object), not referring expressions.
+``data convert --from coco`` names each box by its category, which is ambiguous as soon as an
+image holds two cups. This module writes phrases that pick exactly one box of their image:
+
+==========  ============================================================  ==============================
+kind        phrases                                                       emitted when
+==========  ============================================================  ==============================
+category    "the laptop"                                                  the only box of its category
+attribute   "the red cup"                                                 the only box of its category
+                                                                          with that word, and every
+                                                                          other one's words are known
+extreme     "the leftmost cup", "the cup on the right", "the top cup"     every other cup is at least
+                                                                          ``margin`` further from that
+                                                                          side (box centres)
+ordinal     "the second cup from the left"                                3+ cups, each at least
+                                                                          ``margin`` apart from it
+size        "the biggest cup"; among two: "the small cup",               its area is SIZE_RATIO x (or
+            "the bigger of the two cups"                                  1 / SIZE_RATIO x) every other's
+relation    "the cup left of the laptop", "the cup above the table",      the anchor is the only box of
+            "the cup next to the laptop"                                  its category (or of its
+                                                                          attribute); see below
+==========  ============================================================  ==============================
+
+Relations hold by a clear distance and no other box of the category nearly satisfies them:
+"left of" needs the target wholly left of the anchor (x2 <= anchor x1) with its centre at least
+``margin`` left of the anchor's, while every other cup's centre lies at least ``margin`` right of
+the anchor's centre ("above"/"below" the same on y). "next to" needs the gap between the boxes to
+be at most NEAR_FRAC of the image's shorter side (touching counts, overlapping in both axes does
+not) and every other cup's gap above FAR_FRAC of it. ``margin`` is MARGIN_FRAC of the shorter
+side (at least 1 px). A box whose category also has a crowd box in the image gets no phrase (the
+crowd holds an unknown number of them); boxes smaller than ``min_size`` are never targets or
+anchors, but they still count as other cups: a reader sees them.
+
+An attribute word that would make a phrase read two ways is dropped from that image's boxes: a
+position or size word of the templates ("top", "small": RESERVED_WORDS), or a word that with one
+category's name spells another's ("teddy" on a bear beside a teddy bear).
+
+Left/right words are exactly those ``augment.hflip`` swaps (left, right, leftmost, rightmost), so
+a flipped sample's phrase stays true. ``refcheck.py`` re-derives, with its own parser and
+geometry, whether each written phrase picks exactly its box; the records keep every box of the
+image (``objects``, and ``target``: the index of the phrase's box) for it.
+
+    groundtune data refgen --from coco --instances instances_val2017.json --images val2017 --out refs.jsonl
+    groundtune data refgen --from jsonl --path shelves.jsonl --out refs.jsonl --kinds relation=2,extreme,size
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from PIL import Image
+
+from groundtune.boxes import as_box, box_area, xywh_to_xyxy
+from groundtune.errors import ConfigError
+from groundtune.progress import track
+
+from .records import DataError, image_path, iter_jsonl, jsonl_file, record_size
+from .sources import _image_ref, _load_instances
+
+KINDS = ("category", "attribute", "extreme", "ordinal", "size", "relation")
+
+# What "clearly" means, as fractions of the image's shorter side so a phrase means the same at any
+# resolution. refcheck.py reads these same numbers (the definition of the language), not this code.
+MARGIN_FRAC = 0.04  # centres this far apart are clearly apart (synth's own margin is 0.045)
+SIZE_RATIO = 1.5  # "the biggest cup": at least this many times the area of every other cup
+NEAR_FRAC = 0.05  # "next to": the boxes' gap at most this
+FAR_FRAC = 0.15  # ... and every other box of the category's gap more than this
+MODEL_FILTER_IOU = 0.5  # --filter-model: a phrase the model boxes back at this IoU or more is kept
+
+# COCO's 80 categories as people say them: the first name is the category's own, the others are
+# synonyms that name no other COCO category ("bag" would also name a backpack or a suitcase).
+# A category not listed (a user's own label) is said as it is written.
+SYNONYMS: dict[str, tuple[str, ...]] = {
+    "person": ("person",), "bicycle": ("bicycle", "bike"), "car": ("car",),
+    "motorcycle": ("motorcycle", "motorbike"), "airplane": ("airplane", "plane"), "bus": ("bus",),
+    "train": ("train",), "truck": ("truck",), "boat": ("boat",), "traffic light": ("traffic light",),
+    "fire hydrant": ("fire hydrant", "hydrant"), "stop sign": ("stop sign",), "parking meter": ("parking meter",),
+    "bench": ("bench",), "bird": ("bird",), "cat": ("cat",), "dog": ("dog",), "horse": ("horse",),
+    "sheep": ("sheep",), "cow": ("cow",), "elephant": ("elephant",), "bear": ("bear",), "zebra": ("zebra",),
+    "giraffe": ("giraffe",), "backpack": ("backpack", "rucksack"), "umbrella": ("umbrella",),
+    "handbag": ("handbag", "purse"), "tie": ("tie",), "suitcase": ("suitcase",), "frisbee": ("frisbee",),
+    "skis": ("pair of skis",), "snowboard": ("snowboard",), "sports ball": ("ball",), "kite": ("kite",),
+    "baseball bat": ("baseball bat", "bat"), "baseball glove": ("baseball glove", "glove"),
+    "skateboard": ("skateboard",), "surfboard": ("surfboard",), "tennis racket": ("tennis racket", "racket"),
+    "bottle": ("bottle",), "wine glass": ("wine glass",), "cup": ("cup", "mug"), "fork": ("fork",),
+    "knife": ("knife",), "spoon": ("spoon",), "bowl": ("bowl",), "banana": ("banana",), "apple": ("apple",),
+    "sandwich": ("sandwich",), "orange": ("orange",), "broccoli": ("broccoli",), "carrot": ("carrot",),
+    "hot dog": ("hot dog",), "pizza": ("pizza",), "donut": ("donut", "doughnut"), "cake": ("cake",),
+    "chair": ("chair",), "couch": ("couch", "sofa"), "potted plant": ("potted plant", "plant"), "bed": ("bed",),
+    "dining table": ("dining table", "table"), "toilet": ("toilet",), "tv": ("tv", "television"),
+    "laptop": ("laptop",), "mouse": ("mouse",), "remote": ("remote", "remote control"), "keyboard": ("keyboard",),
+    "cell phone": ("cell phone", "phone"), "microwave": ("microwave",), "oven": ("oven",), "toaster": ("toaster",),
+    "sink": ("sink",), "refrigerator": ("refrigerator", "fridge"), "book": ("book",), "clock": ("clock",),
+    "vase": ("vase",), "scissors": ("pair of scissors",), "teddy bear": ("teddy bear", "teddy"),
+    "hair drier": ("hair drier", "hair dryer"), "toothbrush": ("toothbrush",),
+}
+# Plurals the -s/-es/-ies rule gets wrong; used only by "the bigger of the two ...".
+PLURALS = {"person": "people", "mouse": "mice", "knife": "knives", "sheep": "sheep", "broccoli": "broccoli",
+           "pair of skis": "pairs of skis", "pair of scissors": "pairs of scissors", "bus": "buses"}
+
+# Phrase words. Left/right ones are augment.hflip's (left, right, leftmost, rightmost).
+_EXTREME_TEXTS = {
+    "left": ("the leftmost {n}", "the {n} on the left"),
+    "right": ("the rightmost {n}", "the {n} on the right"),
+    "top": ("the top {n}", "the {n} at the top"),
+    "bottom": ("the bottom {n}", "the {n} at the bottom"),
+}
+_ORDINAL_WORDS = {2: "second", 3: "third", 4: "fourth", 5: "fifth"}
+# Words of the templates above that an attribute may not be: "the top cup" or "the small cup" would
+# read both as a position/size and as the attribute. Such attribute words are dropped (--stats
+# counts them; _without_ambiguous_words).
+RESERVED_WORDS = frozenset({"left", "right", "leftmost", "rightmost", "top", "bottom", "big", "large", "small",
+                            "bigger", "smaller", "biggest", "largest", "smallest", *_ORDINAL_WORDS.values()})
+_RELATION_TEXTS = {
+    "left of": ("the {n} left of {a}", "the {n} to the left of {a}"),
+    "right of": ("the {n} right of {a}", "the {n} to the right of {a}"),
+    "above": ("the {n} above {a}",),
+    "below": ("the {n} below {a}", "the {n} under {a}"),
+    "next to": ("the {n} next to {a}", "the {n} beside {a}"),
+}
+
+
+def plural(name: str) -> str:
+    """English plural of a category name (the last word's)."""
+    if name in PLURALS:
+        return PLURALS[name]
+    if name.endswith(("s", "x", "ch", "sh")):
+        return name + "es"
+    if name.endswith("y") and name[-2:-1] not in "aeiou":
+        return name[:-1] + "ies"
+    return name + "s"
+
+
+# --------------------------------------------------------------------------------------------
+# Settings and input
+
+
+@dataclass(frozen=True)
+class RefgenSettings:
+    """What ``generate`` emits; the ``data refgen`` flags of the same names."""
+
+    kinds: dict[str, float] = field(default_factory=lambda: {k: 1.0 for k in KINDS})  # kind -> weight in the mix
+    per_box: int = 3  # at most this many expressions per box
+    min_size: float = 16.0  # boxes with sqrt(area) below this (px) are never targets or anchors
+    seed: int = 0  # same seed, same bytes
+
+    def __post_init__(self) -> None:
+        unknown = [k for k in self.kinds if k not in KINDS]
+        if unknown or not self.kinds:
+            raise ConfigError(f"--kinds: unknown kind(s) {', '.join(unknown) or '(none given)'}; "
+                            f"choose from {', '.join(KINDS)}")
+        bad = [k for k, w in self.kinds.items() if not (math.isfinite(w) and w > 0)]
+        if bad:
+            raise ConfigError(f"--kinds: the weight of {', '.join(bad)} must be a positive number")
+        if self.per_box < 1:
+            raise ConfigError(f"--per-box must be at least 1, got {self.per_box}")
+        if not (math.isfinite(self.min_size) and self.min_size >= 0):
+            raise ConfigError(f"--min-size must be a number of pixels >= 0, got {self.min_size}")
+
+
+def parse_kinds(text: str) -> dict[str, float]:
+    """``--kinds``: "relation=2,extreme,size" -> {"relation": 2.0, "extreme": 1.0, "size": 1.0}."""
+    kinds = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, weight = part.partition("=")
+        try:
+            kinds[name.strip()] = float(weight) if weight else 1.0
+        except ValueError:
+            raise ConfigError(f"--kinds: {part!r}: the weight after '=' must be a number") from None
+    return kinds
+
+
+@dataclass(frozen=True)
+class Obj:
+    """One detection: an xyxy box in original pixels, its category, its attribute words (None:
+    not recorded, so any word may be true of it), whether it is a crowd box, and its source id."""
+
+    box: tuple[float, float, float, float]
+    label: str
+    attributes: tuple[str, ...] | None = None
+    crowd: bool = False
+    ann_id: object = None
+
+    @property
+    def cx(self) -> float:
+        return (self.box[0] + self.box[2]) / 2
+
+    @property
+    def cy(self) -> float:
+        return (self.box[1] + self.box[3]) / 2
+
+    @property
+    def area(self) -> float:
+        return box_area(self.box)
+
+    def to_json(self) -> dict:
+        out = {"bbox": list(self.box), "label": self.label}
+        if self.attributes is not None:
+            out["attributes"] = list(self.attributes)
+        if self.crowd:
+            out["crowd"] = True
+        return out
+
+
+@dataclass
+class Detections:
+    """Every box of one image, as written records name it (``image`` relative to the output)."""
+
+    key: str  # the image's id in ids and in its random stream
+    image: str
+    width: int
+    height: int
+    split: str
+    objects: list[Obj]
+    extras: dict = field(default_factory=dict)  # passed into every record (image_id, ...)
+
+
+def _attributes(value, where: str) -> tuple[str, ...] | None:
+    """A user's attribute field: a word, a list of words, or absent/null (not recorded)."""
+    if value is None:
+        return None
+    words = [value] if isinstance(value, str) else value
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise DataError(f"{where}: attributes {value!r} must be a string or a list of strings")
+    # one lower-case spelling, so "Red" and "red " are the same word to every check
+    return tuple(dict.fromkeys(" ".join(w.lower().split()) for w in words if w.strip()))
+
+
+def _label(value, where: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise DataError(f"{where}: label {value!r} must be a non-empty string")
+    return " ".join(value.lower().split())
+
+
+def from_coco(instances: str | Path, images: str | Path, out: str | Path, split: str | None = None,
+              attribute_field: str = "attributes") -> list[Detections]:
+    """COCO instances.json -> one Detections per image that has annotations, in the file's image
+    order. An annotation may carry ``attribute_field`` (a word or a list of words)."""
+    data, image_by_id = _load_instances(instances)
+    names = {c["id"]: c["name"] for c in data.get("categories", [])}
+    split = split or Path(instances).stem.removeprefix("instances_")
+    by_image: dict = defaultdict(list)
+    for ann in data["annotations"]:
+        where = f"{instances}: annotation {ann.get('id')}"
+        if ann.get("image_id") not in image_by_id or ann.get("category_id") not in names:
+            what = "image_id" if ann.get("image_id") not in image_by_id else "category_id"
+            raise DataError(f"{where} names {what} {ann.get(what)!r}, which this file does not define")
+        box = as_box(ann.get("bbox"))
+        if box is None:
+            raise DataError(f"{where}: bbox {ann.get('bbox')!r} is not 4 numbers (x, y, width, height)")
+        by_image[ann["image_id"]].append(Obj(
+            tuple(xywh_to_xyxy(box)), _label(names[ann["category_id"]], where),
+            _attributes(ann.get(attribute_field), where), bool(ann.get("iscrowd")), ann.get("id")))
+    return [
+        Detections(str(im["id"]), _image_ref(Path(images) / im["file_name"], out), im["width"], im["height"],
+                   split, by_image[im["id"]], {"image_id": im["id"]})
+        for im in data["images"] if by_image.get(im["id"])
+    ]
+
+
+def from_jsonl(path: str | Path, out: str | Path, attribute_field: str = "attributes") -> list[Detections]:
+    """Canonical-style JSONL -> one Detections per image. Either form, per line:
+
+    - every box of an image: ``bboxes`` with a ``labels`` list beside it (and, optionally, a list
+      of attributes in ``attribute_field`` and ``crowd``: a list of booleans);
+    - one box: ``bbox`` + ``label`` (+ ``attribute_field``, ``crowd``); lines naming the same
+      ``image`` are one image.
+
+    ``width``/``height`` are read from the image header when missing. The first bad line raises,
+    naming file and line."""
+    path = jsonl_file(path)
+    images: dict[str, Detections] = {}
+    for line in iter_jsonl(path):
+        where = f"{path}:{line.number}"
+        if line.error:
+            raise DataError(f"{where}: {line.error}")
+        r = line.record
+        if not isinstance(r.get("image"), str) or not r["image"]:
+            raise DataError(f"{where}: no image")
+        objects = _line_objects(r, where, attribute_field)
+        key = r["image"]
+        if key not in images:
+            width, height = _size(r, image_path(r, path), where)
+            # the image's id in record ids: its image_id, else its place in the file and its name
+            name = str(r["image_id"]) if "image_id" in r else f"{len(images)}-{Path(key).stem}"
+            extras = {"image_id": r["image_id"]} if "image_id" in r else {}
+            images[key] = Detections(name, _image_ref(image_path(r, path), out), width, height,
+                                     str(r.get("split", path.stem)), [], extras)
+        elif record_size(r) not in (None, (images[key].width, images[key].height)):
+            raise DataError(f"{where}: width/height {r['width']}x{r.get('height')} differ from an earlier line "
+                            f"of the same image ({images[key].width}x{images[key].height})")
+        images[key].objects += objects
+    return list(images.values())
+
+
+def _line_objects(r: dict, where: str, attribute_field: str) -> list[Obj]:
+    if "bboxes" in r:
+        boxes, labels = r["bboxes"], r.get("labels")
+        if not isinstance(boxes, list) or not isinstance(labels, list) or len(labels) != len(boxes):
+            raise DataError(f"{where}: bboxes needs a labels list of the same length (one category per box)")
+        attrs = r.get(attribute_field, [None] * len(boxes))
+        crowd = r.get("crowd", [False] * len(boxes))
+        if not isinstance(attrs, list) or len(attrs) != len(boxes):
+            raise DataError(f"{where}: {attribute_field} must be a list with one entry per box (null: unknown)")
+        if not isinstance(crowd, list) or len(crowd) != len(boxes):
+            raise DataError(f"{where}: crowd must be a list with one boolean per box")
+        rows = list(zip(boxes, labels, attrs, crowd))
+    elif "bbox" in r:
+        rows = [(r["bbox"], r.get("label"), r.get(attribute_field), r.get("crowd", r.get("iscrowd", False)))]
+    else:
+        raise DataError(f"{where}: needs bboxes + labels (every box of the image) or bbox + label (one box)")
+    objects = []
+    for box, label, attrs, crowd in rows:
+        xyxy = as_box(box)
+        if xyxy is None or xyxy[2] <= xyxy[0] or xyxy[3] <= xyxy[1]:
+            raise DataError(f"{where}: box {box!r} is not [x1, y1, x2, y2] with x2 > x1 and y2 > y1")
+        objects.append(Obj(tuple(xyxy), _label(label, where), _attributes(attrs, where), bool(crowd)))
+    return objects
+
+
+def _size(r: dict, image: Path, where: str) -> tuple[int, int]:
+    size = record_size(r)
+    if size is not None:
+        return size
+    try:
+        with Image.open(image) as im:  # the header is enough
+            return im.size
+    except (OSError, SyntaxError, ValueError) as e:
+        raise DataError(f"{where}: no width/height and cannot read image {image} for them ({e})") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Expressions
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to name the target: ``meaning`` identifies it (two templates of one meaning are one
+    candidate, its text chosen once), ``texts`` are its templates, "{n}" the target's name."""
+
+    kind: str
+    meaning: tuple
+    texts: tuple[str, ...]
+
+
+@dataclass
+class Stats:
+    """What ``generate`` did: per kind, per reason a box got nothing."""
+
+    images: int = 0
+    boxes: int = 0
+    expressions: Counter = field(default_factory=Counter)  # kind -> written
+    skipped: Counter = field(default_factory=Counter)  # reason -> boxes
+    targets: int = 0  # boxes with at least one expression
+    dropped_words: Counter = field(default_factory=Counter)  # attribute words that would read two ways
+
+    def total(self) -> int:
+        return sum(self.expressions.values())
+
+    def to_dict(self) -> dict:
+        return {"images": self.images, "boxes": self.boxes, "targets": self.targets,
+                "expressions": dict(sorted(self.expressions.items())), "skipped": dict(sorted(self.skipped.items())),
+                "attribute_words_dropped": dict(sorted(self.dropped_words.items()))}
+
+
+SKIP_REASONS = {
+    "crowd": "a crowd box (covers a group, not one object)",
+    "too_small": "smaller than --min-size",
+    "crowd_category": "its category has a crowd box in the image: how many there are is unknown",
+    "no_unique_phrase": "no phrase of the chosen kinds picks it alone with a margin",
+}
+
+
+def _margin(d: Detections) -> float:
+    return max(1.0, MARGIN_FRAC * min(d.width, d.height))
+
+
+def _gap(a: Obj, b: Obj) -> float:
+    """Distance between two boxes' edges along the axis they are most apart on; <= 0 when they
+    overlap on both axes (then the larger overlap's negative)."""
+    return max(b.box[0] - a.box[2], a.box[0] - b.box[2], b.box[1] - a.box[3], a.box[1] - b.box[3])
+
+
+def _names(label: str, present: set[str]) -> tuple[str, ...]:
+    """How to say ``label`` in an image holding ``present`` categories: never by a name that one of
+    them is also called (a user's "table" beside COCO's "dining table"). None left: it cannot be
+    named alone, and gets no phrase."""
+    others = {n for other in present - {label} for n in (other, *SYNONYMS.get(other, ()))}
+    return tuple(n for n in SYNONYMS.get(label, (label,)) if n not in others)
+
+
+def _describe_unique(i: int, d: Detections) -> list[tuple]:
+    """How to name box i alone by category or attribute: [("category",), ("attribute", word), ...]."""
+    o = d.objects[i]
+    others = [p for j, p in enumerate(d.objects) if j != i and p.label == o.label]
+    out = [] if others else [("category",)]
+    if o.attributes and all(p.attributes is not None for p in others):
+        out += [("attribute", a) for a in o.attributes if all(a not in p.attributes for p in others)]
+    return out
+
+
+def candidates(i: int, d: Detections, settings: RefgenSettings) -> list[Candidate]:
+    """Every phrase that picks box i of ``d`` alone, by the rules of the module docstring."""
+    t, m = d.objects[i], _margin(d)
+    if not _names(t.label, {o.label for o in d.objects}):
+        return []
+    others = [p for j, p in enumerate(d.objects) if j != i and p.label == t.label]
+    group = [t] + others
+    out = [Candidate(k[0], k, ("the {n}",) if k[0] == "category" else (f"the {k[1]} {{n}}",))
+           for k in _describe_unique(i, d)]
+
+    # position along an axis, smaller = further towards the side
+    sides = {"left": lambda o: o.cx, "right": lambda o: -o.cx, "top": lambda o: o.cy, "bottom": lambda o: -o.cy}
+    if others:
+        for side, pos in sides.items():
+            if all(pos(t) + m <= pos(p) for p in others):
+                out.append(Candidate("extreme", ("extreme", side), _EXTREME_TEXTS[side]))
+    if len(group) >= 3:
+        for side, pos in sides.items():
+            before = [p for p in others if pos(p) + m <= pos(t)]
+            after = [p for p in others if pos(t) + m <= pos(p)]
+            rank = len(before) + 1
+            if len(before) + len(after) == len(others) and rank in _ORDINAL_WORDS:
+                out.append(Candidate("ordinal", ("ordinal", side, rank),
+                                     (f"the {_ORDINAL_WORDS[rank]} {{n}} from the {side}",)))
+    if others and all(t.area >= SIZE_RATIO * p.area for p in others):
+        two = len(group) == 2
+        texts = ("the big {n}", "the bigger of the two {ns}") if two else ("the biggest {n}", "the largest {n}")
+        out.append(Candidate("size", ("size", "big"), texts))
+    if others and all(p.area >= SIZE_RATIO * t.area for p in others):
+        texts = ("the small {n}", "the smaller of the two {ns}") if len(group) == 2 else ("the smallest {n}",)
+        out.append(Candidate("size", ("size", "small"), texts))
+    out += _relations(i, d, settings, m)
+    return out
+
+
+def _relations(i: int, d: Detections, settings: RefgenSettings, m: float) -> list[Candidate]:
+    t = d.objects[i]
+    others = [p for j, p in enumerate(d.objects) if j != i and p.label == t.label]
+    crowded = {o.label for o in d.objects if o.crowd}
+    present = {o.label for o in d.objects}
+    scale = min(d.width, d.height)
+    holds = {  # the target is clearly so
+        "left of": lambda o, a: o.box[2] <= a.box[0] and o.cx + m <= a.cx,
+        "right of": lambda o, a: o.box[0] >= a.box[2] and a.cx + m <= o.cx,
+        "above": lambda o, a: o.box[3] <= a.box[1] and o.cy + m <= a.cy,
+        "below": lambda o, a: o.box[1] >= a.box[3] and a.cy + m <= o.cy,
+        "next to": lambda o, a: 0 <= _gap(o, a) <= NEAR_FRAC * scale,
+    }
+    clearly_not = {  # ... and every other box of its category clearly not, not even nearly
+        "left of": lambda o, a: a.cx + m <= o.cx,
+        "right of": lambda o, a: o.cx + m <= a.cx,
+        "above": lambda o, a: a.cy + m <= o.cy,
+        "below": lambda o, a: o.cy + m <= a.cy,
+        "next to": lambda o, a: _gap(o, a) > FAR_FRAC * scale,
+    }
+    out = []
+    for j, a in enumerate(d.objects):
+        if (a.label == t.label or a.crowd or a.label in crowded or math.sqrt(a.area) < settings.min_size
+                or not _names(a.label, present)):
+            continue
+        for how in _describe_unique(j, d):
+            for rel, ok in holds.items():
+                if ok(t, a) and all(clearly_not[rel](p, a) for p in others):
+                    out.append(Candidate("relation", ("relation", rel, j, *how), _RELATION_TEXTS[rel]))
+    return out
+
+
+def _say(c: Candidate, i: int, d: Detections, rng: random.Random) -> str:
+    present = {o.label for o in d.objects}
+    name = rng.choice(_names(d.objects[i].label, present))
+    text = rng.choice(c.texts)
+    anchor = ""
+    if c.kind == "relation":
+        j, how = c.meaning[2], c.meaning[3:]
+        anchor_name = rng.choice(_names(d.objects[j].label, present))
+        anchor = f"the {anchor_name}" if how[0] == "category" else f"the {how[1]} {anchor_name}"
+    return text.format(n=name, ns=plural(name), a=anchor)
+
+
+def _choose(cands: list[Candidate], settings: RefgenSettings, rng: random.Random) -> list[Candidate]:
+    """Up to ``per_box`` candidates: a kind drawn by its weight among the kinds that have one
+    left, then one of that kind's candidates; never the same meaning twice."""
+    by_kind: dict[str, list[Candidate]] = defaultdict(list)
+    for c in cands:
+        if c.kind in settings.kinds:
+            by_kind[c.kind].append(c)
+    chosen = []
+    while by_kind and len(chosen) < settings.per_box:
+        kinds = sorted(by_kind)  # sorted: the draw must not depend on the order candidates came in
+        kind = rng.choices(kinds, weights=[settings.kinds[k] for k in kinds])[0]
+        pool = by_kind[kind]
+        chosen.append(pool.pop(rng.randrange(len(pool))))
+        if not pool:
+            del by_kind[kind]
+    return chosen
+
+
+def _skip_reason(o: Obj, d: Detections, settings: RefgenSettings) -> str | None:
+    if o.crowd:
+        return "crowd"
+    if math.sqrt(o.area) < settings.min_size:
+        return "too_small"
+    if any(p.crowd and p.label == o.label for p in d.objects):
+        return "crowd_category"
+    return None
+
+
+def _without_ambiguous_words(d: Detections, stats: Stats) -> Detections:
+    """``d`` without the attribute words that would make a phrase read two ways: RESERVED_WORDS
+    ("the top cup"), and a word that with one category's name spells another's ("teddy" on a bear
+    beside a teddy bear). The records keep the rest, so the checker sees what the phrases used."""
+    names = {n for o in d.objects for n in (o.label, *SYNONYMS.get(o.label, ()))}
+    spelled = {n.split(" ", 1)[0] for n in names if " " in n and n.split(" ", 1)[1] in names}
+    objects = []
+    for o in d.objects:
+        dropped = [w for w in o.attributes or () if w in RESERVED_WORDS or w in spelled]
+        if dropped:
+            stats.dropped_words.update(dropped)
+            o = replace(o, attributes=tuple(w for w in o.attributes if w not in dropped))
+        objects.append(o)
+    return replace(d, objects=objects)
+
+
+def generate(images: Iterable[Detections], settings: RefgenSettings = RefgenSettings(),
+             stats: Stats | None = None, progress: bool = True) -> Iterator[dict]:
+    """Canonical records (``source: refgen``), image by image, box by box. Each image draws from
+    its own random stream (the seed and the image's key), so the output is a function of the seed
+    and the input alone."""
+    stats = stats if stats is not None else Stats()
+    images = list(images)
+    for d in track(images, "refgen images") if progress else images:
+        stats.images += 1
+        d = _without_ambiguous_words(d, stats)
+        rng = random.Random(f"{settings.seed}:{d.key}")  # a str seed is hashed with SHA-512: the same in every process
+        objects = [o.to_json() for o in d.objects]
+        for i, o in enumerate(d.objects):
+            stats.boxes += 1
+            reason = _skip_reason(o, d, settings)
+            chosen = [] if reason else _choose(candidates(i, d, settings), settings, rng)
+            if not chosen:
+                stats.skipped[reason or "no_unique_phrase"] += 1
+                continue
+            stats.targets += 1
+            for k, c in enumerate(chosen):
+                stats.expressions[c.kind] += 1
+                box_id = o.ann_id if o.ann_id is not None else i
+                yield {
+                    "id": f"refgen-{d.split}-{d.key}-{box_id}-{k}",
+                    "image": d.image, "width": d.width, "height": d.height,
+                    "phrase": _say(c, i, d, rng), "bbox": list(o.box),
+                    "split": d.split, "source": "refgen", "kind": c.kind, "label": o.label,
+                    **d.extras, **({"ann_id": o.ann_id} if o.ann_id is not None else {}),
+                    "target": i, "objects": objects,
+                }
+
+
+def format_stats(stats: Stats) -> str:
+    """The ``--stats`` table: expressions per kind, boxes skipped per reason."""
+    lines = [f"{stats.images} images, {stats.boxes} boxes, {stats.targets} with an expression, "
+             f"{stats.total()} expressions"]
+    lines += [f"  {kind:<12} {stats.expressions.get(kind, 0):>8}" for kind in KINDS]
+    if stats.skipped:
+        lines.append("boxes skipped:")
+        lines += [f"  {reason:<17} {n:>8}  {SKIP_REASONS.get(reason, '')}" for reason, n in sorted(stats.skipped.items())]
+    if stats.dropped_words:
+        words = ", ".join(f"{w} ({n})" for w, n in sorted(stats.dropped_words.items()))
+        lines.append(f"attribute words dropped (a phrase with them would read two ways): {words}")
+    return "\n".join(lines)
