@@ -142,6 +142,15 @@ def test_target_qwen3_is_json_in_0_1000():
     assert json.loads(text) == [{"bbox_2d": [100, 100, 500, 1000], "label": "cat"}]
 
 
+@pytest.mark.parametrize("family", boxes.FAMILIES)
+def test_every_answer_starts_with_the_answer_opening(family):
+    opening = boxes.answer_opening(family)
+    assert opening == {"qwen2-vl": "<|box_start|>("}.get(family, '[{"bbox_2d": [')
+    for box, size in (([5, 7, 9, 11], (20, 30)), ([64, 42.7, 320, 427], (640, 427)), ([0, 0, 1, 1], (1, 1))):
+        answer = format_target([box], None, family, size, size)
+        assert answer.startswith(opening) and answer[len(opening)].isdigit()
+
+
 def test_target_box_smaller_than_the_grid_stays_a_box():
     # 1 px tall in a 1474 px image is 0.68 units of 0-1000: both corners round to 851
     text = format_target([[0, 1254, 1, 1255]], "dot", "qwen2-vl", (20, 1474), (28, 1484))

@@ -40,25 +40,39 @@ def test_tensor_giou_is_boxes_giou_and_the_loss_is_zero_only_on_the_box():
     assert head.box_loss(a, a, 2.0).abs().max() < 1e-6
 
 
-def test_the_head_reads_the_last_prompt_token_padded_packed_with_and_without_answers(synth_single):
+def test_the_head_reads_the_answer_opening_padded_packed_with_and_without_answers(synth_single):
     gm = load_model("tiny")
     from groundtune.data.records import read_samples
     from groundtune.data.samples import FileSamples
 
-    samples = FileSamples(read_samples(synth_single / "train.jsonl")[:3], str(synth_single / "train.jsonl"))
+    records = read_samples(synth_single / "train.jsonl")[:3]
+    samples = FileSamples(records, str(synth_single / "train.jsonl"))
     data = GroundingDataset(samples, gm.processor, gm.family, gm.resize, gm.prompt, box_target=True)
     items = [data[(i, i)] for i in range(3)]
-    assistant_newline = items[0]["input_ids"][(items[0]["labels"] != qwen.IGNORE_INDEX).nonzero()[0] - 1]
-    prompts = [{k: v for k, v in item.items() if k not in ("labels", "box_target")} for item in items]
+    opening = head.prompt_end(gm.family)
+    assert opening == '[{"bbox_2d": ['
+    for item, record in zip(items, records):
+        prompt = item["input_ids"][item["labels"] == qwen.IGNORE_INDEX]
+        assert gm.processor.tokenizer.decode(prompt).endswith("assistant\n" + opening)
+        # the rest of the text answer, without the phrase as a label: what the joint mode trains
+        answer = gm.processor.tokenizer.decode(item["input_ids"][item["labels"] != qwen.IGNORE_INDEX])
+        assert answer.startswith(str(round(record["bbox"][0]))) and "label" not in answer
+    last = items[0]["input_ids"][(items[0]["labels"] != qwen.IGNORE_INDEX).nonzero()[0] - 1]
+    def prompt_alone(item):  # what inference encodes: the prompt without the answer
+        n = int((item["labels"] != qwen.IGNORE_INDEX).nonzero()[0])
+        cut = {k: item[k][..., :n] for k in ("input_ids", "mm_token_type_ids", "position_ids")}
+        return {**cut, "pixel_values": item["pixel_values"], "image_grid_thw": item["image_grid_thw"]}
+
+    prompts = [prompt_alone(item) for item in items]
     for packing in (False, True):
         batch = Collate(gm.processor.pad_token_id, packing)([dict(item) for item in items])
         assert batch["box_target"].shape == (3, 4)
         rows, columns = head.query_positions(batch)
-        assert (batch["input_ids"][rows, columns] == assistant_newline).all()  # the prompt's end, 3 times
-        assert (batch["labels"][rows, columns + 1] != qwen.IGNORE_INDEX).all()  # the answer starts after it
+        assert (batch["input_ids"][rows, columns] == last).all()  # the opening's last token, 3 times
+        assert (batch["labels"][rows, columns + 1] != qwen.IGNORE_INDEX).all()  # the answer goes on after it
         alone = (qwen.collate_packed(prompts) if packing else qwen.collate(prompts, gm.processor.pad_token_id))
         rows_alone, columns_alone = head.query_positions(alone)
-        assert (alone["input_ids"][rows_alone, columns_alone] == assistant_newline).all()
+        assert (alone["input_ids"][rows_alone, columns_alone] == last).all()
 
 
 def test_a_box_head_trains_saves_loads_and_answers_in_one_pass(synth_single, tmp_path):
@@ -79,6 +93,10 @@ def test_a_box_head_trains_saves_loads_and_answers_in_one_pass(synth_single, tmp
     records = [json.loads(line) for line in (synth_single / "val.jsonl").read_text().splitlines()][:16]
     report, rows = evaluate.evaluate(gm, records, synth_single / "val.jsonl", batch_size=5)
     assert report["acc@0.5"] == pytest.approx(saved["eval"]["acc@0.5"]) and report["parse_fail_rate"] == 0
+    assert report["head"] == "box" and report["several_true_boxes"] == 0 and "box_head" in report["decoding"]
+    two = {k: v for k, v in records[0].items() if k != "bbox"} | {"bboxes": [records[0]["bbox"], [0, 0, 4, 4]]}
+    report_two, _ = evaluate.evaluate(gm, [two] + records[1:3], synth_single / "val.jsonl", batch_size=5)
+    assert report_two["several_true_boxes"] == 1  # one box per phrase: the report says how many have more
     # every answer is a box inside its image, in original pixels; batches of any size agree
     image = Image.open(synth_single / records[0]["image"])
     one = infer.predict(gm, [image] * 3, [records[0]["phrase"]] * 3, batch_size=1)

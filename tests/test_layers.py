@@ -17,7 +17,7 @@ LAYERS = [
     {"data"},
     {"models"},
     {"infer"},
-    {"evaluate", "export", "serve"},  # the deploy half, beside evaluate on infer
+    {"evaluate", "export", "serve", "onnx_export", "onnx_predict"},  # the deploy half, beside evaluate on infer
     {"train"},
     {"quickstart", "cli", "__main__", "__init__"},
 ]

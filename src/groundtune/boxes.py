@@ -287,6 +287,15 @@ def format_target(
     return json.dumps(items, ensure_ascii=False)
 
 
+def answer_opening(family: str) -> str:
+    """The text every box answer of ``family`` starts with, up to its first coordinate, with no
+    label (``[{"bbox_2d": [`` or ``<|box_start|>(``): a box head's prompts end with it
+    (models/head.py). Read off ``format_target`` itself, so it can never disagree with it."""
+    marker = 777  # a first coordinate no other part of the answer's text contains
+    target = format_target([[marker, 0, 999, 999]], None, family, (1000, 1000), (1000, 1000))
+    return target[: target.index(str(marker))]
+
+
 # --------------------------------------------------------------------------------------------
 # Parsing model output
 

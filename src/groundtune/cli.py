@@ -454,10 +454,15 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
         "full-precision weights), safetensors, tokenizer and chat template, a preprocessor_config.json\n"
         "carrying the run's pixel budget (the stock processor then resizes as training did), greedy\n"
         "generation defaults, groundtune.json, and a model card with the eval result and how to map a\n"
-        "box back to the caller's image. groundtune predict/eval/serve --model OUT load it too.\n\n"
+        "box back to the caller's image. groundtune predict/eval/serve --model OUT load it too.\n"
+        "With --onnx, a box-head model (head=box) is also written as model.onnx: vision tower, language\n"
+        "model and head in one fp32 graph for images of one size (dynamic batch and phrase length), with\n"
+        "onnx_predict.py, which runs it with onnxruntime, numpy, pillow and tokenizers alone.\n\n"
         "examples:\n"
         "  groundtune export quickstart/run --out exports/quickstart\n"
-        "  groundtune export runs/sft --out exports/sft --dtype fp32 --overwrite",
+        "  groundtune export runs/sft --out exports/sft --dtype fp32 --overwrite\n"
+        "  groundtune export runs/box --out exports/box --onnx --image-size 640x480\n"
+        "  python exports/box/onnx_predict.py exports/box --image photo.jpg --phrase 'the red mug'",
         formatter_class=_Formatter,
     )
     p.add_argument("model", help=_MODEL_HELP)
@@ -465,14 +470,28 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="base", choices=["base", "bf16", "fp16", "fp32"],
                    help="weights' dtype: base = the dtype the base's weights are stored in")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--onnx", action="store_true",
+                   help="also write model.onnx (box-head models; needs pip install 'groundtune[onnx]')")
+    p.add_argument("--image-size", type=_image_size, metavar="WxH",
+                   help="with --onnx: the size of the images it will see, e.g. 640x480; the graph takes them "
+                   "resized as the run resizes that size, and other sizes are stretched to it")
     p.set_defaults(handler=_export)
+
+
+def _image_size(text: str) -> tuple[int, int]:
+    width, x, height = text.lower().partition("x")
+    if not x or not width.isdigit() or not height.isdigit() or int(width) < 1 or int(height) < 1:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT in pixels, like 640x480, got {text!r}")
+    return int(width), int(height)
 
 
 def _export(args: argparse.Namespace) -> int:
     from groundtune.export import export
 
+    if args.onnx != (args.image_size is not None):
+        raise UsageError("--onnx and --image-size WxH go together: the graph is built for one image size")
     export(args.model, args.out, dtype=args.dtype, overwrite=args.overwrite,
-           say=lambda line: print(line, file=sys.stderr))
+           say=lambda line: print(line, file=sys.stderr), onnx_image_size=args.image_size)
     return 0
 
 

@@ -82,7 +82,7 @@ class _Method(_Settings):
     freeze_vision: bool = True  # method=full: keep the vision tower fixed
     freeze_merger: bool = True  # method=full: keep the vision->LLM merger fixed
     freeze_llm: bool = False  # method=full: keep the language model fixed
-    head: str = "text"  # text: the box written as the answer | box: a regression head reads it off the prompt's last hidden state, one forward pass (models/head.py)
+    head: str = "text"  # text: the box written as the answer | box: a regression head reads it off the hidden state at the end of the prompt, which ends with the answer's opening; one forward pass (models/head.py)
     head_l1_weight: float = 2.0  # head=box: loss = 1 - GIoU + this x L1 (mean over the coordinates, as fractions of the image)
     head_text_loss_weight: float = 0.0  # head=box: > 0 also trains the text answer (joint mode), weighted so
 
@@ -176,7 +176,7 @@ class _Data(_Settings):
     min_pixels: int = 0  # pixel budget; 0 = the model's own (its groundtune.json, else its preprocessor_config.json)
     max_pixels: int = 0
     prompt: str = ""  # "" = the model's saved prompt or the official grounding prompt; must hold {phrase}
-    answer_label: bool = True  # the answer repeats the phrase as "label" (Qwen's format); false: boxes only
+    answer_label: bool = True  # the answer repeats the phrase as "label" (Qwen's format); false: boxes only (always so with head=box)
     hflip_prob: float = 0.0  # horizontal flip that also swaps left/right in the phrase
     scale_crop_prob: float = 0.0  # crop that keeps the target inside and moves the box
     num_workers: int = 0  # data loader worker processes

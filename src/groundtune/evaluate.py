@@ -6,7 +6,8 @@ per split and source, plus an HTML gallery of the worst and a sample of the best
 
 A sample counts as a hit when the IoU of the model's FIRST box with any of the true boxes reaches
 the threshold (RefCOCO's Acc@0.5 uses >= 0.5). An answer without a usable box is a parse failure
-and scores IoU 0: it is never replaced by a guessed box.
+and scores IoU 0: it is never replaced by a guessed box. A box-head model (``head: box``) answers
+each phrase with exactly one box; the report counts the samples that have several true boxes.
 """
 
 from __future__ import annotations
@@ -102,13 +103,17 @@ def evaluate(gm, samples: list[dict], data_path, batch_size: int = 16, limit: in
             "split": sample.get("split"),
             "source": sample.get("source"),
         })
+    box_head = gm.metadata()["head"] == "box"
     report = {
         "model": gm.source,
         "data": str(data_path),
         "family": gm.family,
         "resize": gm.resize.to_dict(),
         "prompt": gm.prompt,
-        "decoding": infer.Decoding.greedy(max_new_tokens).to_dict(),
+        "head": "box" if box_head else "text",
+        "decoding": ({"box_head": "one forward pass, one box per phrase"} if box_head
+                     else infer.Decoding.greedy(max_new_tokens).to_dict()),
+        "several_true_boxes": sum(len(r["true_boxes"]) > 1 for r in rows),
         **summarise(rows),
     }
     return report, rows
@@ -256,3 +261,7 @@ def print_table(reports: list[dict]) -> None:
             table.add_row(*cells)
     # Logs and pipes get a wide table instead of rich's 80 columns, so long model names stay whole.
     Console(width=None if sys.stdout.isatty() else 160).print(table)
+    for report in reports:
+        if report.get("head") == "box" and report.get("several_true_boxes"):
+            print(f"{report['model']}: a box head gives one box per phrase; {report['several_true_boxes']} samples "
+                  "have several true boxes, and its box is a hit when it matches any of them")

@@ -2,6 +2,7 @@
 
     groundtune export runs/sft --out exports/sft                  # LoRA merged into its base
     groundtune export runs/sft --out exports/sft --dtype fp32     # another dtype than the base's
+    groundtune export runs/box --out exports/box --onnx --image-size 640x480   # + model.onnx (box head)
 
 What the folder holds, and why each file:
 - ``model*.safetensors`` + ``config.json``: the weights, a LoRA adapter merged into its base. A
@@ -19,6 +20,9 @@ What the folder holds, and why each file:
   ``eval`` and ``serve`` read it back.
 - ``README.md``: a model card with the run's eval result, and how to call the model from
   transformers and vLLM, mapping its box back to the caller's image.
+- with ``--onnx`` (a box-head model): ``model.onnx``, the whole model in one graph for images of
+  one size, and ``onnx_predict.py``, which runs it with onnxruntime, numpy, Pillow and tokenizers
+  alone (onnx_export.py).
 
 tests/test_export.py loads an export with transformers alone (no groundtune import) and gets
 groundtune's boxes, for all three families.
@@ -34,9 +38,9 @@ from pathlib import Path
 
 import torch
 
-from groundtune import boxes
+from groundtune import boxes, onnx_export
 from groundtune.config import MAX_NEW_TOKENS
-from groundtune.errors import DiskFullError, RunExistsError
+from groundtune.errors import DiskFullError, RunExistsError, UsageError
 from groundtune.models import head, qwen
 from groundtune.models.loading import METADATA_FILE, load_model, read_metadata, resolve
 
@@ -44,18 +48,25 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HEAD = "text"  # how a model without a box head answers: the box written as text
 
 
-def export(name: str, out: str | Path, dtype: str = "base", overwrite: bool = False, say=print) -> Path:
+def export(name: str, out: str | Path, dtype: str = "base", overwrite: bool = False, say=print,
+           onnx_image_size: tuple[int, int] | None = None) -> Path:
     """Write the model ``name`` (a run folder, a model folder, a hub id, ``tiny``) to ``out`` as a
     self-contained Hugging Face folder; returns ``out``. ``dtype``: ``base`` (the dtype the base
-    weights are stored in) or one of DTYPES."""
+    weights are stored in) or one of DTYPES. ``onnx_image_size`` (width, height): a box-head model
+    is also written as ONNX for images of that size (resized as the run resizes them)."""
     out = Path(out)
     _check_target(out, overwrite)
+    if onnx_image_size is not None:
+        onnx_export.check_ready()
     kind, path = resolve(name)
     run_meta = read_metadata(path / "model") if kind == "run" else (read_metadata(path) if path else {})
     gm = load_model(name, device="cpu", dtype="fp32")  # merged in fp32, then cast once
     target_dtype = _stored_dtype(gm.base_model) if dtype == "base" else DTYPES[dtype]
     model = gm.model
     box_head = head.head_of(model)  # a box-head run's head goes in a file of its own (models/head.py)
+    if onnx_image_size is not None and box_head is None:
+        raise UsageError(f"--onnx: {name} answers in text (head: text); the ONNX graph is for box-head models "
+                         "(train with head=box), whose answer is one forward pass")
     qlora = kind == "run" and _run_method(path) == "qlora"
     if hasattr(model, "peft_config"):
         with warnings.catch_warnings():  # peft calls a transformers method transformers deprecates
@@ -63,13 +74,21 @@ def export(name: str, out: str | Path, dtype: str = "base", overwrite: bool = Fa
             model = model.merge_and_unload()
         say(f"merged the LoRA adapter into {gm.base_model}" + (
             " (a QLoRA adapter, merged into the base's full-precision weights: see the model card)" if qlora else ""))
-    model = model.to(target_dtype)
-    needed = sum(p.numel() * p.element_size() for p in model.parameters())
-    _check_disk(out, needed)
-
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    parameters = sum(p.numel() for p in model.parameters())
+    onnx_bytes = parameters * 4 if onnx_image_size is not None else 0  # the graph's weights are fp32
+    _check_disk(out, parameters * target_dtype.itemsize + onnx_bytes)
+    onnx = None
     try:
+        if onnx_image_size is not None:  # from the fp32 weights, before they are cast
+            tmp.mkdir(parents=True)
+            say(f"writing {onnx_export.ONNX_FILE} for {onnx_image_size[0]}x{onnx_image_size[1]} images (fp32)")
+            onnx = onnx_export.export_onnx(model, box_head, gm.processor, gm.family, gm.resize, gm.prompt,
+                                           onnx_image_size, tmp)
+            (tmp / onnx_export.SCRIPT_FILE).write_text(onnx_export.script_source())
+        model = model.to(target_dtype)
+        needed = sum(p.numel() * p.element_size() for p in model.parameters())
         if box_head is not None:
             model.save_pretrained(tmp, state_dict={k: v for k, v in model.state_dict().items()
                                                    if not k.startswith(f"{head.ATTRIBUTE}.")})
@@ -87,11 +106,14 @@ def export(name: str, out: str | Path, dtype: str = "base", overwrite: bool = Fa
             "resize": gm.resize.to_dict(),
             "prompt": gm.prompt,
             "head": "box" if box_head is not None else HEAD,
+            # what a box head's prompts end with: it reads the state of the last token (models/head.py)
+            **({"prompt_end": head.prompt_end(gm.family)} if box_head is not None else {}),
             "exported_from": str(path.resolve()) if path is not None else name,
             "base_model": gm.base_model,
             "dtype": str(target_dtype).removeprefix("torch."),
             **({"eval": run_meta["eval"]} if "eval" in run_meta else {}),
             **({"trained_4bit": True} if qlora else {}),
+            **({"onnx": onnx} if onnx is not None else {}),
         }
         (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(metadata, out.name))
@@ -196,6 +218,8 @@ def model_card(meta: dict, name: str) -> str:
     qlora = ("\nThe adapter was trained with a 4-bit (QLoRA) base and is merged here into the base's "
              "full-precision weights: answers can differ slightly from the 4-bit model's.\n"
              if meta.get("trained_4bit") else "")
+    if meta.get("head") == "box":
+        return _box_head_card(meta, name, example_phrase, eval_line)
     return f"""---
 library_name: transformers
 pipeline_tag: image-text-to-text
@@ -256,4 +280,94 @@ resized size is the image's size rounded by the processor's `smart_resize` with 
 groundtune predict --model {name} --image photo.jpg --phrase {json.dumps(example_phrase)}
 groundtune serve --model {name}
 ```
+"""
+
+
+def _box_head_card(meta: dict, name: str, example_phrase: str, eval_line: str) -> str:
+    """The model card of a box-head model: its box is read off one forward pass by the head in
+    ``box_head.safetensors``, not written as text, so the snippets run that pass themselves."""
+    resize = meta["resize"]
+    onnx = meta.get("onnx")
+    onnx_section = f"""
+## Use with ONNX Runtime (no torch)
+
+`model.onnx`{f" (its weights in `{onnx['weights_file']}` beside it)" if onnx.get('weights_file') else ""} holds the vision tower, the language model and the head in one fp32 graph for
+{onnx['image_size'][0]}x{onnx['image_size'][1]} images (exported for {onnx['exported_for'][0]}x{onnx['exported_for'][1]}: other sizes are stretched
+to it), any batch and phrase length. `onnx_predict.py` prepares its inputs with numpy, Pillow and
+`tokenizer.json`, and maps the boxes back to the caller's pixels:
+
+```bash
+pip install onnxruntime numpy pillow tokenizers
+python {name}/onnx_predict.py {name} --image photo.jpg --phrase {json.dumps(example_phrase)}
+```
+""" if onnx else ""
+    return f"""---
+library_name: transformers
+tags: [visual-grounding, groundtune, {meta['family']}, box-head]
+---
+
+# {name}
+
+A {meta['family']} model fine-tuned for visual grounding (image + phrase -> bounding box) with
+groundtune, exported from `{meta['exported_from']}` (base: `{meta['base_model']}`), weights in
+{meta['dtype']}. It answers with a **box head**: a small MLP (`box_head.safetensors`) reads the
+language model's hidden state at the last token of the prompt, which ends with the opening of a
+text answer (`{meta['prompt_end']}`, `prompt_end` in `groundtune.json`), and gives the box as fractions of
+the image in one forward pass, without generating text. One box per phrase.
+
+## Evaluation
+
+{eval_line.replace("(greedy decoding)", "(the box head)")}
+
+## Images are resized as in training
+
+`preprocessor_config.json` carries the training pixel budget: {resize['min_pixels']:,} to
+{resize['max_pixels']:,} pixels, sides multiples of {resize['factor']}. Use the processor from this
+folder, unchanged.
+
+## Use with transformers
+
+```python
+import json, torch
+from PIL import Image
+from safetensors.torch import load_file
+from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+folder = "{name}"
+model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+tokenizer = AutoTokenizer.from_pretrained(folder)
+image_processor = AutoImageProcessor.from_pretrained(folder)  # resizes with the run's pixel budget
+settings = json.load(open(f"{{folder}}/groundtune.json"))
+weights = load_file(f"{{folder}}/box_head.safetensors")  # the head: hidden -> 512 -> GELU -> 4
+head = torch.nn.Sequential(torch.nn.Linear(*weights["mlp.0.weight"].T.shape), torch.nn.GELU(),
+                           torch.nn.Linear(*weights["mlp.2.weight"].T.shape))
+head.load_state_dict({{k.removeprefix("mlp."): v for k, v in weights.items()}})
+
+image = Image.open("photo.jpg").convert("RGB")
+vision = image_processor(images=[image], return_tensors="pt")
+messages = [{{"role": "user", "content": [{{"type": "image"}},
+             {{"type": "text", "text": settings["prompt"].format(phrase={json.dumps(example_phrase)})}}]}}]
+text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+text += settings["prompt_end"]  # the head reads the state of the prompt's last token
+tokens = int(vision["image_grid_thw"][0].prod()) // image_processor.merge_size ** 2
+text = text.replace("<|image_pad|>", "<|image_pad|>" * tokens, 1)
+ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+with torch.no_grad():
+    hidden = model.model(input_ids=ids, **vision, mm_token_type_ids=(ids == image_token).int()).last_hidden_state
+    cx, cy, w, h = torch.sigmoid(head(hidden[0, -1])).tolist()  # fractions of the image
+size = (image.width, image.height) * 2
+box = [min(max(v * s, 0.0), s) for v, s in zip((cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2), size)]
+print(box)  # x1, y1, x2, y2 in pixels of photo.jpg
+```
+{onnx_section}
+## Use with groundtune
+
+```bash
+groundtune predict --model {name} --image photo.jpg --phrase {json.dumps(example_phrase)}
+groundtune eval --model {name} --data val.jsonl
+groundtune serve --model {name}
+```
+
+vLLM serves text answers only: it cannot run the head.
 """

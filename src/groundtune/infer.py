@@ -291,10 +291,11 @@ class PromptEncoder:
 
     def __init__(self, gm):
         self.processor, self.resize, self.prompt = gm.processor, gm.resize, gm.prompt
+        self.answer_start = answer_start(gm)
         self.pixel_dtype = gm.model.get_input_embeddings().weight.dtype
 
     def __call__(self, image: Image.Image, phrase: str, name: str) -> tuple[dict, tuple]:
-        encoded, sizes = encode_prompt(self.processor, self.resize, self.prompt, image, phrase, name)
+        encoded, sizes = encode_prompt(self.processor, self.resize, self.prompt, image, phrase, name, self.answer_start)
         encoded["pixel_values"] = encoded["pixel_values"].to(self.pixel_dtype)
         return encoded, sizes
 
@@ -320,17 +321,23 @@ class _EncodedRecords(torch.utils.data.Dataset):
         return {"index": index, "encoded": encoded, "sizes": sizes}
 
 
+def answer_start(gm) -> str:
+    """What ``gm``'s prompts end with: a box head's query (``head.prompt_end``), else nothing."""
+    return head.prompt_end(gm.family) if head.head_of(gm.model) is not None else ""
+
+
 def encode_prompt(processor: qwen.Processor, resize: boxes.ResizeSpec, prompt: str, image: Image.Image,
-                  phrase: str, name: str) -> tuple[dict, tuple]:
-    """(image, phrase) -> the encoded prompt (image resized with ``resize``, the model's ``prompt``)
-    and the image's (original size, resized size) for reading the answer back. An image the
-    resize cannot take is a DataError naming it (``name``)."""
+                  phrase: str, name: str, answer_start: str = "") -> tuple[dict, tuple]:
+    """(image, phrase) -> the encoded prompt (image resized with ``resize``, the model's ``prompt``,
+    ending with ``answer_start``) and the image's (original size, resized size) for reading the
+    answer back. An image the resize cannot take is a DataError naming it (``name``)."""
     image = to_rgb(image)
     try:
         resized, resized_size = qwen.resize_image(image, resize)
     except boxes.ResizeError as e:
         raise DataError(f"{name} ({image.width}x{image.height}): {e}") from None
-    return qwen.encode(processor, resized, qwen.prompt_text(processor, phrase, prompt)), (image.size, resized_size)
+    text = qwen.prompt_text(processor, phrase, prompt, answer_start)
+    return qwen.encode(processor, resized, text), (image.size, resized_size)
 
 
 def encode_prompts(gm, chunk: list[tuple[Image.Image, str]],
@@ -338,9 +345,10 @@ def encode_prompts(gm, chunk: list[tuple[Image.Image, str]],
     """``encode_prompt`` for (image, phrase) pairs with ``gm``'s resize and prompt; ``names[i]``
     (or its place in the batch) names an image the resize cannot take."""
     encoded, sizes = [], []
+    start = answer_start(gm)
     for i, (image, phrase) in enumerate(chunk):
         name = names[i] if names is not None else f"image {i + 1} of the batch"
-        one, size = encode_prompt(gm.processor, gm.resize, gm.prompt, image, phrase, name)
+        one, size = encode_prompt(gm.processor, gm.resize, gm.prompt, image, phrase, name, start)
         encoded.append(one)
         sizes.append(size)
     return encoded, sizes

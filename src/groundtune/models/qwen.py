@@ -239,8 +239,9 @@ def resize_image(image: Image.Image, resize: ResizeSpec) -> tuple[Image.Image, S
     return image, size
 
 
-def prompt_text(processor: Processor, phrase: str, prompt: str = DEFAULT_PROMPT) -> str:
-    """The chat-formatted user turn with one image, ending where the assistant's answer starts."""
+def prompt_text(processor: Processor, phrase: str, prompt: str = DEFAULT_PROMPT, answer_start: str = "") -> str:
+    """The chat-formatted user turn with one image, ending where the assistant's answer starts, or
+    with ``answer_start``: the answer's first words, given (a box head's query, models/head.py)."""
     messages = [
         {
             "role": "user",
@@ -249,7 +250,7 @@ def prompt_text(processor: Processor, phrase: str, prompt: str = DEFAULT_PROMPT)
     ]
     return processor.tokenizer.apply_chat_template(
         messages, chat_template=processor.chat_template, tokenize=False, add_generation_prompt=True
-    )
+    ) + answer_start
 
 
 def encode(

@@ -20,7 +20,7 @@ from groundtune.data import augment
 from groundtune.data.records import sample_boxes
 from groundtune.data.samples import FileSamples, ResumableBatches, SyntheticStream, ignore_stop_signals
 from groundtune.errors import DataError
-from groundtune.models import qwen
+from groundtune.models import head, qwen
 
 
 class GroundingDataset(torch.utils.data.Dataset):
@@ -60,7 +60,7 @@ class GroundingDataset(torch.utils.data.Dataset):
             image, sample = augment.scale_crop(image, sample, rng)
         try:
             encoded = encode_sample(self.processor, self.family, self.resize, self.prompt, image, sample,
-                                    self.answer_label)
+                                    self.answer_label, self.box_target)
         except boxes.ResizeError as e:
             raise DataError(f"{self.samples.where(index)}: {e}") from None
         if self.box_target:  # the first box: a box head predicts one (models/head.py)
@@ -68,13 +68,17 @@ class GroundingDataset(torch.utils.data.Dataset):
         return encoded
 
 
-def encode_sample(processor, family, resize, prompt, image, sample, answer_label: bool = True) -> dict:
-    """Resize the image as the model sees it and write the target in the family's convention."""
+def encode_sample(processor, family, resize, prompt, image, sample, answer_label: bool = True,
+                  box_head: bool = False) -> dict:
+    """Resize the image as the model sees it and write the target in the family's convention.
+    ``box_head``: the prompt ends with the answer's opening (``head.prompt_end``), where the head
+    reads; the answer (which only the joint mode trains) is the rest, without a label."""
     resized, resized_size = qwen.resize_image(image, resize)
-    label = sample["phrase"] if answer_label else None
+    label = sample["phrase"] if answer_label and not box_head else None
     answer = boxes.format_target(sample_boxes(sample), label, family, image.size, resized_size)
-    text = qwen.prompt_text(processor, sample["phrase"], prompt)
-    return qwen.encode(processor, resized, text, answer)
+    opening = head.prompt_end(family) if box_head else ""
+    text = qwen.prompt_text(processor, sample["phrase"], prompt, answer_start=opening)
+    return qwen.encode(processor, resized, text, answer[len(opening):])
 
 
 class Collate:

@@ -1,0 +1,160 @@
+"""ONNX export of a box-head model (onnx_export.py) and its standalone runner (onnx_predict.py):
+the graph answers as groundtune's own box-head path does, ONNX Runtime as PyTorch does (within
+0.5 px), for any batch and phrase length, and the runner needs neither torch nor groundtune."""
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from family_models import build_family_folder
+from PIL import Image
+
+from groundtune import infer, onnx_export, onnx_predict
+from groundtune.cli import main
+from groundtune.config import TrainConfig
+from groundtune.errors import ConfigError
+from groundtune.models import head, qwen
+from groundtune.models.adapt import base_model, hidden_size
+from groundtune.models.loading import load_model
+from groundtune.train.sft import train
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+PHRASES = ["the red circle", "a", "the small blue square left of the green triangle on the right"]
+
+
+def _images(size, n=2):
+    rng = np.random.default_rng(0)
+    return [Image.fromarray((rng.random((size[1], size[0], 3)) * 255).astype("uint8")) for _ in range(n)]
+
+
+def _torch_boxes(gm, image, phrases):
+    """groundtune's own answers: the prompts packed or padded, one forward pass, in pixels."""
+    start = infer.answer_start(gm)  # the box head's query: the prompt ends with the answer's opening
+    encoded, sizes = zip(*(infer.encode_prompt(gm.processor, gm.resize, gm.prompt, image, p, "test", start)
+                           for p in phrases))
+    return [p.bbox for p in infer.head_boxes(gm, list(encoded), list(sizes))]
+
+
+@pytest.fixture(scope="module")
+def onnx_export_folder(synth_single, tmp_path_factory):
+    """A tiny box-head run (a few steps) exported with --onnx for 112x84 images, through the CLI."""
+    tmp = tmp_path_factory.mktemp("onnx")
+    cfg = TrainConfig(model="tiny", train_data=str(synth_single / "train.jsonl"), eval_data="", out_dir=str(tmp / "run"),
+                      head="box", lr=3e-3, batch_size=4, max_steps=4, log_every=1, save_every=0, warmup_steps=0)
+    run = train(cfg)
+    assert main(["export", str(run), "--out", str(tmp / "export"), "--onnx", "--image-size", "112x84"]) == 0
+    return run, tmp / "export"
+
+
+@pytest.mark.slow
+def test_onnx_runtime_answers_as_pytorch_within_half_a_pixel(onnx_export_folder):
+    run, folder = onnx_export_folder
+    meta = json.loads((folder / "groundtune.json").read_text())
+    assert meta["head"] == "box" and meta["onnx"]["image_size"] == [112, 84]
+    assert (folder / "model.onnx").is_file() and (folder / "onnx_predict.py").is_file()
+    gm = load_model(str(run), device="cpu", dtype="fp32")
+    grounder = onnx_predict.Grounder(folder)
+    for image in _images((112, 84)):
+        expected = _torch_boxes(gm, image, PHRASES)
+        got = grounder.ground(image, PHRASES)  # one batch of three prompts of three lengths
+        assert np.abs(np.array(got) - np.array(expected)).max() < 0.5
+        assert grounder.ground(image, PHRASES[2:])[0] == pytest.approx(got[2], abs=1e-3)  # batch of one, same box
+
+
+def test_the_runner_prepares_exactly_what_groundtune_feeds_the_model(onnx_export_folder):
+    run, folder = onnx_export_folder
+    gm = load_model(str(run), device="cpu", dtype="fp32")
+    grounder = onnx_predict.Grounder(folder)
+    for image in _images((112, 84), 1) + _images((300, 200), 1):  # the export's size, and one stretched to it
+        stretched = image.resize((112, 84), Image.BICUBIC) if image.size != (112, 84) else image
+        encoded, _ = infer.encode_prompt(gm.processor, gm.resize, gm.prompt, stretched, PHRASES[2], "test",
+                                         infer.answer_start(gm))
+        assert grounder.input_ids(PHRASES[2]) == encoded["input_ids"].tolist()
+        np.testing.assert_allclose(grounder.pixel_values(image), encoded["pixel_values"].numpy(), atol=1e-5)
+    assert onnx_predict.to_pixels([0.1, -0.2, 0.5, 1.3], (640, 480)) == pytest.approx([64, 0, 320, 480])
+
+
+def test_the_exported_runner_needs_no_torch_transformers_or_groundtune(onnx_export_folder, tmp_path):
+    run, folder = onnx_export_folder
+    image = _images((112, 84), 1)[0]
+    image.save(tmp_path / "photo.png")
+    blocked = ("torch", "transformers", "groundtune", "safetensors", "peft")
+    program = textwrap.dedent(f"""
+        import importlib.abc, runpy, sys
+        class Blocked(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in {blocked!r}:
+                    raise ImportError(f"{{name}} is not installed here")
+        sys.meta_path.insert(0, Blocked())
+        sys.argv = ["onnx_predict.py", {str(folder)!r}, "--image", {str(tmp_path / "photo.png")!r},
+                    "--phrase", {PHRASES[0]!r}, "--phrase", {PHRASES[1]!r}]
+        runpy.run_path({str(folder / "onnx_predict.py")!r}, run_name="__main__")
+    """)
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    answers = [json.loads(line) for line in done.stdout.splitlines()]
+    gm = load_model(str(run), device="cpu", dtype="fp32")
+    expected = _torch_boxes(gm, Image.open(tmp_path / "photo.png"), PHRASES[:2])
+    assert [a["phrase"] for a in answers] == PHRASES[:2]
+    assert np.abs(np.array([a["bbox"] for a in answers]) - np.array(expected)).max() < 0.5
+
+
+def test_the_cards_transformers_snippet_gives_the_heads_box(onnx_export_folder, tmp_path):
+    """The model card's code, run as a user would (transformers alone, its own process), answers
+    with groundtune's box."""
+    run, folder = onnx_export_folder
+    card = (folder / "README.md").read_text()
+    assert "box_head.safetensors" in card and "onnx_predict.py" in card and "vllm serve" not in card
+    code = re.search(r"```python\n(.*?)```", card, re.S).group(1)
+    image = _images((150, 100), 1)[0]  # resized by the processor: the box maps back all the same
+    image.save(tmp_path / "photo.png")
+    code = code.replace("photo.jpg", str(tmp_path / "photo.png"))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=folder.parent, timeout=120)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    gm = load_model(str(run), device="cpu", dtype="fp32")
+    phrase = re.search(r'phrase=("[^"]*")', code).group(1)
+    expected = _torch_boxes(gm, image, [json.loads(phrase)])[0]
+    assert np.abs(np.array(got) - np.array(expected)).max() < 0.5  # the export's weights are bf16
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen2-vl"])
+def test_the_graph_batches_images_as_the_model_takes_them_one_by_one(family, tmp_path):
+    """The graph's vision tower (probed windows and rotary tables, one masked attention per layer)
+    and its M-RoPE positions, against groundtune's path, for both families it supports."""
+    name = "tiny" if family == "qwen2.5-vl" else str(build_family_folder(family, tmp_path))
+    gm = load_model(name, device="cpu", dtype="fp32")
+    torch.manual_seed(0)
+    box_head = head.attach(gm.model, hidden_size(base_model(gm.model)))
+    images = _images((140, 112), 2)  # resized by the model's budget: windows that do not divide evenly
+    expected = [_torch_boxes(gm, image, PHRASES) for image in images]
+    encoded = [infer.encode_prompt(gm.processor, gm.resize, gm.prompt, image, p, "test", infer.answer_start(gm))[0]
+               for image in images for p in PHRASES]
+    graph = onnx_export.BoxGraph(base_model(gm.model), box_head, encoded[0], gm.processor).eval()
+    batch = qwen.collate(encoded, gm.processor.pad_token_id, "right")
+    with torch.no_grad():
+        fractions = graph(batch["input_ids"], batch["attention_mask"], torch.stack([e["pixel_values"] for e in encoded]))
+    width, height = images[0].size
+    got = (fractions * torch.tensor([width, height, width, height])).view(2, len(PHRASES), 4)
+    assert got.numpy() == pytest.approx(np.array(expected), abs=1e-3)
+
+
+def test_onnx_export_refusals_name_the_flag(tmp_path, capsys):
+    assert main(["export", "tiny", "--out", str(tmp_path / "a"), "--onnx", "--image-size", "112x84"]) == 2
+    assert "head=box" in capsys.readouterr().err  # a text-head model: nothing to put in the graph
+    assert main(["export", "tiny", "--out", str(tmp_path / "b"), "--onnx"]) == 2
+    assert "--image-size" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", "tiny", "--out", str(tmp_path / "c"), "--onnx", "--image-size", "640by480"])
+    assert exit_.value.code == 2 and "WIDTHxHEIGHT" in capsys.readouterr().err
+    gm = load_model("tiny", device="cpu", dtype="fp32")
+    with pytest.raises(ConfigError, match="qwen3-vl"):
+        onnx_export.export_onnx(gm.model, None, gm.processor, "qwen3-vl", gm.resize, gm.prompt, (64, 64), tmp_path)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
