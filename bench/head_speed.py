@@ -9,6 +9,8 @@ Data: RefCOCO-like JPEGs (bench/sft_speed.py). The same model answers both ways:
 answers forced to --new-tokens tokens (random weights seldom stop; a real 3B answers a box in
 ~20-30), and box, with a (random) box head attached, which reads each prompt's last hidden state.
 Each variant is warmed up on one batch first, then timed from the first file read to the last box.
+Then one box-head batch is profiled: the vision tower alone against the whole forward pass (the
+language model is the difference), the same prompts each time, after a warm-up.
 """
 
 from __future__ import annotations
@@ -47,6 +49,40 @@ def timed_eval(gm, records: list[dict], data: Path, batch: int, new_tokens: int)
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None}
 
 
+def profile_box_batch(gm, records: list[dict], data: Path, batch: int, repeats: int = 3) -> dict:
+    """Milliseconds of one box-head batch: the vision tower, the whole forward pass (packed, as
+    ``infer.head_boxes`` runs it) and ``head_boxes`` itself (collate and copies included)."""
+    from PIL import Image
+
+    from groundtune.data.records import image_path
+    from groundtune.models import qwen
+    from groundtune.models.attention import keeps_packed_samples_apart
+
+    encode = infer.PromptEncoder(gm)
+    encoded, sizes = zip(*(encode(Image.open(image_path(r, data)).convert("RGB"), r["phrase"], r["id"])
+                           for r in records[:batch]))
+    core = adapt.base_model(gm.model)
+    packed = keeps_packed_samples_apart(core)
+    inputs = qwen.collate_packed(list(encoded)) if packed else qwen.collate(list(encoded), gm.processor.pad_token_id)
+    inputs = {k: v.to(gm.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    steps = {
+        "vision_tower": lambda: core.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]),
+        "forward": lambda: core.model(**inputs, use_cache=False),
+        "head_boxes": lambda: infer.head_boxes(gm, list(encoded), list(sizes)),
+    }
+    out = {"batch": batch, "packed": packed, "tokens": int(inputs["input_ids"].numel()),
+           "patches": int(inputs["image_grid_thw"].prod(-1).sum())}
+    with torch.inference_mode():
+        for name, fn in steps.items():
+            fn()  # warm-up
+            start = _now()
+            for _ in range(repeats):
+                fn()
+            out[f"{name}_ms"] = round((_now() - start) / repeats * 1000, 1)
+    out["language_model_ms"] = round(out["forward_ms"] - out["vision_tower_ms"], 1)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="3b", help="comma-separated: 3b, 7b, tiny")
@@ -69,15 +105,19 @@ def main() -> None:
         head.attach(gm.model, adapt.hidden_size(adapt.base_model(gm.model)))
         box = timed_eval(gm, records, data, args.batch, args.new_tokens)
         row = {"model": key, "batch": args.batch, "new_tokens": args.new_tokens, "text": text, "box": box,
-               "box_vs_text": round(box["samples_per_s"] / text["samples_per_s"], 2)}
+               "box_vs_text": round(box["samples_per_s"] / text["samples_per_s"], 2),
+               "box_batch_profile": profile_box_batch(gm, records, data, args.batch)}
         results.append(row)
         print(json.dumps(row), flush=True)
         del gm
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    print(f"\n{'model':6} {'text samples/s':>15} {'box samples/s':>14} {'ratio':>6} {'box peak GiB':>13}")
+    print(f"\n{'model':6} {'text samples/s':>15} {'box samples/s':>14} {'ratio':>6} {'box peak GiB':>13} "
+          f"{'vision ms':>10} {'LLM ms':>8} {'head_boxes ms':>14}")
     for r in results:
+        prof = r["box_batch_profile"]
         print(f"{r['model']:6} {r['text']['samples_per_s']:15.1f} {r['box']['samples_per_s']:14.1f} "
-              f"{r['box_vs_text']:6.2f} {r['box']['peak_gib'] or 0:13.2f}")
+              f"{r['box_vs_text']:6.2f} {r['box']['peak_gib'] or 0:13.2f} {prof['vision_tower_ms']:10.1f} "
+              f"{prof['language_model_ms']:8.1f} {prof['head_boxes_ms']:14.1f}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
 
