@@ -91,11 +91,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--cap-gib", type=float, default=24.0)
     parser.add_argument("--data", type=Path, help="train.jsonl made by an earlier run")
+    parser.add_argument("--phrases-per-image", type=int, default=1,
+                        help="without --data: samples that share an image (RefCOCO val: 7.2)")
     parser.add_argument("--out")
     args = parser.parse_args()
     if torch.cuda.is_available():
         torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory)
-    data = args.data or make_refcoco_like(Path("/tmp/head_speed_data"), args.samples)
+    data = args.data or make_refcoco_like(Path(f"/tmp/head_speed_data_{args.phrases_per_image}"), args.samples,
+                                          phrases_per_image=args.phrases_per_image)
     records = read_samples(data)[: args.samples]
     results = []
     for key in args.models.split(","):
@@ -104,7 +107,8 @@ def main() -> None:
         torch.manual_seed(0)
         head.attach(gm.model, adapt.hidden_size(adapt.base_model(gm.model)))
         box = timed_eval(gm, records, data, args.batch, args.new_tokens)
-        row = {"model": key, "batch": args.batch, "new_tokens": args.new_tokens, "text": text, "box": box,
+        row = {"model": key, "batch": args.batch, "new_tokens": args.new_tokens,
+               "phrases_per_image": args.phrases_per_image if args.data is None else None, "text": text, "box": box,
                "box_vs_text": round(box["samples_per_s"] / text["samples_per_s"], 2),
                "box_batch_profile": profile_box_batch(gm, records, data, args.batch)}
         results.append(row)

@@ -42,12 +42,12 @@ from groundtune.data.records import sample_boxes
 from groundtune.data.samples import open_samples
 from groundtune.models import adapt, qwen, speedups
 from groundtune.models.loading import load_model
-from groundtune.train import objective, rl
+from groundtune.train import rl
 from groundtune.train.distributed import Ranks
 from groundtune.train.parallel import Parallel
 from groundtune.train.rewards import RewardWeights
 
-shared_images = objective._shared_images
+shared_images = qwen.shared_image_inputs
 
 
 def _sync() -> None:
@@ -162,8 +162,8 @@ def main() -> None:
             else:  # the run's engine, as train/rl.py keeps it: prefill shared by each group, graph decode
                 step = functools.partial(groundtune_step, engine=infer.engine_for(gm))
             # the update's vision pass once per row: the shared pass switched off for this variant only
-            objective._shared_images = ((lambda core, inputs, image_of_row: inputs) if impl == "groundtune-vision-per-row"
-                                        else shared_images)
+            qwen.shared_image_inputs = ((lambda core, inputs, image_of_row: inputs)
+                                        if impl == "groundtune-vision-per-row" else shared_images)
             times = []
             for s in range(args.steps + 1):  # the first step warms up
                 pairs = [samples[i] for i in range(s * args.prompts, (s + 1) * args.prompts)]

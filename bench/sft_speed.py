@@ -123,22 +123,25 @@ WORDS = ("man woman dog cat car bus chair table person bike umbrella horse cup b
          "red blue white black green small large left right front back middle standing sitting").split()
 
 
-def make_refcoco_like(folder: Path, n: int, seed: int = 0) -> Path:
+def make_refcoco_like(folder: Path, n: int, seed: int = 0, phrases_per_image: int = 1) -> Path:
     """n samples: JPEGs of COCO-like sizes (long side 640 or a bit less, aspect 0.5-2), one box, a
-    phrase of 3-8 words. Pixels are noise: speed does not depend on them."""
+    phrase of 3-8 words; ``phrases_per_image`` consecutive samples share an image (RefCOCO's val
+    split asks 7.2 phrases of each). Pixels are noise: speed does not depend on them."""
     rng = np.random.default_rng(seed)
     (folder / "images").mkdir(parents=True, exist_ok=True)
     records = []
     for i in range(n):
-        aspect = float(np.exp(rng.uniform(np.log(0.5), np.log(2.0))))
-        long_side = int(rng.choice([640, 640, 640, 612, 500, 480]))
-        w, h = (long_side, int(long_side / aspect)) if aspect >= 1 else (int(long_side * aspect), long_side)
-        pixels = rng.integers(0, 256, size=(h // 8, w // 8, 3), dtype=np.uint8)
-        Image.fromarray(pixels).resize((w, h)).save(folder / "images" / f"{i:05d}.jpg", quality=85)
+        if i % phrases_per_image == 0:  # a new image
+            aspect = float(np.exp(rng.uniform(np.log(0.5), np.log(2.0))))
+            long_side = int(rng.choice([640, 640, 640, 612, 500, 480]))
+            w, h = (long_side, int(long_side / aspect)) if aspect >= 1 else (int(long_side * aspect), long_side)
+            pixels = rng.integers(0, 256, size=(h // 8, w // 8, 3), dtype=np.uint8)
+            image = f"images/{i // phrases_per_image:05d}.jpg"
+            Image.fromarray(pixels).resize((w, h)).save(folder / image, quality=85)
         x1, y1 = rng.uniform(0, w * 0.6), rng.uniform(0, h * 0.6)
         box = [round(x1, 1), round(y1, 1), round(x1 + rng.uniform(20, w - x1), 1), round(y1 + rng.uniform(20, h - y1), 1)]
         phrase = "the " + " ".join(rng.choice(WORDS, size=int(rng.integers(3, 9))))
-        records.append({"id": f"bench-{i}", "image": f"images/{i:05d}.jpg", "width": w, "height": h,
+        records.append({"id": f"bench-{i}", "image": image, "width": w, "height": h,
                         "phrase": phrase, "bbox": box, "split": "train", "source": "bench"})
     path = folder / "train.jsonl"
     write_samples(path, records)

@@ -4,6 +4,7 @@ saving and loading it back, and eval/predict answering through it in one forward
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -11,7 +12,7 @@ from PIL import Image
 from groundtune import boxes, infer
 from groundtune.config import RLConfig, TrainConfig
 from groundtune.errors import ConfigError
-from groundtune.models import head, qwen
+from groundtune.models import adapt, head, qwen
 from groundtune.models.loading import load_model
 from groundtune.train.batches import Collate, GroundingDataset
 from groundtune.train.rl import rl
@@ -123,3 +124,29 @@ def test_head_settings_are_checked():
         TrainConfig(train_data="x", head="boxes")
     with pytest.raises(ConfigError, match="head_l1_weight"):
         TrainConfig(train_data="x", head="box", head_l1_weight=-1)
+
+
+def test_phrases_asked_of_one_image_share_its_vision_pass_and_get_the_same_boxes():
+    gm = load_model("tiny", device="cpu", dtype="fp32")
+    core = adapt.base_model(gm.model)
+    torch.manual_seed(0)
+    head.attach(gm.model, adapt.hidden_size(core))
+    rng = np.random.default_rng(0)
+    a, b = (Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")) for w, h in ((112, 84), (96, 96)))
+    pairs = [(a, "the red circle"), (b, "the red circle"), (a, "the blue square on the left"), (a, "a"),
+             (b.copy(), "the top shape")]  # a copy: the same pixels, another object
+    encoded, sizes = infer.encode_prompts(gm, pairs)
+    batch = qwen.collate(encoded, gm.processor.pad_token_id)
+    assert infer._image_of_sample(batch["pixel_values"], batch["image_grid_thw"]) == [0, 1, 0, 0, 1]
+    images_seen = []
+    hook = core.model.visual.register_forward_hook(
+        lambda module, args, kwargs, out: images_seen.append(len(kwargs.get("grid_thw", args[1:2] and args[1]))),
+        with_kwargs=True)
+    try:
+        together = infer.head_boxes(gm, encoded, sizes)
+        assert images_seen == [2]  # two distinct images, five phrases
+        alone = [infer.head_boxes(gm, [e], [s])[0] for e, s in zip(encoded, sizes)]
+    finally:
+        hook.remove()
+    for p, q in zip(together, alone):
+        assert p.bbox == pytest.approx(q.bbox, abs=1e-3)

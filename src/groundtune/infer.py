@@ -269,9 +269,10 @@ def _check_batch_size(batch_size: int) -> None:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
 
 
-def _answer_order(record: dict, resize: boxes.ResizeSpec) -> tuple[int, int]:
+def _answer_order(record: dict, resize: boxes.ResizeSpec) -> tuple[int, str, int]:
     """Sort key: the image's pixels as the model sees them (0 where the record does not say its size
-    or the resize refuses it: the worker reports that), then the phrase's length."""
+    or the resize refuses it: the worker reports that), the image (its phrases side by side, so a
+    batch can run it through the vision tower once: ``head_boxes``), then the phrase's length."""
     size = record_size(record)
     pixels = 0
     if size is not None:
@@ -280,7 +281,7 @@ def _answer_order(record: dict, resize: boxes.ResizeSpec) -> tuple[int, int]:
             pixels = width * height
         except boxes.ResizeError:
             pass
-    return pixels, len(str(record.get("phrase", "")))
+    return pixels, str(record.get("image", "")), len(str(record.get("phrase", "")))
 
 
 class PromptEncoder:
@@ -382,7 +383,9 @@ def generate(gm, encoded: list[dict], sizes: list[tuple], decoding: Decoding, nu
 def head_boxes(gm, encoded: list[dict], sizes: list[tuple]) -> list[Prediction]:
     """A box-head model's answers (models/head.py): the prompts in one forward pass (packed in one
     row where our attention keeps them apart, as training packs them; else right-padded), the head
-    on each prompt's last hidden state, its box mapped to the original image and clipped to it."""
+    on each prompt's last hidden state, its box mapped to the original image and clipped to it.
+    An image asked several phrases (a server request's, an eval set's) goes through the vision
+    tower once: on the 3B that is more than half of a prompt's cost (BENCHMARKS.md, "Box head")."""
     from groundtune.models.adapt import base_model
     from groundtune.models.attention import keeps_packed_samples_apart
 
@@ -390,8 +393,12 @@ def head_boxes(gm, encoded: list[dict], sizes: list[tuple]) -> list[Prediction]:
     packed = keeps_packed_samples_apart(core)
     batch = qwen.collate_packed(encoded) if packed else qwen.collate(encoded, gm.processor.pad_token_id, "right")
     batch = {k: v.to(gm.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    image_of_sample = _image_of_sample(batch["pixel_values"], batch["image_grid_thw"])
     with evaluating(gm.model), torch.inference_mode():
-        hidden = core.model(**batch, use_cache=False).last_hidden_state
+        inputs = batch
+        if len(set(image_of_sample)) < len(encoded) and qwen.family_of(core.config).image_features_alone:
+            inputs = qwen.shared_image_inputs(core, batch, image_of_sample)  # each image through the tower once
+        hidden = core.model(**inputs, use_cache=False).last_hidden_state
         rows, columns = head.query_positions(batch)
         units = head.head_of(gm.model)(hidden[rows, columns]).float().cpu().tolist()
     predictions = []
@@ -399,6 +406,22 @@ def head_boxes(gm, encoded: list[dict], sizes: list[tuple]) -> list[Prediction]:
         box = boxes.clip_box(boxes.from_unit(unit, original), original)
         predictions.append(Prediction(bbox=box, boxes=[box], label=None, raw=json.dumps({"bbox": box}), error=None))
     return predictions
+
+
+def _image_of_sample(pixel_values: torch.Tensor, grid: torch.Tensor) -> list[int]:
+    """For each sample of a batch (one image each: ``pixel_values`` one after another, ``grid`` a
+    row per sample), the first sample that shows the same image (equal grid and pixels), itself
+    when none before it does. Compared where the batch already is (on a GPU, no copy back)."""
+    per_sample = pixel_values.split(grid.prod(-1).tolist())
+    seen: dict[tuple, list[int]] = {}
+    out = []
+    for i, pixels in enumerate(per_sample):
+        key = (tuple(grid[i].tolist()), float(pixels.flatten()[::101].float().sum()))  # equal images, equal keys
+        same = next((j for j in seen.get(key, []) if torch.equal(per_sample[j], pixels)), None)
+        if same is None:
+            seen.setdefault(key, []).append(i)
+        out.append(i if same is None else same)
+    return out
 
 
 def plain_generate(gm, encoded: list[dict], decoding: Decoding, num_samples: int = 1) -> list[list[int]]:

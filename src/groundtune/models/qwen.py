@@ -63,8 +63,8 @@ class Family:
     # apply_rotary_pos_emb_vision: the function of the modeling module our vision attention calls
     vision_rotary: str = "apply_rotary_pos_emb_vision"
     image_processor_class: str = "Qwen2VLImageProcessorPil"  # the PIL backend: no torchvision needed
-    # whether the image's features enter the LLM only in place of its image tokens (so rows that show
-    # one image can share one vision pass, train/objective.py); Qwen3-VL also adds DeepStack features
+    # whether the image's features enter the LLM only in place of its image tokens (so samples that show
+    # one image can share one vision pass, shared_image_inputs); Qwen3-VL also adds DeepStack features
     # inside early LLM layers, which only the model's own forward from pixel_values passes on
     image_features_alone: bool = True
 
@@ -379,3 +379,25 @@ def collate_packed(samples: list[dict[str, torch.Tensor]]) -> dict:
         # a sample's first token is never labelled, so nothing learns to predict across a boundary
         out["labels"] = torch.cat([s["labels"] for s in samples])[None]
     return out
+
+
+def shared_image_inputs(core, inputs: dict, image_of_sample: list[int]) -> dict:
+    """A batch's model inputs with its images' features in place of their tokens (``inputs_embeds``),
+    each distinct image through the vision tower once: sample i (a padded batch's row, or one sample
+    of a packed row) shows the image of sample ``image_of_sample[i]``. What the model's forward would
+    do with ``pixel_values``, which would run an image once per sample that shows it: the G answers
+    of an RL prompt (train/objective.py), the phrases asked of one image (``infer.head_boxes``). A
+    trained vision LoRA gets the gradients of every sample that shows the image, summed, as it would
+    from separate passes. Only for a family whose ``image_features_alone``."""
+    inputs = dict(inputs)
+    grid, pixels, input_ids = inputs.pop("image_grid_thw"), inputs.pop("pixel_values"), inputs.pop("input_ids")
+    inputs.pop("mm_token_type_ids", None)  # only used to derive positions, which the batch gives
+    per_sample = pixels.split(grid.prod(-1).tolist())
+    shown = sorted(set(image_of_sample))
+    features = core.model.get_image_features(torch.cat([per_sample[i] for i in shown]), grid[shown]).pooler_output
+    by_sample = dict(zip(shown, features))
+    embeds = core.model.get_input_embeddings()(input_ids)
+    image_embeds = torch.cat([by_sample[i] for i in image_of_sample]).to(embeds.dtype)
+    image_tokens = (input_ids == core.config.image_token_id)[..., None]
+    inputs["inputs_embeds"] = embeds.masked_scatter(image_tokens, image_embeds)
+    return inputs

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from groundtune.errors import TrainingError
-from groundtune.models import head
+from groundtune.models import head, qwen
 from groundtune.models.adapt import base_model, family_of
 from groundtune.models.attention import keeps_packed_samples_apart
 from groundtune.models.qwen import IGNORE_INDEX
@@ -26,7 +26,7 @@ def answer_logprobs(model, batch: dict[str, torch.Tensor],
     each belongs to: two 1-D tensors over the answer tokens, row-major. ``model`` is a Qwen-VL
     ForConditionalGeneration model or a PEFT wrapper. ``image_of_row`` (a padded batch, one
     image per row): row i shows the image of row ``image_of_row[i]``, as the G answers of an RL
-    prompt do; each image then goes through the vision tower once (``_shared_images``)."""
+    prompt do; each image then goes through the vision tower once (``qwen.shared_image_inputs``)."""
     core = base_model(model)
     return _answer_logprobs(core, hidden_states(core, batch, image_of_row), batch["labels"])
 
@@ -38,7 +38,7 @@ def hidden_states(core, batch: dict[str, torch.Tensor], image_of_row: list[int] 
                             "groundtune's attention first (models.speedups.install), as groundtune train does")
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "box_target")}
     if image_of_row is not None and family_of(core).image_features_alone:
-        inputs = _shared_images(core, inputs, image_of_row)
+        inputs = qwen.shared_image_inputs(core, inputs, image_of_row)
     # no KV cache: nothing reuses it, and a recomputed (checkpointed) layer would extend it twice
     return core.model(**inputs, use_cache=False).last_hidden_state
 
@@ -49,25 +49,6 @@ def _answer_logprobs(core, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[
     logits = core.get_output_embeddings()(hidden[:, :-1][answer])  # the LM head on answer tokens only
     logprobs = -F.cross_entropy(logits.float(), targets[answer], reduction="none")
     return logprobs, answer.nonzero()[:, 0]
-
-
-def _shared_images(core, inputs: dict, image_of_row: list[int]) -> dict:
-    """The batch's inputs with its images' features in place of their tokens (``inputs_embeds``),
-    each distinct image run through the vision tower once: what the model's forward would do with
-    ``pixel_values``, which would run a group's image G times. A trained vision LoRA gets the
-    gradients of every row that shows the image, summed, as it would from G separate passes."""
-    inputs = dict(inputs)
-    grid, pixels, input_ids = inputs.pop("image_grid_thw"), inputs.pop("pixel_values"), inputs.pop("input_ids")
-    inputs.pop("mm_token_type_ids", None)  # only used to derive positions, which the batch gives
-    per_row = pixels.split(grid.prod(-1).tolist())
-    shown = sorted(set(image_of_row))
-    features = core.model.get_image_features(torch.cat([per_row[r] for r in shown]), grid[shown]).pooler_output
-    by_row = dict(zip(shown, features))
-    embeds = core.model.get_input_embeddings()(input_ids)
-    image_embeds = torch.cat([by_row[r] for r in image_of_row]).to(embeds.dtype)
-    image_tokens = (input_ids == core.config.image_token_id)[..., None]
-    inputs["inputs_embeds"] = embeds.masked_scatter(image_tokens, image_embeds)
-    return inputs
 
 
 class Objective(torch.nn.Module):
