@@ -6,7 +6,7 @@ Two ranks of batch B train exactly as one process of batch 2B (fp32), and write 
 (whole tensors, the one-process form, whatever the engine sharded); a run whose rank is killed ends
 with a clear message and, resumed, equals one never stopped; a sharded run stopped and resumed
 equals one never stopped, and resumes on one process too; RL runs on two ranks, each sampling its
-own groups."""
+own groups; a box head trains on two ranks as in one process."""
 
 from __future__ import annotations
 
@@ -303,3 +303,20 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank(data, tmp_path):
     # the checkpoint written on giving up holds step 2's weights: no NaN reached rank 0's update
     weights, _ = _checkpoint(run, 2)
     assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def test_a_box_head_trains_on_two_ranks_as_one_process(data, tmp_path):
+    """head=box under DDP: the head's loss is summed over the global batch's samples, and its
+    weights (trainable, in the checkpoint and in model/) come out as one process's."""
+    settings = ("head=box", "max_steps=3", "save_every=3")
+    one, two = tmp_path / "one", tmp_path / "two"
+    _finish(_train(data, one, 0, "batch_size=4", *settings))
+    _finish(_train(data, two, 2, "batch_size=2", "distributed=ddp", *settings))
+    assert _logged(two, "loss") == pytest.approx(_logged(one, "loss"), rel=1e-5)
+    weights, _ = _checkpoint(two, 3)
+    want, _ = _checkpoint(one, 3)
+    assert any("box_head" in k for k in want) and weights.keys() == want.keys()
+    assert all(torch.allclose(weights[k], want[k], atol=1e-6) for k in want)
+    saved = load_file(two / "model" / "box_head.safetensors")
+    want_head = load_file(one / "model" / "box_head.safetensors")
+    assert all(torch.allclose(saved[k], v, atol=1e-6) for k, v in want_head.items())
