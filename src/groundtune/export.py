@@ -77,8 +77,9 @@ def export(name: str, out: str | Path, dtype: str = "base", overwrite: bool = Fa
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     parameters = sum(p.numel() for p in model.parameters())
+    needed = parameters * target_dtype.itemsize  # every weight is written in target_dtype
     onnx_bytes = parameters * 4 if onnx_image_size is not None else 0  # the graph's weights are fp32
-    _check_disk(out, parameters * target_dtype.itemsize + onnx_bytes)
+    _check_disk(out, needed + onnx_bytes)
     onnx = None
     try:
         if onnx_image_size is not None:  # from the fp32 weights, before they are cast
@@ -88,7 +89,6 @@ def export(name: str, out: str | Path, dtype: str = "base", overwrite: bool = Fa
                                            onnx_image_size, tmp)
             (tmp / onnx_export.SCRIPT_FILE).write_text(onnx_export.script_source())
         model = model.to(target_dtype)
-        needed = sum(p.numel() * p.element_size() for p in model.parameters())
         if box_head is not None:
             model.save_pretrained(tmp, state_dict={k: v for k, v in model.state_dict().items()
                                                    if not k.startswith(f"{head.ATTRIBUTE}.")})

@@ -15,6 +15,16 @@ from PIL import Image, ImageOps
 from .records import DataError
 
 
+def header_size(path: str | Path) -> tuple[int, int]:
+    """An image file's stored (width, height), read from its header alone (no pixels decoded): what
+    a record without width/height is given. DataError naming the file when it cannot be read."""
+    try:
+        with Image.open(path) as im:
+            return im.size
+    except (OSError, SyntaxError, ValueError) as e:
+        raise DataError(f"cannot read image {path} ({e})") from None
+
+
 def load_image(path: str | Path, expected_size: tuple[int, int] | None = None) -> Image.Image:
     """Decode an image fully as RGB. ``expected_size`` is the recorded (width, height).
 

@@ -55,12 +55,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from PIL import Image
-
 from groundtune.boxes import as_box, box_area, xywh_to_xyxy
 from groundtune.errors import ConfigError
 from groundtune.progress import track
 
+from .images import header_size
 from .records import DataError, image_path, iter_jsonl, jsonl_file, record_size
 from .sources import _image_ref, _load_instances
 
@@ -330,10 +329,9 @@ def _size(r: dict, image: Path, where: str) -> tuple[int, int]:
     if size is not None:
         return size
     try:
-        with Image.open(image) as im:  # the header is enough
-            return im.size
-    except (OSError, SyntaxError, ValueError) as e:
-        raise DataError(f"{where}: no width/height and cannot read image {image} for them ({e})") from None
+        return header_size(image)
+    except DataError as e:
+        raise DataError(f"{where}: no width/height, and {e}") from None
 
 
 # --------------------------------------------------------------------------------------------

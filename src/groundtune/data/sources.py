@@ -35,6 +35,7 @@ from PIL import Image
 from groundtune.boxes import as_box, xywh_to_xyxy
 from groundtune.progress import track
 
+from .images import header_size
 from .records import (DataError, atomic_write, image_path, iter_jsonl, jsonl_file, missing_fields, record_size,
                       write_samples)
 
@@ -348,10 +349,9 @@ def convert_jsonl(path: str | Path, out: str | Path) -> int:
             width, height = size or (None, None)
             if size is None:
                 try:
-                    with Image.open(image) as im:  # the header is enough for the size
-                        width, height = im.size
-                except (OSError, SyntaxError, ValueError) as e:
-                    fail(n, f"cannot read image {image} to fill in width/height ({e})")
+                    width, height = header_size(image)
+                except DataError as e:
+                    fail(n, f"{e} to fill in width/height")
             # Written out here rather than with _sample: a multi-target sample has bboxes in bbox's place.
             sample = {
                 "id": str(r["id"]) if "id" in r else f"{path.stem}-{n}",
