@@ -10,7 +10,8 @@ answers forced to --new-tokens tokens (random weights seldom stop; a real 3B ans
 ~20-30), and box, with a (random) box head attached, which reads each prompt's last hidden state.
 Each variant is warmed up on one batch first, then timed from the first file read to the last box;
 the box head runs first. Then one box-head batch is profiled: the vision tower alone against the whole forward pass (the
-language model is the difference), the same prompts each time, after a warm-up.
+language model is the difference) over the row in which an image's prompts share their beginning
+(``qwen.collate_shared``), the same prompts each time, after a warm-up.
 """
 
 from __future__ import annotations
@@ -50,28 +51,36 @@ def timed_eval(gm, records: list[dict], data: Path, batch: int, new_tokens: int)
 
 
 def profile_box_batch(gm, records: list[dict], data: Path, batch: int, repeats: int = 3) -> dict:
-    """Milliseconds of one box-head batch: the vision tower, the whole forward pass (packed, as
-    ``infer.head_boxes`` runs it) and ``head_boxes`` itself (collate and copies included)."""
+    """Milliseconds of one box-head batch: the vision tower on its distinct images, the whole
+    forward pass over the row in which an image's prompts share their beginning (as
+    ``infer.head_boxes`` runs it; the language model is the difference) and ``head_boxes`` itself
+    (grouping, collation and copies included)."""
     from PIL import Image
 
     from groundtune.data.records import image_path
     from groundtune.models import qwen
-    from groundtune.models.attention import keeps_packed_samples_apart
+    from groundtune.models.attention import attached
 
     encode = infer.PromptEncoder(gm)
     encoded, sizes = zip(*(encode(Image.open(image_path(r, data)).convert("RGB"), r["phrase"], r["id"])
                            for r in records[:batch]))
     core = adapt.base_model(gm.model)
-    packed = keeps_packed_samples_apart(core)
-    inputs = qwen.collate_packed(list(encoded)) if packed else qwen.collate(list(encoded), gm.processor.pad_token_id)
-    inputs = {k: v.to(gm.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    row = qwen.collate_shared(list(encoded), qwen.image_groups(list(encoded)))
+    inputs = {k: v.to(gm.device) if isinstance(v, torch.Tensor) else v for k, v in row.inputs.items()}
+    layout = row.layout.to(gm.device)
+
+    def forward():
+        with attached(layout):
+            return core.model(**inputs, use_cache=False)
+
     steps = {
         "vision_tower": lambda: core.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]),
-        "forward": lambda: core.model(**inputs, use_cache=False),
+        "forward": forward,
         "head_boxes": lambda: infer.head_boxes(gm, list(encoded), list(sizes)),
     }
-    out = {"batch": batch, "packed": packed, "tokens": int(inputs["input_ids"].numel()),
-           "patches": int(inputs["image_grid_thw"].prod(-1).sum())}
+    out = {"batch": batch, "images": int(len(inputs["image_grid_thw"])),
+           "prompt_tokens": int(sum(len(e["input_ids"]) for e in encoded)),
+           "row_tokens": int(inputs["input_ids"].numel()), "patches": int(inputs["image_grid_thw"].prod(-1).sum())}
     with torch.inference_mode():
         for name, fn in steps.items():
             fn()  # warm-up

@@ -115,6 +115,47 @@ def test_varlen_kernel_equals_the_fallbacks_on_the_gpu():
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+def _shared_prefix_layout() -> attention.SharedPrefixes:
+    # a row of: prompt A's 40 shared tokens, the rests of three prompts of A (5, 9, 1 tokens), a
+    # prompt that shares nothing (30), B's 20 shared tokens, the rests of two prompts of B (7, 3)
+    pieces = [(40, None), (5, 0), (9, 0), (1, 0), (30, None), (20, None), (7, 5), (3, 5)]
+    queries, keys, key_bounds = [0], [], [0]
+    for length, shares_with in pieces:
+        start = queries[-1]
+        prefix = list(range(queries[shares_with], queries[shares_with + 1])) if shares_with is not None else []
+        queries.append(start + length)
+        keys += prefix + list(range(start, start + length))
+        key_bounds.append(len(keys))
+    return attention.SharedPrefixes(queries, keys, key_bounds)
+
+
+def test_shared_prefixes_attend_as_each_prompt_alone():
+    """A prompt's rest, placed after other prompts' rests, attends to its shared beginning and then
+    to itself exactly as the whole prompt alone would (causal SDPA over its own tokens)."""
+    torch.manual_seed(0)
+    layout = _shared_prefix_layout()
+    query = torch.randn(1, 4, 115, 16)
+    key, value = (torch.randn(1, 2, 115, 16) for _ in range(2))
+    got, _ = layout.attend(0, query, key, value, scale=0.25)
+    for prompt in ([*range(0, 40), *range(45, 54)], [*range(0, 40), 54], [*range(55, 85)], [*range(85, 105), *range(112, 115)]):
+        alone = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, prompt], key[:, :, prompt], value[:, :, prompt], is_causal=True, scale=0.25, enable_gqa=True)
+        torch.testing.assert_close(got[0, prompt], alone[0].transpose(0, 1))
+
+
+@cuda_only
+def test_shared_prefixes_kernel_equals_the_fallback_on_the_gpu():
+    """The flash kernel with more keys than queries aligns its causal mask to the END of a piece's
+    keys (a prompt's rest sees all of its shared beginning), as the CPU fallback does."""
+    torch.manual_seed(0)
+    layout = _shared_prefix_layout()
+    query = torch.randn(1, 4, 115, 64, dtype=torch.bfloat16)
+    key, value = (torch.randn(1, 2, 115, 64, dtype=torch.bfloat16) for _ in range(2))
+    want, _ = layout.attend(0, query.float(), key.float(), value.float(), scale=0.125)
+    got, _ = layout.to("cuda").attend(0, query.cuda(), key.cuda(), value.cuda(), scale=0.125)
+    torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2)
+
+
 @cuda_only
 def test_packed_training_loss_equals_the_padded_loss_on_the_gpu(any_family_model):
     from groundtune.config import TrainConfig

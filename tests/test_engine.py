@@ -112,6 +112,28 @@ def test_a_group_shares_its_prefill(tiny):
     assert len({tuple(a) for a in shared}) > 2
 
 
+def test_phrases_asked_of_one_image_share_its_prefill_and_answer_as_alone(tiny):
+    """Prompts that show one image (the same pixels, another object too) are prefilled with their
+    shared beginning once (qwen.collate_shared): the image goes through the vision tower once, and
+    every answer is plain generate's for that prompt alone."""
+    (a, record_a), (b, record_b) = (synth.make_sample(seed=5, index=i, width=w, height=h, task="multi")
+                                    for i, (w, h) in enumerate([(168, 112), (112, 140)]))
+    pairs = [(a, record_a["phrase"]), (b, record_b["phrase"]), (a, "the shape on the left"),
+             (a.copy(), "the biggest shape of all of them"), (b, "a")]
+    encoded, _ = infer.encode_prompts(tiny, pairs)
+    images_seen = []
+    hook = tiny.model.model.visual.register_forward_hook(
+        lambda module, args, kwargs, out: images_seen.append(len(kwargs.get("grid_thw", args[1:2] and args[1]))),
+        with_kwargs=True)
+    try:
+        ours = infer.engine_for(tiny).generate(encoded, 20, infer.Decoding.greedy().choose)
+    finally:
+        hook.remove()
+    assert images_seen == [2]  # two images, five phrases
+    assert ours == infer.plain_generate(tiny, encoded, infer.Decoding.greedy(20))
+    assert len({tuple(x) for x in ours}) >= 4  # the answers depend on the phrase: the check has teeth
+
+
 def test_rows_rounded_up_to_a_power_of_two_answer_the_same(tiny):
     """With graphs, a batch of 6 runs as 8 rows (copies of the last) so batches of 5 to 8 share a
     captured shape; the answers are those of the 6 rows alone."""
@@ -152,12 +174,15 @@ def test_rows_stop_at_their_own_end(tiny):
 
 def test_records_come_back_in_their_order_from_worker_processes(tiny, tmp_path):
     """Answered largest image first, in two worker processes, the predictions come back in the
-    file's order: equal to answering each record alone."""
+    file's order: equal to answering each record alone. Some images are asked several phrases,
+    lines apart in the file: encoded once, prefilled together, each answered as alone."""
     records = []
     for i, (w, h) in enumerate(SIZES):
         image, record = synth.make_sample(seed=4, index=i, width=w, height=h)
         image.save(tmp_path / f"{i}.png")
         records.append({"id": str(i), "image": f"{i}.png", **record})
+    records += [{**records[i], "id": f"{i}-{n}", "phrase": phrase}
+                for n, (i, phrase) in enumerate([(0, "the shape at the top"), (2, "a"), (2, "the left one, please")])]
     data = tmp_path / "val.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     in_workers = infer.predict_records(tiny, records, data, batch_size=4, max_new_tokens=12, workers=2)
@@ -166,7 +191,7 @@ def test_records_come_back_in_their_order_from_worker_processes(tiny, tmp_path):
     assert len({p.raw for p in alone}) >= len(SIZES) - 1
     report, rows = evaluate.evaluate(tiny, records, data, batch_size=4, max_new_tokens=12, progress=False)
     assert [r["raw"] for r in rows] == [p.raw for p in alone]
-    assert report["n"] == len(SIZES)
+    assert report["n"] == len(records)
 
 
 def test_an_unreadable_record_names_its_file(tiny, tmp_path):

@@ -127,7 +127,7 @@ def test_head_settings_are_checked():
 
 
 def test_phrases_asked_of_one_image_share_its_vision_pass_and_get_the_same_boxes():
-    gm = load_model("tiny", device="cpu", dtype="fp32")
+    gm = infer.load("tiny", device="cpu")  # as eval, predict and serve load it: our attention installed
     core = adapt.base_model(gm.model)
     torch.manual_seed(0)
     head.attach(gm.model, adapt.hidden_size(core))
@@ -136,8 +136,7 @@ def test_phrases_asked_of_one_image_share_its_vision_pass_and_get_the_same_boxes
     pairs = [(a, "the red circle"), (b, "the red circle"), (a, "the blue square on the left"), (a, "a"),
              (b.copy(), "the top shape")]  # a copy: the same pixels, another object
     encoded, sizes = infer.encode_prompts(gm, pairs)
-    batch = qwen.collate(encoded, gm.processor.pad_token_id)
-    assert infer._image_of_sample(batch["pixel_values"], batch["image_grid_thw"]) == [0, 1, 0, 0, 1]
+    assert qwen.image_groups(encoded) == [[0, 2, 3], [1, 4]]
     images_seen = []
     hook = core.model.visual.register_forward_hook(
         lambda module, args, kwargs, out: images_seen.append(len(kwargs.get("grid_thw", args[1:2] and args[1]))),

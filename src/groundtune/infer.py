@@ -20,6 +20,7 @@ holds images of similar size, and come back in the file's order.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -223,36 +224,52 @@ def predict_records(gm, records: list[dict], data_path, batch_size: int = 16,
     Images are read and encoded in ``workers`` DataLoader processes (by default some on a GPU
     machine, none on a CPU one, where they would take cores from the model), one batch at a time:
     a large file never sits in memory. Records are answered largest image first, so each batch
-    holds similar sizes. ``progress``: the progress bar's label, or None for none. An image that
+    holds similar sizes, then image by image, so an image's phrases share a batch, one encoding
+    and one pass through the vision tower. ``progress``: the progress bar's label, or None for none. An image that
     cannot be read or resized is a DataError naming its file."""
     _check_batch_size(batch_size)
     order = sorted(range(len(records)), key=lambda i: _answer_order(records[i], gm.resize), reverse=True)
+    # Each batch's records of one image go to a worker together: it reads and encodes the image once
+    # and sends its pixels once for all of them (RefCOCO's val split asks 7.2 phrases of an image).
+    batches = [_image_runs(order[start:start + batch_size], records) for start in range(0, len(order), batch_size)]
     workers = default_workers(gm.device) if workers is None else workers
-    # One record per worker call, so a batch is encoded by all the workers at once; each keeps two
-    # batches' share in flight, so the next batch is ready when the GPU is.
+    # Each worker keeps two batches' share in flight, so the next batch is ready when the GPU is.
+    runs_per_batch = max(len(runs) for runs in batches) if batches else 1
     items = iter(torch.utils.data.DataLoader(
         _EncodedRecords(gm, records, data_path),
         batch_size=None,
-        sampler=order,
+        sampler=[run for runs in batches for run in runs],
         num_workers=workers,
-        prefetch_factor=-(-2 * batch_size // workers) if workers else None,
+        prefetch_factor=-(-2 * runs_per_batch // workers) if workers else None,
         worker_init_fn=ignore_stop_signals if workers else None,
     ))
-    starts = range(0, len(order), batch_size)
     if progress:
-        starts = track(starts, f"{progress} ({batch_size}/batch)")
+        batches = track(batches, f"{progress} ({batch_size}/batch)")
     answering, decoding = engine_for(gm), Decoding.greedy(max_new_tokens)
     predictions: list[Prediction | None] = [None] * len(records)
-    for _ in starts:
-        batch = list(itertools.islice(items, batch_size))
-        for item in batch:
+    for runs in batches:
+        encoded, sizes, indices = [], [], []
+        for item in itertools.islice(items, len(runs)):
             if "error" in item:
                 raise DataError(item["error"])
-        answers = generate(gm, [item["encoded"] for item in batch], [item["sizes"] for item in batch], decoding,
-                           engine=answering)
-        for item, (_, prediction) in zip(batch, answers):
-            predictions[item["index"]] = prediction
+            encoded += item["encoded"]
+            sizes += [item["sizes"]] * len(item["indices"])
+            indices += item["indices"]
+        answers = generate(gm, encoded, sizes, decoding, engine=answering)
+        for index, (_, prediction) in zip(indices, answers):
+            predictions[index] = prediction
     return predictions
+
+
+def _image_runs(indices: list[int], records: list[dict]) -> list[list[int]]:
+    """``indices`` cut where the record's image changes (consecutive records of one image together)."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and records[runs[-1][-1]].get("image") == records[i].get("image"):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 def default_workers(device) -> int:
@@ -296,14 +313,24 @@ class PromptEncoder:
         self.pixel_dtype = gm.model.get_input_embeddings().weight.dtype
 
     def __call__(self, image: Image.Image, phrase: str, name: str) -> tuple[dict, tuple]:
-        encoded, sizes = encode_prompt(self.processor, self.resize, self.prompt, image, phrase, name, self.answer_start)
-        encoded["pixel_values"] = encoded["pixel_values"].to(self.pixel_dtype)
-        return encoded, sizes
+        return self.many(image, [phrase], name)[0]
+
+    def many(self, image: Image.Image, phrases: list[str], name: str) -> list[tuple[dict, tuple]]:
+        """The prompts of several phrases asked of one image, which is resized and patchified once:
+        they share one pixel tensor, sent once from an encoding process and recognised as one
+        image by ``qwen.image_groups``."""
+        encoded, sizes = encode_image_prompts(self.processor, self.resize, self.prompt, image, phrases, name,
+                                              self.answer_start)
+        pixels = encoded[0]["pixel_values"].to(self.pixel_dtype)
+        for one in encoded:
+            one["pixel_values"] = pixels
+        return [(one, sizes) for one in encoded]
 
 
 class _EncodedRecords(torch.utils.data.Dataset):
-    """Record i -> {"index", "encoded", "sizes"} (``PromptEncoder``), or {"index", "error"}: an error
-    is said by the main process, not as a worker's traceback."""
+    """Records that show one image (their indices) -> {"indices", "encoded", "sizes"}: the image read
+    and encoded once (``PromptEncoder.many``); or {"indices", "error"}: an error is said by the main
+    process, not as a worker's traceback."""
 
     def __init__(self, gm, records: list[dict], data_path):
         self.encode = PromptEncoder(gm)
@@ -312,14 +339,15 @@ class _EncodedRecords(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.records)
 
-    def __getitem__(self, index: int) -> dict:
-        record = self.records[index]
+    def __getitem__(self, indices: list[int]) -> dict:
+        record = self.records[indices[0]]
         file = image_path(record, self.data_path)
         try:
-            encoded, sizes = self.encode(load_image(file, record_size(record)), str(record["phrase"]), str(file))
+            prompts = self.encode.many(load_image(file, record_size(record)),
+                                       [str(self.records[i]["phrase"]) for i in indices], str(file))
         except DataError as e:
-            return {"index": index, "error": str(e)}
-        return {"index": index, "encoded": encoded, "sizes": sizes}
+            return {"indices": indices, "error": str(e)}
+        return {"indices": indices, "encoded": [encoded for encoded, _ in prompts], "sizes": prompts[0][1]}
 
 
 def answer_start(gm) -> str:
@@ -332,13 +360,23 @@ def encode_prompt(processor: qwen.Processor, resize: boxes.ResizeSpec, prompt: s
     """(image, phrase) -> the encoded prompt (image resized with ``resize``, the model's ``prompt``,
     ending with ``answer_start``) and the image's (original size, resized size) for reading the
     answer back. An image the resize cannot take is a DataError naming it (``name``)."""
+    encoded, sizes = encode_image_prompts(processor, resize, prompt, image, [phrase], name, answer_start)
+    return encoded[0], sizes
+
+
+def encode_image_prompts(processor: qwen.Processor, resize: boxes.ResizeSpec, prompt: str, image: Image.Image,
+                         phrases: list[str], name: str, answer_start: str = "") -> tuple[list[dict], tuple]:
+    """``encode_prompt`` for several phrases asked of one image, resized and patchified once: the
+    prompts share its pixel tensor."""
     image = to_rgb(image)
     try:
         resized, resized_size = qwen.resize_image(image, resize)
     except boxes.ResizeError as e:
         raise DataError(f"{name} ({image.width}x{image.height}): {e}") from None
-    text = qwen.prompt_text(processor, phrase, prompt, answer_start)
-    return qwen.encode(processor, resized, text), (image.size, resized_size)
+    vision = qwen.image_inputs(processor, resized)
+    encoded = [qwen.encode(processor, resized, qwen.prompt_text(processor, phrase, prompt, answer_start), vision=vision)
+               for phrase in phrases]
+    return encoded, (image.size, resized_size)
 
 
 def encode_prompts(gm, chunk: list[tuple[Image.Image, str]],
@@ -381,47 +419,37 @@ def generate(gm, encoded: list[dict], sizes: list[tuple], decoding: Decoding, nu
 
 
 def head_boxes(gm, encoded: list[dict], sizes: list[tuple]) -> list[Prediction]:
-    """A box-head model's answers (models/head.py): the prompts in one forward pass (packed in one
-    row where our attention keeps them apart, as training packs them; else right-padded), the head
-    on each prompt's last hidden state, its box mapped to the original image and clipped to it.
-    An image asked several phrases (a server request's, an eval set's) goes through the vision
-    tower once: on the 3B that is more than half of a prompt's cost (BENCHMARKS.md, "Box head")."""
+    """A box-head model's answers (models/head.py): the prompts in one forward pass, the head on
+    each prompt's last hidden state, its box mapped to the original image and clipped to it.
+
+    The phrases asked of one image (an eval set's, ordered by image; a server request's) share
+    their prompts' beginning, the image's hundreds of tokens included: with our attention they run
+    through the vision tower and the language model once for all of them (``qwen.collate_shared``),
+    and every prompt still gets the states it would get alone. Otherwise (transformers' own
+    attention) the prompts are packed in one row where that attention keeps them apart, else
+    right-padded."""
     from groundtune.models.adapt import base_model
-    from groundtune.models.attention import keeps_packed_samples_apart
+    from groundtune.models.attention import attached, keeps_packed_samples_apart, shares_prefixes
 
     core = base_model(gm.model)
-    packed = keeps_packed_samples_apart(core)
-    batch = qwen.collate_packed(encoded) if packed else qwen.collate(encoded, gm.processor.pad_token_id, "right")
-    batch = {k: v.to(gm.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    image_of_sample = _image_of_sample(batch["pixel_values"], batch["image_grid_thw"])
-    with evaluating(gm.model), torch.inference_mode():
-        inputs = batch
-        if len(set(image_of_sample)) < len(encoded) and qwen.family_of(core.config).image_features_alone:
-            inputs = qwen.shared_image_inputs(core, batch, image_of_sample)  # each image through the tower once
-        hidden = core.model(**inputs, use_cache=False).last_hidden_state
+    layout = contextlib.nullcontext()
+    if shares_prefixes(core):
+        row = qwen.collate_shared(encoded, qwen.image_groups(encoded))
+        batch, layout = row.inputs, attached(row.layout.to(gm.device))
+        rows, columns = torch.zeros(len(encoded), dtype=torch.long), torch.tensor(row.last)
+    else:
+        packed = keeps_packed_samples_apart(core)
+        batch = qwen.collate_packed(encoded) if packed else qwen.collate(encoded, gm.processor.pad_token_id, "right")
         rows, columns = head.query_positions(batch)
-        units = head.head_of(gm.model)(hidden[rows, columns]).float().cpu().tolist()
+    batch = {k: v.to(gm.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    with evaluating(gm.model), torch.inference_mode(), layout:
+        hidden = core.model(**batch, use_cache=False).last_hidden_state
+        units = head.head_of(gm.model)(hidden[rows.to(gm.device), columns.to(gm.device)]).float().cpu().tolist()
     predictions = []
     for unit, (original, _) in zip(units, sizes):
         box = boxes.clip_box(boxes.from_unit(unit, original), original)
         predictions.append(Prediction(bbox=box, boxes=[box], label=None, raw=json.dumps({"bbox": box}), error=None))
     return predictions
-
-
-def _image_of_sample(pixel_values: torch.Tensor, grid: torch.Tensor) -> list[int]:
-    """For each sample of a batch (one image each: ``pixel_values`` one after another, ``grid`` a
-    row per sample), the first sample that shows the same image (equal grid and pixels), itself
-    when none before it does. Compared where the batch already is (on a GPU, no copy back)."""
-    per_sample = pixel_values.split(grid.prod(-1).tolist())
-    seen: dict[tuple, list[int]] = {}
-    out = []
-    for i, pixels in enumerate(per_sample):
-        key = (tuple(grid[i].tolist()), float(pixels.flatten()[::101].float().sum()))  # equal images, equal keys
-        same = next((j for j in seen.get(key, []) if torch.equal(per_sample[j], pixels)), None)
-        if same is None:
-            seen.setdefault(key, []).append(i)
-        out.append(i if same is None else same)
-    return out
 
 
 def plain_generate(gm, encoded: list[dict], decoding: Decoding, num_samples: int = 1) -> list[list[int]]:

@@ -157,7 +157,7 @@ class Encoder:
     def __call__(self, data: bytes, phrases: list[str], param: str) -> tuple[int, int, list[tuple[dict, tuple]]]:
         image = decode_image(data, self.limits, param)
         try:
-            prompts = [self.encode(image, phrase, "the image") for phrase in phrases]
+            prompts = self.encode.many(image, phrases, "the image")
         except DataError as e:  # refused here, not in the batch: it would fail there for every caller in it
             raise RequestError(422, f"{e}: the model cannot take it", param) from None
         return image.width, image.height, prompts

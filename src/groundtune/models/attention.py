@@ -85,11 +85,14 @@ def varlen_usable(t: torch.Tensor) -> bool:
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
-                     causal: bool, scale: float) -> torch.Tensor:
+                     causal: bool, scale: float, cu_seqlens_k: torch.Tensor | None = None,
+                     max_len_k: int | None = None) -> torch.Tensor:
     """q (tokens, heads, dim), k/v (tokens, kv_heads, dim), the pieces one after another as
     ``cu_seqlens`` (int32, starts and the end) says -> (tokens, heads, dim): attention within each
-    piece. Written against the two signatures PyTorch has had (2.10: ``is_causal``; 2.11 on:
-    ``window_size``) and with or without ``enable_gqa``."""
+    piece. ``cu_seqlens_k``/``max_len_k``: the keys' pieces where they differ from the queries'
+    (a piece with more keys than queries: its queries are the LAST ones, causal masking aligned
+    to the end, as flash-attention aligns it). Written against the two signatures PyTorch has had
+    (2.10: ``is_causal``; 2.11 on: ``window_size``) and with or without ``enable_gqa``."""
     extra = {}
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in _VARLEN_PARAMS:
@@ -99,7 +102,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if causal:
         extra.update({"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True})
     cu_seqlens = cu_seqlens.to(torch.int32)
-    return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale, **extra)
+    cu_seqlens_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k.to(torch.int32)
+    return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens_k, max_len, max_len if max_len_k is None else max_len_k,
+                        scale=scale, **extra)
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,10 +212,62 @@ def packed_attention(query, key, value, cu_seqlens: torch.Tensor, max_length: in
     return out.transpose(1, 2)
 
 
+class SharedPrefixes:
+    """The attention of a packed row in which prompts that begin alike share those tokens: the
+    phrases asked of one image (``qwen.collate_shared``). The row is a run of pieces; each piece
+    attends causally to its keys, which are the row positions ``key_index[key_bounds[i]:
+    key_bounds[i + 1]]``: a prompt's shared beginning, or a whole prompt, to itself; the rest of
+    a prompt that shares its beginning, to that beginning and then itself. Each prompt gets the
+    attention it would get alone; the shared tokens (an image's hundreds) are computed once.
+    Attached for one forward pass (``attached``), in place of ``cu_seq_lens_q``."""
+
+    def __init__(self, query_bounds: list[int], key_index: list[int], key_bounds: list[int]):
+        self.query_bounds, self.key_bounds = torch.tensor(query_bounds), torch.tensor(key_bounds)
+        self.key_index = torch.tensor(key_index)
+        self.longest_query = max(b - a for a, b in zip(query_bounds[:-1], query_bounds[1:]))
+        self.longest_key = max(b - a for a, b in zip(key_bounds[:-1], key_bounds[1:]))
+        self.shares = key_bounds != query_bounds  # else each piece attends to itself: a plain packed row
+
+    def to(self, device) -> "SharedPrefixes":
+        self.query_bounds, self.key_bounds, self.key_index = (
+            t.to(device) for t in (self.query_bounds, self.key_bounds, self.key_index))
+        return self
+
+    def attend(self, layer: int, query, key, value, scale: float, cu_seqlens=None, max_length=None):
+        """As ``text_attention``: query (1, heads, tokens, dim), key/value (1, kv_heads, tokens, dim)
+        -> ((1, tokens, heads, dim), None)."""
+        if not self.shares:
+            return packed_attention(query, key, value, self.query_bounds, self.longest_query, scale), None
+        if varlen_usable(query):
+            q = query[0].transpose(0, 1)  # (tokens, heads, dim)
+            k, v = (t[0].transpose(0, 1)[self.key_index] for t in (key, value))
+            out = varlen_attention(q, k, v, self.query_bounds, self.longest_query, causal=True, scale=scale,
+                                   cu_seqlens_k=self.key_bounds, max_len_k=self.longest_key)
+            return out[None], None
+        out = torch.empty_like(query)  # CPU, fp32: one SDPA call per piece, its mask aligned to the end
+        queries, keys = self.query_bounds.tolist(), self.key_bounds.tolist()
+        for i in range(len(queries) - 1):
+            piece = slice(queries[i], queries[i + 1])
+            index = self.key_index[keys[i]:keys[i + 1]]
+            n_query, n_key = queries[i + 1] - queries[i], keys[i + 1] - keys[i]
+            mask = torch.ones(n_query, n_key, dtype=torch.bool, device=query.device).tril(diagonal=n_key - n_query)
+            out[:, :, piece] = F.scaled_dot_product_attention(
+                query[:, :, piece], key[:, :, index], value[:, :, index], attn_mask=mask, scale=scale,
+                enable_gqa=key.shape[1] != query.shape[1])
+        return out.transpose(1, 2), None
+
+
+def shares_prefixes(model) -> bool:
+    """Whether ``model``'s language model runs this module's attention, which can attend a row
+    of prompts that share their beginnings (``SharedPrefixes``)."""
+    return str(model.config.get_text_config()._attn_implementation) == TEXT_ATTENTION
+
+
 @contextlib.contextmanager
 def attached(cache):
-    """Our language-model attention reads and writes ``cache`` (``models.engine.KVCache``) instead
-    of transformers' cache objects while the engine runs the model."""
+    """Our language-model attention goes to ``cache.attend`` while the engine runs the model
+    (``models.engine.KVCache``, read and written instead of transformers' cache objects) or for
+    one forward pass over prompts that share their beginnings (``SharedPrefixes``)."""
     global _attached_cache
     previous, _attached_cache = _attached_cache, cache
     try:

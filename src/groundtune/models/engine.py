@@ -58,11 +58,12 @@ class KVCache:
         self.all_columns = torch.arange(columns, device=device)
         self.prompt_columns = 0  # prefill: prompts end at this column
         self.prompt_index: torch.Tensor | None = None  # prefill: packed-row position of each prompt column
+        self.layout: attention.SharedPrefixes | None = None  # prefill: how the packed row attends
         self.mask: torch.Tensor | None = None  # decode: (rows, 1, 1, columns), made by each step
 
     def attend(self, layer: int, query, key, value, scale: float, cu_seqlens, max_length):
         """Our language-model attention while this cache is attached: the prefill (one packed row,
-        ``cu_seqlens`` given) stores its keys/values and attends within each prompt; a decode step
+        ``cu_seqlens`` given) stores its keys/values and attends as its ``layout`` says; a decode step
         (one token per row) stores its token's and attends over the row's columns."""
         k_cache, v_cache = self.keys[layer], self.values[layer]
         rows, columns = k_cache.shape[0], self.prompt_columns
@@ -70,7 +71,7 @@ class KVCache:
             for cache, new in ((k_cache, key), (v_cache, value)):
                 # (1, kv_heads, tokens, dim) -> (kv_heads, rows * columns, dim) -> (rows, kv_heads, columns, dim)
                 cache[:, :, :columns] = new[0][:, self.prompt_index].unflatten(1, (rows, columns)).transpose(0, 1)
-            return attention.packed_attention(query, key, value, cu_seqlens, max_length, scale), None
+            return self.layout.attend(layer, query, key, value, scale)
         k_cache.index_copy_(2, self.column, key)
         v_cache.index_copy_(2, self.column, value)
         # One query per row: the query heads that share a key/value head become that head's
@@ -204,20 +205,23 @@ class Engine:
             t = t.repeat_interleave(num_samples, dim=0)
             return torch.cat([t, t[-1:].expand(width - rows, *t.shape[1:])]) if width > rows else t
 
-        # 1. prefill, one packed row; each row's prompt columns come from its prompt's tokens
-        packed = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
-                  for k, v in qwen.collate_packed(prompts).items()}
-        ends = packed["cu_seq_lens_q"][1:].long()
-        index = torch.arange(prompt_columns, device=self.device) - prompt_columns  # ..., -2, -1
-        index = (ends[:, None] + index).clamp(min=0)  # (prompts, columns); before a prompt: masked anyway
-        cache.prompt_index = each_row(index).flatten()
+        # 1. prefill, one packed row, the phrases asked of one image sharing its tokens
+        # (qwen.collate_shared); each row's prompt columns come from its prompt's tokens, right-aligned
+        row = qwen.collate_shared(prompts, qwen.image_groups(prompts))
+        packed = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in row.inputs.items()}
+        index = torch.zeros(len(prompts), prompt_columns, dtype=torch.long)  # before a prompt: masked anyway
+        for i, tokens in enumerate(row.tokens):
+            index[i, prompt_columns - len(tokens):] = torch.tensor(tokens)
+        cache.prompt_index = each_row(index.to(self.device)).flatten()
         cache.prompt_columns = prompt_columns
+        cache.layout = row.layout.to(self.device)
         cache.row_start.copy_(each_row(prompt_columns - torch.tensor(lengths, device=self.device)))
+        last = torch.tensor(row.last, device=self.device)
         with attention.attached(cache):
-            logits = self.model(**packed, logits_to_keep=ends - 1, use_cache=False).logits[0].float()
-        cache.prompt_index = None
+            logits = self.model(**packed, logits_to_keep=last, use_cache=False).logits[0].float()
+        cache.prompt_index = cache.layout = None
         # the next token's M-RoPE position: one past the prompt's last (a text token: equal on all axes)
-        next_position = each_row(packed["position_ids"][0, 0, ends - 1]) + 1
+        next_position = each_row(packed["position_ids"][0, 0, last]) + 1
 
         # 2. decode
         tokens = choose(each_row(logits))

@@ -17,6 +17,7 @@ from PIL import Image
 
 from groundtune.boxes import ResizeSpec, Size
 from groundtune.errors import ModelError
+from groundtune.models.attention import SharedPrefixes
 
 
 @dataclass(frozen=True)
@@ -253,19 +254,27 @@ def prompt_text(processor: Processor, phrase: str, prompt: str = DEFAULT_PROMPT,
     ) + answer_start
 
 
+def image_inputs(processor: Processor, resized_image: Image.Image) -> dict[str, torch.Tensor]:
+    """The image's ``pixel_values`` and ``image_grid_thw``: what ``encode`` needs of it, to be made
+    once for all the prompts that show it."""
+    return dict(processor.image_processor(images=[resized_image], do_resize=False, return_tensors="pt"))
+
+
 def encode(
     processor: Processor,
     resized_image: Image.Image,
     prompt: str,
     answer: str | None = None,
+    vision: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One sample -> 1-D ``input_ids`` (+ ``labels`` when an answer is given), ``mm_token_type_ids``,
-    ``pixel_values`` and ``image_grid_thw``.
+    ``pixel_values`` and ``image_grid_thw`` (``vision``'s tensors themselves where given:
+    ``image_inputs`` of this image).
 
     Labels are IGNORE_INDEX everywhere except the answer and its closing <|im_end|>: the model
     learns to answer, not to repeat the prompt or the image placeholders.
     """
-    vision = processor.image_processor(images=[resized_image], do_resize=False, return_tensors="pt")
+    vision = image_inputs(processor, resized_image) if vision is None else vision
     grid = vision["image_grid_thw"]
     n_image_tokens = int(grid[0].prod()) // processor.merge_size**2
     prompt = prompt.replace(TOKENS.image, TOKENS.image * n_image_tokens, 1)
@@ -379,6 +388,101 @@ def collate_packed(samples: list[dict[str, torch.Tensor]]) -> dict:
         # a sample's first token is never labelled, so nothing learns to predict across a boundary
         out["labels"] = torch.cat([s["labels"] for s in samples])[None]
     return out
+
+
+def image_groups(samples: list[dict[str, torch.Tensor]]) -> list[list[int]]:
+    """The samples that show one image, group by group in first-seen order: the same pixel tensor
+    (phrases encoded together, ``encode(..., vision=)``) or an equal one (equal grid and pixels)."""
+    groups: list[list[int]] = []
+    by_key: dict[tuple, list[list[int]]] = {}
+    for i, sample in enumerate(samples):
+        pixels = sample["pixel_values"]
+        # a cheap key first (a strided sum of the pixels), so only likely-equal images are compared
+        key = (tuple(sample["image_grid_thw"].flatten().tolist()), float(pixels.flatten()[::101].float().sum()))
+        for group in by_key.get(key, []):
+            seen = samples[group[0]]["pixel_values"]
+            if seen is pixels or torch.equal(seen, pixels):
+                group.append(i)
+                break
+        else:
+            groups.append([i])
+            by_key.setdefault(key, []).append(groups[-1])
+    return groups
+
+
+@dataclass
+class SharedRow:
+    """``collate_shared``'s answer: the model's inputs, the attention they need attached
+    (``attention.SharedPrefixes``), and for each sample the row positions of its tokens in order
+    (``tokens[i]``; its last is where its prompt ends)."""
+
+    inputs: dict
+    layout: SharedPrefixes
+    tokens: list[list[int]]
+
+    @property
+    def last(self) -> list[int]:
+        return [positions[-1] for positions in self.tokens]
+
+
+def collate_shared(samples: list[dict[str, torch.Tensor]], groups: list[list[int]]) -> SharedRow:
+    """Prompts (no labels) in ONE row, as ``collate_packed`` puts them, except that the prompts of a
+    group (``image_groups``: one image, several phrases) share the tokens they begin with: the
+    system turn, the image, the words before the phrase. The row holds those once, then each
+    prompt's rest. Each prompt's rest attends to the shared tokens and then to itself, with the
+    positions it has alone, so every prompt's states are those it would have alone (a test checks
+    it), and an image of ~400 tokens is run through the vision tower and the language model once
+    for all its phrases. A group whose shared beginning would not hold the whole image is packed
+    prompt by prompt."""
+    row_tokens, queries, keys, key_bounds = [], [0], [], [0]
+    tokens: list[list[int]] = [[] for _ in samples]
+    pixels, grids = [], []
+
+    def add(sample: dict, start: int, end: int, shared: list[int]) -> list[int]:
+        """Put ``sample``'s tokens start:end in the row, attending to ``shared`` then themselves."""
+        first = queries[-1]
+        positions = list(range(first, first + end - start))
+        row_tokens.append((sample, start, end))
+        queries.append(first + end - start)
+        keys.extend(shared + positions)
+        key_bounds.append(len(keys))
+        return positions
+
+    for group in groups:
+        shared = _shared_length([samples[i] for i in group])
+        prefix = add(samples[group[0]], 0, shared, []) if shared else []
+        for i in (group[:1] if shared else group):  # the image inputs, in the order of the row's images
+            pixels.append(samples[i]["pixel_values"])
+            grids.append(samples[i]["image_grid_thw"])
+        for i in group:
+            tokens[i] = prefix + add(samples[i], shared, len(samples[i]["input_ids"]), prefix)
+    bounds = torch.tensor(queries, dtype=torch.int32)
+    inputs = {
+        "input_ids": torch.cat([s["input_ids"][a:b] for s, a, b in row_tokens])[None],
+        "mm_token_type_ids": torch.cat([s["mm_token_type_ids"][a:b] for s, a, b in row_tokens])[None],
+        "position_ids": torch.cat([s["position_ids"][:, a:b] for s, a, b in row_tokens], dim=1)[:, None],
+        "pixel_values": torch.cat(pixels),
+        "image_grid_thw": torch.cat(grids),
+        # marks the row as packed for transformers; the attention itself follows the layout
+        "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
+        "max_length_q": int((bounds[1:] - bounds[:-1]).max()), "max_length_k": int((bounds[1:] - bounds[:-1]).max()),
+    }
+    return SharedRow(inputs, SharedPrefixes(queries, keys, key_bounds), tokens)
+
+
+def _shared_length(group: list[dict[str, torch.Tensor]]) -> int:
+    """How many first tokens the prompts of ``group`` (one image) share: all their common tokens
+    but at least one of each prompt's own, and only when that covers the image; else 0."""
+    if len(group) < 2:
+        return 0
+    first = group[0]["input_ids"]
+    shared = min(len(s["input_ids"]) for s in group) - 1
+    for sample in group[1:]:
+        differ = (sample["input_ids"][:shared] != first[:shared]).nonzero()
+        if len(differ):
+            shared = int(differ[0])
+    image = group[0]["mm_token_type_ids"].nonzero()
+    return shared if len(image) and int(image[-1]) < shared else 0
 
 
 def shared_image_inputs(core, inputs: dict, image_of_sample: list[int]) -> dict:
