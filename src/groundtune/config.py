@@ -82,7 +82,7 @@ class _Method(_Settings):
     freeze_vision: bool = True  # method=full: keep the vision tower fixed
     freeze_merger: bool = True  # method=full: keep the vision->LLM merger fixed
     freeze_llm: bool = False  # method=full: keep the language model fixed
-    head: str = "text"  # text: the box written as the answer | box: a regression head reads it off the hidden state at the end of the prompt, which ends with the answer's opening; one forward pass (models/head.py)
+    head: str = "text"  # text: the box written as the answer | box: a head reads it off the hidden states, the prompt's last (which ends with the answer's opening) attending over the image's tokens; one forward pass (models/head.py)
     head_l1_weight: float = 2.0  # head=box: loss = 1 - GIoU + this x L1 (mean over the coordinates, as fractions of the image)
     head_text_loss_weight: float = 0.0  # head=box: > 0 also trains the text answer (joint mode), weighted so
 

@@ -310,10 +310,11 @@ tags: [visual-grounding, groundtune, {meta['family']}, box-head]
 
 A {meta['family']} model fine-tuned for visual grounding (image + phrase -> bounding box) with
 groundtune, exported from `{meta['exported_from']}` (base: `{meta['base_model']}`), weights in
-{meta['dtype']}. It answers with a **box head**: a small MLP (`box_head.safetensors`) reads the
-language model's hidden state at the last token of the prompt, which ends with the opening of a
-text answer (`{meta['prompt_end']}`, `prompt_end` in `groundtune.json`), and gives the box as fractions of
-the image in one forward pass, without generating text. One box per phrase.
+{meta['dtype']}. It answers with a **box head** (`box_head.safetensors`): the language model's
+hidden state at the last token of the prompt, which ends with the opening of a text answer
+(`{meta['prompt_end']}`, `prompt_end` in `groundtune.json`), attends over the image's tokens, and the box is
+read off that attention map over the image's cells, as fractions of the image, in one forward
+pass, without generating text. One box per phrase.
 
 ## Evaluation
 
@@ -338,24 +339,37 @@ model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
 tokenizer = AutoTokenizer.from_pretrained(folder)
 image_processor = AutoImageProcessor.from_pretrained(folder)  # resizes with the run's pixel budget
 settings = json.load(open(f"{{folder}}/groundtune.json"))
-weights = load_file(f"{{folder}}/box_head.safetensors")  # the head: hidden -> 512 -> GELU -> 4
-head = torch.nn.Sequential(torch.nn.Linear(*weights["mlp.0.weight"].T.shape), torch.nn.GELU(),
-                           torch.nn.Linear(*weights["mlp.2.weight"].T.shape))
-head.load_state_dict({{k.removeprefix("mlp."): v for k, v in weights.items()}})
+weights = load_file(f"{{folder}}/box_head.safetensors")  # the head (groundtune's models/head.py)
+
+
+def linear(x, name):
+    return torch.nn.functional.linear(x, weights[f"{{name}}.weight"], weights.get(f"{{name}}.bias"))
+
 
 image = Image.open("photo.jpg").convert("RGB")
 vision = image_processor(images=[image], return_tensors="pt")
 messages = [{{"role": "user", "content": [{{"type": "image"}},
              {{"type": "text", "text": settings["prompt"].format(phrase={json.dumps(example_phrase)})}}]}}]
 text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-text += settings["prompt_end"]  # the head reads the state of the prompt's last token
+text += settings["prompt_end"]  # the head's query is the state of the prompt's last token
 tokens = int(vision["image_grid_thw"][0].prod()) // image_processor.merge_size ** 2
 text = text.replace("<|image_pad|>", "<|image_pad|>" * tokens, 1)
 ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
 image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
 with torch.no_grad():
-    hidden = model.model(input_ids=ids, **vision, mm_token_type_ids=(ids == image_token).int()).last_hidden_state
-    cx, cy, w, h = torch.sigmoid(head(hidden[0, -1])).tolist()  # fractions of the image
+    hidden = model.model(input_ids=ids, **vision, mm_token_type_ids=(ids == image_token).int()).last_hidden_state[0]
+    query, states = hidden[-1], hidden[ids[0] == image_token]  # the query; the image's tokens, row by row
+    rows, cols = (int(n) // image_processor.merge_size for n in vision["image_grid_thw"][0, 1:])
+    y, x = torch.meshgrid((torch.arange(rows) + 0.5) / rows, (torch.arange(cols) + 0.5) / cols, indexing="ij")
+    xy, cell = torch.stack([x.flatten(), y.flatten()], dim=-1), torch.tensor([1 / cols, 1 / rows])  # fractions
+    angles = xy[..., None] * torch.pi * 2 ** torch.arange(4)
+    keys = linear(states, "key") + linear(torch.cat([xy, angles.sin().flatten(1), angles.cos().flatten(1)], 1), "where")
+    q = linear(query, "query")
+    p = torch.softmax(keys @ q / q.shape[0] ** 0.5, dim=0)[:, None]  # where the phrase is, over the cells
+    centre = (p * xy).sum(0)
+    size = torch.sqrt(12 * (p * (xy - centre) ** 2).sum(0) + cell ** 2)
+    correction = linear(torch.nn.functional.gelu(linear(query, "from_query") + (p * linear(states, "from_image")).sum(0)), "out")
+    (cx, cy), (w, h) = (centre + correction[:2]).tolist(), (size * correction[2:].exp()).tolist()  # fractions
 size = (image.width, image.height) * 2
 box = [min(max(v * s, 0.0), s) for v, s in zip((cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2), size)]
 print(box)  # x1, y1, x2, y2 in pixels of photo.jpg

@@ -420,7 +420,8 @@ def generate(gm, encoded: list[dict], sizes: list[tuple], decoding: Decoding, nu
 
 def head_boxes(gm, encoded: list[dict], sizes: list[tuple]) -> list[Prediction]:
     """A box-head model's answers (models/head.py): the prompts in one forward pass, the head on
-    each prompt's last hidden state, its box mapped to the original image and clipped to it.
+    each prompt's last hidden state and its image's tokens, its box mapped to the original image
+    and clipped to it.
 
     The phrases asked of one image (an eval set's, ordered by image; a server request's) share
     their prompts' beginning, the image's hundreds of tokens included: with our attention they run
@@ -432,19 +433,21 @@ def head_boxes(gm, encoded: list[dict], sizes: list[tuple]) -> list[Prediction]:
     from groundtune.models.attention import attached, keeps_packed_samples_apart, shares_prefixes
 
     core = base_model(gm.model)
-    layout = contextlib.nullcontext()
+    layout, image_of_sample = contextlib.nullcontext(), None
     if shares_prefixes(core):
         row = qwen.collate_shared(encoded, qwen.image_groups(encoded))
-        batch, layout = row.inputs, attached(row.layout.to(gm.device))
-        rows, columns = torch.zeros(len(encoded), dtype=torch.long), torch.tensor(row.last)
+        batch, layout, image_of_sample = row.inputs, attached(row.layout.to(gm.device)), row.images
+        query = torch.zeros(len(encoded), dtype=torch.long), torch.tensor(row.last)
     else:
         packed = keeps_packed_samples_apart(core)
         batch = qwen.collate_packed(encoded) if packed else qwen.collate(encoded, gm.processor.pad_token_id, "right")
-        rows, columns = head.query_positions(batch)
+        query = head.query_positions(batch)
     batch = {k: v.to(gm.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    tokens = head.image_tokens(batch["input_ids"], batch["image_grid_thw"], core.config.image_token_id,
+                               gm.processor.merge_size, image_of_sample)
     with evaluating(gm.model), torch.inference_mode(), layout:
         hidden = core.model(**batch, use_cache=False).last_hidden_state
-        units = head.head_of(gm.model)(hidden[rows.to(gm.device), columns.to(gm.device)]).float().cpu().tolist()
+        units = head.read(head.head_of(gm.model), hidden, query, tokens).float().cpu().tolist()
     predictions = []
     for unit, (original, _) in zip(units, sizes):
         box = boxes.clip_box(boxes.from_unit(unit, original), original)

@@ -19,7 +19,8 @@ layers on a batch of images with each layer's attention as one SDPA call under a
 per-image mask (a window layer's mask keeps each patch in its window). The language model is
 transformers' own, given the image features in place of the image tokens and the M-RoPE
 positions computed in the graph; with right padding its causal attention alone keeps each
-prompt's last state clear of the padding, which is where the head reads (models/head.py).
+prompt's states clear of the padding. The head reads each prompt's last state and its image's
+tokens, which every prompt holds at the same place (models/head.py).
 tests/test_onnx.py checks the graph against groundtune's own box-head path and ONNX Runtime
 against PyTorch.
 """
@@ -135,6 +136,9 @@ class BoxGraph(torch.nn.Module):
         self.image_tokens, self.after_image = rows * cols, max(rows, cols)
         self.register_buffer("row_of", torch.arange(rows).repeat_interleave(cols), persistent=False)
         self.register_buffer("col_of", torch.arange(cols).repeat(rows), persistent=False)
+        cell_xy, cell_size = head.cells(grid[0].tolist(), processor.merge_size)
+        self.register_buffer("cell_xy", cell_xy, persistent=False)
+        self.register_buffer("cell_size", cell_size.contiguous(), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pixel_values: torch.Tensor):
         features = self.image_features(pixel_values)
@@ -145,8 +149,21 @@ class BoxGraph(torch.nn.Module):
         embeds = torch.where(is_image.unsqueeze(-1), placed.to(embeds.dtype), embeds)
         hidden = self.language_model(inputs_embeds=embeds, position_ids=self.positions(is_image, nth),
                                      use_cache=False).last_hidden_state
-        last = attention_mask.sum(dim=1) - 1
-        return self.head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+        return head.read(self.head, hidden, self.query(attention_mask), self.tokens(is_image))
+
+    def query(self, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the head's query is: each prompt's last token."""
+        return torch.arange(attention_mask.shape[0], device=attention_mask.device), attention_mask.sum(dim=1) - 1
+
+    def tokens(self, is_image: torch.Tensor) -> head.ImageTokens:
+        """The head's ``ImageTokens``: every prompt's image at the same size, its tokens in one run."""
+        batch, n = is_image.shape[0], self.image_tokens
+        start = is_image.int().argmax(dim=1, keepdim=True)
+        columns = (start + torch.arange(n, device=is_image.device)).flatten()
+        rows = torch.arange(batch, device=is_image.device).repeat_interleave(n)
+        index = torch.arange(batch * n, device=is_image.device).view(batch, n)
+        return head.ImageTokens(rows, columns, self.cell_xy.repeat(batch, 1), self.cell_size.repeat(batch, 1),
+                                index, torch.ones_like(index, dtype=torch.bool))
 
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(batch, patches, patch_dim) -> (batch, image tokens, hidden): the vision tower and its merger."""

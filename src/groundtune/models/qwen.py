@@ -413,12 +413,14 @@ def image_groups(samples: list[dict[str, torch.Tensor]]) -> list[list[int]]:
 @dataclass
 class SharedRow:
     """``collate_shared``'s answer: the model's inputs, the attention they need attached
-    (``attention.SharedPrefixes``), and for each sample the row positions of its tokens in order
-    (``tokens[i]``; its last is where its prompt ends)."""
+    (``attention.SharedPrefixes``), for each sample the row positions of its tokens in order
+    (``tokens[i]``; its last is where its prompt ends) and which of the row's images it shows
+    (``images[i]``, in ``image_grid_thw``'s order)."""
 
     inputs: dict
     layout: SharedPrefixes
     tokens: list[list[int]]
+    images: list[int]
 
     @property
     def last(self) -> list[int]:
@@ -436,6 +438,7 @@ def collate_shared(samples: list[dict[str, torch.Tensor]], groups: list[list[int
     prompt by prompt."""
     row_tokens, queries, keys, key_bounds = [], [0], [], [0]
     tokens: list[list[int]] = [[] for _ in samples]
+    images = [0] * len(samples)
     pixels, grids = [], []
 
     def add(sample: dict, start: int, end: int, shared: list[int]) -> list[int]:
@@ -451,10 +454,11 @@ def collate_shared(samples: list[dict[str, torch.Tensor]], groups: list[list[int
     for group in groups:
         shared = _shared_length([samples[i] for i in group])
         prefix = add(samples[group[0]], 0, shared, []) if shared else []
-        for i in (group[:1] if shared else group):  # the image inputs, in the order of the row's images
-            pixels.append(samples[i]["pixel_values"])
-            grids.append(samples[i]["image_grid_thw"])
         for i in group:
+            if i == group[0] or not shared:  # the image inputs, in the order of the row's images
+                pixels.append(samples[i]["pixel_values"])
+                grids.append(samples[i]["image_grid_thw"])
+            images[i] = len(pixels) - 1
             tokens[i] = prefix + add(samples[i], shared, len(samples[i]["input_ids"]), prefix)
     bounds = torch.tensor(queries, dtype=torch.int32)
     inputs = {
@@ -467,7 +471,7 @@ def collate_shared(samples: list[dict[str, torch.Tensor]], groups: list[list[int
         "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
         "max_length_q": int((bounds[1:] - bounds[:-1]).max()), "max_length_k": int((bounds[1:] - bounds[:-1]).max()),
     }
-    return SharedRow(inputs, SharedPrefixes(queries, keys, key_bounds), tokens)
+    return SharedRow(inputs, SharedPrefixes(queries, keys, key_bounds), tokens, images)
 
 
 def _shared_length(group: list[dict[str, torch.Tensor]]) -> int:
