@@ -66,8 +66,10 @@ class BoxHead(torch.nn.Module):
     def __init__(self, hidden_size: int, width: int = WIDTH, key_width: int = KEY_WIDTH):
         super().__init__()
         self.query = torch.nn.Linear(hidden_size, key_width)
-        self.key = torch.nn.Linear(hidden_size, key_width)
-        self.where = torch.nn.Linear(2 + 4 * FREQUENCIES, key_width)
+        # no bias on the keys: one added to every key of a sample shifts all its scores alike, which
+        # the softmax ignores (its gradient would be rounding noise, which Adam scales up to steps)
+        self.key = torch.nn.Linear(hidden_size, key_width, bias=False)
+        self.where = torch.nn.Linear(2 + 4 * FREQUENCIES, key_width, bias=False)
         # the MLP's first layer on [query, attended states], split so that each image token is
         # projected once, before the per-sample sum (the same map, a fraction of the memory)
         self.from_query = torch.nn.Linear(hidden_size, width)
