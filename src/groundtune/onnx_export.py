@@ -27,8 +27,11 @@ against PyTorch.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import torch
@@ -81,7 +84,7 @@ def export_onnx(model, box_head, processor: qwen.Processor, family: str, resize:
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
     length = torch.export.Dim("length", min=2, max=core.config.get_text_config().max_position_embeddings)
     external = sum(p.numel() * p.element_size() for p in graph.parameters()) > EXTERNAL_DATA_BYTES
-    with torch.no_grad():
+    with torch.no_grad(), _exporter_quiet():
         torch.onnx.export(
             graph, inputs, str(folder / ONNX_FILE), dynamo=True, verbose=False,
             input_names=["input_ids", "attention_mask", "pixel_values"], output_names=["boxes"],
@@ -107,6 +110,21 @@ def export_onnx(model, box_head, processor: qwen.Processor, family: str, resize:
         "temporal_patch_size": image.temporal_patch_size,
         "merge_size": image.merge_size,
     }
+
+
+@contextlib.contextmanager
+def _exporter_quiet():
+    """The exporter's own warnings (torchvision ops it skips, dynamic axes it renames, a pytree
+    deprecation) say nothing about the export: kept off the user's terminal. Errors still raise."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def script_source() -> str:
