@@ -61,7 +61,7 @@ from groundtune.progress import track
 
 from .images import header_size
 from .records import DataError, image_path, iter_jsonl, jsonl_file, record_size
-from .sources import _image_ref, _load_instances
+from .sources import image_ref, load_instances
 
 KINDS = ("category", "attribute", "extreme", "ordinal", "size", "relation")
 
@@ -242,7 +242,7 @@ def from_coco(instances: str | Path, images: str | Path, out: str | Path, split:
               attribute_field: str = "attributes") -> list[Detections]:
     """COCO instances.json -> one Detections per image that has annotations, in the file's image
     order. An annotation may carry ``attribute_field`` (a word or a list of words)."""
-    data, image_by_id = _load_instances(instances)
+    data, image_by_id = load_instances(instances)
     names = {c["id"]: c["name"] for c in data.get("categories", [])}
     split = split or Path(instances).stem.removeprefix("instances_")
     by_image: dict = defaultdict(list)
@@ -258,7 +258,7 @@ def from_coco(instances: str | Path, images: str | Path, out: str | Path, split:
             tuple(xywh_to_xyxy(box)), _label(names[ann["category_id"]], where),
             _attributes(ann.get(attribute_field), where), bool(ann.get("iscrowd")), ann.get("id")))
     return [
-        Detections(str(im["id"]), _image_ref(Path(images) / im["file_name"], out), im["width"], im["height"],
+        Detections(str(im["id"]), image_ref(Path(images) / im["file_name"], out), im["width"], im["height"],
                    split, by_image[im["id"]], {"image_id": im["id"]})
         for im in data["images"] if by_image.get(im["id"])
     ]
@@ -290,7 +290,7 @@ def from_jsonl(path: str | Path, out: str | Path, attribute_field: str = "attrib
             # the image's id in record ids: its image_id, else its place in the file and its name
             name = str(r["image_id"]) if "image_id" in r else f"{len(images)}-{Path(key).stem}"
             extras = {"image_id": r["image_id"]} if "image_id" in r else {}
-            images[key] = Detections(name, _image_ref(image_path(r, path), out), width, height,
+            images[key] = Detections(name, image_ref(image_path(r, path), out), width, height,
                                      str(r.get("split", path.stem)), [], extras)
         elif record_size(r) not in (None, (images[key].width, images[key].height)):
             raise DataError(f"{where}: width/height {r['width']}x{r.get('height')} differ from an earlier line "

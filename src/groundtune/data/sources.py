@@ -55,7 +55,7 @@ def _sample(id, image, width, height, phrase, bbox, split, source, **extras) -> 
     }
 
 
-def _image_ref(image: str | Path, out: str | Path) -> str:
+def image_ref(image: str | Path, out: str | Path) -> str:
     """How the output file names an image (see the module docstring for why not always relative)."""
     # abspath, not resolve: a symlinked dataset folder stays spelled the way the user spelled it.
     image = Path(os.path.abspath(image))
@@ -66,7 +66,7 @@ def _image_ref(image: str | Path, out: str | Path) -> str:
         return str(image)
 
 
-def _load_instances(path: str | Path) -> tuple[dict, dict]:
+def load_instances(path: str | Path) -> tuple[dict, dict]:
     """COCO instances.json -> (the whole file, images by id). COCO json has no streaming reader
     in the standard library; pycocotools loads it whole too."""
     try:
@@ -134,7 +134,7 @@ def convert_refcoco(
     if not Path(images).is_dir():
         raise DataError(f"{images}: images folder not found; pass the folder holding the COCO train2014 images")
     ref_list = _load_refs(refs)
-    data, image_by_id = _load_instances(instances)
+    data, image_by_id = load_instances(instances)
     ann_by_id = {a["id"]: a for a in data["annotations"]}
     source = refer_source(refs)
     if split is not None:
@@ -152,7 +152,7 @@ def convert_refcoco(
                 raise DataError(f"{instances}: ref_id {ref['ref_id']} of {refs} names {what}, which is not in "
                                 "this file; pass the instances.json that came with the refs pickle")
             bbox = xywh_to_xyxy(ann["bbox"])
-            image = _image_ref(Path(images) / im["file_name"], out)
+            image = image_ref(Path(images) / im["file_name"], out)
             for sent in ref["sentences"]:
                 yield _sample(
                     f"{source}-{ref['split']}-{sent['sent_id']}", image, im["width"], im["height"],
@@ -255,7 +255,7 @@ def convert_parquet(path: str | Path, images_out: str | Path, out: str | Path, s
                 if not phrase or not phrase.strip():
                     continue  # an empty expression cannot be grounded; the index keeps later ids stable
                 yield _sample(
-                    f"{qid}-{i}", _image_ref(file, out), width, height, phrase.strip(), xywh_to_xyxy(bbox),
+                    f"{qid}-{i}", image_ref(file, out), width, height, phrase.strip(), xywh_to_xyxy(bbox),
                     split or record.get("split") or f.stem.split("-")[0], "parquet", **extras,
                 )
 
@@ -274,7 +274,7 @@ def convert_coco(instances: str | Path, images: str | Path, out: str | Path, spl
     referent. ``split`` is recorded on every line; without it, the instances file name decides
     ("instances_val2017.json" -> "val2017").
     """
-    data, image_by_id = _load_instances(instances)
+    data, image_by_id = load_instances(instances)
     names = {c["id"]: c["name"] for c in data.get("categories", [])}
     split = split or Path(instances).stem.removeprefix("instances_")
 
@@ -287,7 +287,7 @@ def convert_coco(instances: str | Path, images: str | Path, out: str | Path, spl
                 what = f"image_id {ann['image_id']}" if im is None else f"category_id {ann['category_id']}"
                 raise DataError(f"{instances}: annotation {ann['id']} names {what}, which this file does not define")
             yield _sample(
-                f"coco-{split}-{ann['id']}", _image_ref(Path(images) / im["file_name"], out), im["width"],
+                f"coco-{split}-{ann['id']}", image_ref(Path(images) / im["file_name"], out), im["width"],
                 im["height"], names[ann["category_id"]], xywh_to_xyxy(ann["bbox"]), split, "coco",
                 ann_id=ann["id"], image_id=ann["image_id"], category_id=ann["category_id"],
             )
@@ -355,7 +355,7 @@ def convert_jsonl(path: str | Path, out: str | Path) -> int:
             # Written out here rather than with _sample: a multi-target sample has bboxes in bbox's place.
             sample = {
                 "id": str(r["id"]) if "id" in r else f"{path.stem}-{n}",
-                "image": _image_ref(image, out),
+                "image": image_ref(image, out),
                 "width": width,
                 "height": height,
                 "phrase": r["phrase"].strip(),
