@@ -102,8 +102,11 @@ def main() -> None:
     parser.add_argument("--data", type=Path, help="train.jsonl made by an earlier run")
     parser.add_argument("--phrases-per-image", type=int, default=1,
                         help="without --data: samples that share an image (RefCOCO val: 7.2)")
+    parser.add_argument("--no-read-ahead", action="store_true",
+                        help="eval receives each batch from its encoding processes after the one before")
     parser.add_argument("--out")
     args = parser.parse_args()
+    infer.READ_AHEAD = not args.no_read_ahead
     if torch.cuda.is_available():
         torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory)
     data = args.data or make_refcoco_like(Path(f"/tmp/head_speed_data_{args.phrases_per_image}"), args.samples,
