@@ -112,10 +112,12 @@ def test_a_group_shares_its_prefill(tiny):
     assert len({tuple(a) for a in shared}) > 2
 
 
-def test_phrases_asked_of_one_image_share_its_prefill_and_answer_as_alone(tiny):
+def test_phrases_asked_of_one_image_share_its_prefill_and_answer_as_alone(any_family_model):
     """Prompts that show one image (the same pixels, another object too) are prefilled with their
     shared beginning once (qwen.collate_shared): the image goes through the vision tower once, and
-    every answer is plain generate's for that prompt alone."""
+    every answer is plain generate's for that prompt alone, in every family (Qwen3-VL's DeepStack
+    features included)."""
+    tiny = _model(any_family_model)
     (a, record_a), (b, record_b) = (synth.make_sample(seed=5, index=i, width=w, height=h, task="multi")
                                     for i, (w, h) in enumerate([(168, 112), (112, 140)]))
     pairs = [(a, record_a["phrase"]), (b, record_b["phrase"]), (a, "the shape on the left"),

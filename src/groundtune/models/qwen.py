@@ -494,7 +494,7 @@ def shared_image_inputs(core, inputs: dict, image_of_sample: list[int]) -> dict:
     each distinct image through the vision tower once: sample i (a padded batch's row, or one sample
     of a packed row) shows the image of sample ``image_of_sample[i]``. What the model's forward would
     do with ``pixel_values``, which would run an image once per sample that shows it: the G answers
-    of an RL prompt (train/objective.py), the phrases asked of one image (``infer.head_boxes``). A
+    of an RL prompt (train/objective.py); inference shares more (``collate_shared``). A
     trained vision LoRA gets the gradients of every sample that shows the image, summed, as it would
     from separate passes. Only for a family whose ``image_features_alone``."""
     inputs = dict(inputs)
