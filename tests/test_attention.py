@@ -137,7 +137,8 @@ def test_shared_prefixes_attend_as_each_prompt_alone():
     query = torch.randn(1, 4, 115, 16)
     key, value = (torch.randn(1, 2, 115, 16) for _ in range(2))
     got, _ = layout.attend(0, query, key, value, scale=0.25)
-    for prompt in ([*range(0, 40), *range(45, 54)], [*range(0, 40), 54], [*range(55, 85)], [*range(85, 105), *range(112, 115)]):
+    prompts = ([*range(0, 40), *range(45, 54)], [*range(0, 40), 54], [*range(55, 85)], [*range(85, 105), *range(112, 115)])
+    for prompt in prompts:
         alone = torch.nn.functional.scaled_dot_product_attention(
             query[:, :, prompt], key[:, :, prompt], value[:, :, prompt], is_causal=True, scale=0.25, enable_gqa=True)
         torch.testing.assert_close(got[0, prompt], alone[0].transpose(0, 1))

@@ -368,7 +368,8 @@ with torch.no_grad():
     p = torch.softmax(keys @ q / q.shape[0] ** 0.5, dim=0)[:, None]  # where the phrase is, over the cells
     centre = (p * xy).sum(0)
     size = torch.sqrt(12 * (p * (xy - centre) ** 2).sum(0) + cell ** 2)
-    correction = linear(torch.nn.functional.gelu(linear(query, "from_query") + (p * linear(states, "from_image")).sum(0)), "out")
+    attended = (p * linear(states, "from_image")).sum(0)
+    correction = linear(torch.nn.functional.gelu(linear(query, "from_query") + attended), "out")
     (cx, cy), (w, h) = (centre + correction[:2]).tolist(), (size * correction[2:].exp()).tolist()  # fractions
 size = (image.width, image.height) * 2
 box = [min(max(v * s, 0.0), s) for v, s in zip((cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2), size)]

@@ -231,8 +231,8 @@ def predict_records(gm, records: list[dict], data_path, batch_size: int = 16,
     machine, none on a CPU one, where they would take cores from the model), one batch at a time:
     a large file never sits in memory. Records are answered largest image first, so each batch
     holds similar sizes, then image by image, so an image's phrases share a batch, one encoding
-    and one pass through the vision tower. ``progress``: the progress bar's label, or None for none. An image that
-    cannot be read or resized is a DataError naming its file."""
+    and one pass through the vision tower. ``progress``: the progress bar's label, or None for
+    none. An image that cannot be read or resized is a DataError naming its file."""
     _check_batch_size(batch_size)
     order = sorted(range(len(records)), key=lambda i: _answer_order(records[i], gm.resize), reverse=True)
     # Each batch's records of one image go to a worker together: it reads and encodes the image once
@@ -250,7 +250,7 @@ def predict_records(gm, records: list[dict], data_path, batch_size: int = 16,
         worker_init_fn=ignore_stop_signals if workers else None,
     ))
     arriving = (list(itertools.islice(items, len(runs))) for runs in batches)
-    if workers and READ_AHEAD:  # a thread takes the next batch's items off the workers' queue while the GPU answers
+    if workers and READ_AHEAD:  # a thread takes the next batch off the workers' queue while the GPU answers
         arriving = _read_ahead(arriving)
     if progress:
         arriving = track(arriving, f"{progress} ({batch_size}/batch)", total=len(batches))
