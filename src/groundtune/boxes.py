@@ -203,6 +203,11 @@ def box_area(box: Sequence[float]) -> float:
     return max(0.0, box[2] - box[0]) * max(0.0, box[3] - box[1])
 
 
+def box_centre(box: Sequence[float]) -> tuple[float, float]:
+    """The (x, y) centre of an xyxy box."""
+    return (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
+
+
 def iou(a: Sequence[float], b: Sequence[float]) -> float:
     """Intersection over union of two xyxy boxes; 0 when the union is empty."""
     iw = min(a[2], b[2]) - max(a[0], b[0])

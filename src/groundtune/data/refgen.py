@@ -55,7 +55,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from groundtune.boxes import as_box, box_area, xywh_to_xyxy
+from groundtune.boxes import as_box, box_area, box_centre, xywh_to_xyxy
 from groundtune.errors import ConfigError
 from groundtune.progress import track
 
@@ -189,11 +189,11 @@ class Obj:
 
     @property
     def cx(self) -> float:
-        return (self.box[0] + self.box[2]) / 2
+        return box_centre(self.box)[0]
 
     @property
     def cy(self) -> float:
-        return (self.box[1] + self.box[3]) / 2
+        return box_centre(self.box)[1]
 
     @property
     def area(self) -> float:

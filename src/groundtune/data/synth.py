@@ -30,6 +30,7 @@ from typing import Iterator
 import numpy as np
 from PIL import Image, ImageDraw
 
+from groundtune.boxes import box_centre
 from groundtune.data.records import write_samples
 from groundtune.progress import progress_bar
 
@@ -94,11 +95,11 @@ class Shape:
 
     @property
     def cx(self) -> float:
-        return (self.box[0] + self.box[2]) / 2
+        return box_centre(self.box)[0]
 
     @property
     def cy(self) -> float:
-        return (self.box[1] + self.box[3]) / 2
+        return box_centre(self.box)[1]
 
 
 @dataclass(frozen=True)
