@@ -71,12 +71,11 @@ def test_the_head_gives_each_sample_its_own_images_box_however_the_batch_is_laid
               for name in sorted(p.name for p in (synth_single / "images").iterdir())[:2]]
     pairs = [(images[0], "the red circle"), (images[1], "the red circle"), (images[0], "a shape")]
     encoded, _ = infer.encode_prompts(gm, pairs)
-    id_, merge = core.config.image_token_id, gm.processor.merge_size
     got = []
     with torch.inference_mode():
         for batch in (qwen.collate(encoded, gm.processor.pad_token_id, "right"), qwen.collate_packed(encoded)):
             hidden = core.model(**batch, use_cache=False).last_hidden_state
-            tokens = head.image_tokens(batch["input_ids"], batch["image_grid_thw"], id_, merge)
+            tokens = head.image_tokens(batch, core.config)
             got.append(head.read(box_head, hidden, head.query_positions(batch), tokens))
         row = qwen.collate_shared(encoded, qwen.image_groups(encoded))
         assert row.images == [0, 1, 0] and len(row.inputs["image_grid_thw"]) == 2
@@ -84,7 +83,7 @@ def test_the_head_gives_each_sample_its_own_images_box_however_the_batch_is_laid
 
         with attached(row.layout):
             hidden = core.model(**row.inputs, use_cache=False).last_hidden_state
-        tokens = head.image_tokens(row.inputs["input_ids"], row.inputs["image_grid_thw"], id_, merge, row.images)
+        tokens = head.image_tokens(row.inputs, core.config, row.images)
         got.append(head.read(box_head, hidden, (torch.zeros(3, dtype=torch.long), torch.tensor(row.last)), tokens))
     for other in got[1:]:
         torch.testing.assert_close(other, got[0], atol=1e-4, rtol=0)

@@ -463,8 +463,7 @@ def head_boxes(gm, encoded: list[dict], sizes: list[tuple]) -> list[Prediction]:
         batch = qwen.collate_packed(encoded) if packed else qwen.collate(encoded, gm.processor.pad_token_id, "right")
         query = head.query_positions(batch)
     batch = {k: v.to(gm.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    tokens = head.image_tokens(batch["input_ids"], batch["image_grid_thw"], core.config.image_token_id,
-                               gm.processor.merge_size, image_of_sample)
+    tokens = head.image_tokens(batch, core.config, image_of_sample)
     with evaluating(gm.model), torch.inference_mode(), layout:
         hidden = core.model(**batch, use_cache=False).last_hidden_state
         units = head.read(head.head_of(gm.model), hidden, query, tokens).float().cpu().tolist()

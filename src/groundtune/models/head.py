@@ -122,14 +122,15 @@ def cells(grid_thw: list[int], merge_size: int) -> tuple[torch.Tensor, torch.Ten
     return torch.stack([x, y], dim=-1), torch.tensor([1 / cols, 1 / rows]).expand(len(x), 2)
 
 
-def image_tokens(input_ids: torch.Tensor, grid_thw: torch.Tensor, image_token_id: int, merge_size: int,
-                 image_of_sample: list[int] | None = None) -> ImageTokens:
-    """The ``ImageTokens`` of a batch (``input_ids`` padded, or one packed row) whose images, in
-    ``grid_thw``'s order, are its image tokens' in row-major order. Sample i shows image i, or
-    ``image_of_sample[i]`` (a row in which an image's phrases share its tokens:
-    ``qwen.collate_shared``)."""
-    where = (input_ids == image_token_id).nonzero()
-    per_image = [cells(g, merge_size) for g in grid_thw.tolist()]
+def image_tokens(batch: dict[str, torch.Tensor], config, image_of_sample: list[int] | None = None) -> ImageTokens:
+    """The ``ImageTokens`` of a batch (``input_ids`` padded, or one packed row) of a model with
+    ``config`` (its image token and merge size), whose images, in ``image_grid_thw``'s order, are
+    its image tokens' in row-major order. Sample i shows image i, or ``image_of_sample[i]`` (a row
+    in which an image's phrases share its tokens: ``qwen.collate_shared``)."""
+    input_ids = batch["input_ids"]
+    where = (input_ids == config.image_token_id).nonzero()
+    merge_size = config.vision_config.spatial_merge_size
+    per_image = [cells(g, merge_size) for g in batch["image_grid_thw"].tolist()]
     counts = torch.tensor([len(xy) for xy, _ in per_image])
     if int(counts.sum()) != len(where):
         raise ValueError(f"the batch has {len(where)} image tokens, its images {int(counts.sum())}")

@@ -76,8 +76,7 @@ class BoxObjective(torch.nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]):
         core = base_model(self.model)
         hidden = hidden_states(core, batch)
-        tokens = head.image_tokens(batch["input_ids"], batch["image_grid_thw"], core.config.image_token_id,
-                                   core.config.vision_config.spatial_merge_size)
+        tokens = head.image_tokens(batch, core.config)
         boxes = head.read(head.head_of(self.model), hidden, head.query_positions(batch), tokens)
         return boxes, (_answer_logprobs(core, hidden, batch["labels"])[0] if self.text else None)
 
