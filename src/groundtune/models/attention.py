@@ -222,15 +222,16 @@ class SharedPrefixes:
     Attached for one forward pass (``attached``), in place of ``cu_seq_lens_q``."""
 
     def __init__(self, query_bounds: list[int], key_index: list[int], key_bounds: list[int]):
+        self.shares = key_bounds != query_bounds  # else each piece attends to itself: a plain packed row
         self.query_bounds, self.key_bounds = torch.tensor(query_bounds), torch.tensor(key_bounds)
-        self.key_index = torch.tensor(key_index)
+        self.key_index = torch.tensor(key_index) if self.shares else None  # (a plain row needs none)
         self.longest_query = max(b - a for a, b in zip(query_bounds[:-1], query_bounds[1:]))
         self.longest_key = max(b - a for a, b in zip(key_bounds[:-1], key_bounds[1:]))
-        self.shares = key_bounds != query_bounds  # else each piece attends to itself: a plain packed row
 
     def to(self, device) -> "SharedPrefixes":
-        self.query_bounds, self.key_bounds, self.key_index = (
-            t.to(device) for t in (self.query_bounds, self.key_bounds, self.key_index))
+        self.query_bounds, self.key_bounds = self.query_bounds.to(device), self.key_bounds.to(device)
+        if self.key_index is not None:
+            self.key_index = self.key_index.to(device)
         return self
 
     def attend(self, layer: int, query, key, value, scale: float, cu_seqlens=None, max_length=None):
