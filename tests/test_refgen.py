@@ -275,6 +275,95 @@ def test_data_check_refs_command(tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------------------------
+# Scenes judged by eye (issue 29): what the centre-distance rule wrote there that a reader calls wrong
+
+HOSTILE = Path(__file__).parent / "fixtures" / "refgen" / "hostile_scenes.jsonl"
+
+# (scene, target) -> phrases a reader calls wrong there (the old rule wrote each, in one wording or another)
+WRONG_BY_EYE = {
+    ("cup_in_cup", 1): ["the cup at the top", "the top mug"],  # the small cup lies inside the big one
+    ("cup_in_cup", 0): ["the mug at the bottom", "the bottom cup"],  # ... which fills the frame
+    ("overlapping_cups", 0): ["the mug on the left", "the leftmost cup"],  # 80% overlapped: one heap
+    ("overlapping_cups", 1): ["the rightmost cup", "the cup on the right"],
+    ("laptop_on_table", 0): ["the laptop beside the table", "the laptop next to the dining table"],  # it stands on it
+    ("laptop_on_table", 1): ["the table next to the laptop", "the dining table beside the laptop"],
+    ("tiny_bottle", 0): ["the second bottle from the right"],  # counts the 15 px bottle in the corner
+    ("tiny_bottle", 1): ["the third bottle from the right"],
+}
+# ... and phrases that stay true there: a checker that refused everything would fail on these
+RIGHT_BY_EYE = {
+    ("cup_in_cup", 1): "the small cup",
+    ("laptop_on_table", 2): "the cup next to the laptop",  # side by side, in one band
+    ("tiny_bottle", 2): "the leftmost bottle",
+    ("tiny_bottle", 1): "the second bottle from the left",  # the tiny bottle is right of all three
+}
+
+
+def _hostile_scenes() -> dict[str, dict]:
+    return {r["image_id"]: r for r in read(HOSTILE)}
+
+
+def test_refgen_writes_no_position_phrase_a_reader_calls_wrong(tmp_path):
+    out = tmp_path / "refs.jsonl"
+    assert main(["data", "refgen", "--from", "jsonl", "--path", str(HOSTILE), "--out", str(out),
+                 "--per-box", "100"]) == 0  # every phrase the rules allow
+    records = read(out)
+    said = {}
+    for r in records:
+        said.setdefault((r["image_id"], r["target"]), set()).add(r["phrase"])
+    for key, wrong in WRONG_BY_EYE.items():
+        assert not said.get(key, set()) & set(wrong), key
+
+    # by meaning, whatever the wording drawn: nothing placed by position between boxes one inside
+    # or mostly over the other, no "beside" for what stands on the table, no position counted from
+    # the tiny bottle's side, and no ordinal made possible by the tiny bottle
+    def kinds(scene: str) -> set[str]:
+        return {r["kind"] for r in records if r["image_id"] == scene}
+
+    def phrases(scene: str) -> set[str]:
+        return {r["phrase"] for r in records if r["image_id"] == scene}
+
+    assert not kinds("cup_in_cup") & {"extreme", "ordinal"}
+    assert not kinds("overlapping_cups") & {"extreme", "ordinal"}
+    assert not [p for p in phrases("laptop_on_table") if "table" in p and re.search(r"next to|beside", p)]
+    assert not [p for p in phrases("tiny_bottle") if re.search(r"from the right|rightmost|on the right", p)]
+    assert "ordinal" not in kinds("tiny_bottle_of_three")
+
+    # what stays true is still written: the rules do not just fall silent
+    small = {f"the small {n}" for n in ("cup", "mug")} | {f"the smaller of the two {n}s" for n in ("cup", "mug")}
+    assert small & said[("cup_in_cup", 1)]
+    beside_laptop = {f"the {n} {r} the laptop" for n in ("cup", "mug") for r in ("next to", "beside")}
+    assert beside_laptop & said[("laptop_on_table", 2)]
+    assert {"the leftmost bottle", "the bottle on the left"} & said[("tiny_bottle", 2)]
+    assert "the second bottle from the left" in said[("tiny_bottle", 1)]
+    assert "the third bottle from the left" in said[("tiny_bottle", 0)]
+    assert refcheck.check_refs(out).failed == 0
+
+
+def test_checker_refuses_wrong_by_eye_phrases_written_by_hand(tmp_path, capsys):
+    """The checker on its own: the same scenes, the phrases typed into a refs file, not generated."""
+    scenes = _hostile_scenes()
+    lines = [(key, phrase, False) for key, wrong in WRONG_BY_EYE.items() for phrase in wrong]
+    lines += [(key, phrase, True) for key, phrase in RIGHT_BY_EYE.items()]
+    refs = tmp_path / "by_hand.jsonl"
+    with refs.open("w") as f:
+        for (scene, target), phrase, _ in lines:
+            s = scenes[scene]
+            f.write(json.dumps({"id": f"{scene}-{target}", "image": s["image"], "width": s["width"],
+                                "height": s["height"], "phrase": phrase, "bbox": s["bboxes"][target],
+                                "objects": [{"bbox": b, "label": label} for b, label in zip(s["bboxes"], s["labels"])],
+                                "target": target}) + "\n")
+    assert main(["data", "check", "--refs", str(refs), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    refused = {p["line"]: p["verdict"] for p in report["problems"]}
+    for number, (key, phrase, right) in enumerate(lines, start=1):
+        if right:
+            assert number not in refused, (phrase, refused.get(number))
+        else:
+            assert refused.get(number) in ("wrong_box", "second_box"), (key, phrase)
+
+
+# --------------------------------------------------------------------------------------------
 # The model filter, on the synthetic scenes the tiny model knows
 
 

@@ -4,32 +4,45 @@ not trust the generator: ``groundtune data check --refs FILE`` and the tests.
 It reads the phrase TEXT back with its own grammar (category, attribute, extreme, ordinal, size,
 relation and anchor) and evaluates that reading against every box of the image the record keeps
 (``objects``, ``target`` = the index of the phrase's box) with its own geometry. It shares with
-data/refgen.py only the definition of the language: the category names (SYNONYMS, PLURALS) and
-the four numbers that say what "clearly" means (MARGIN_FRAC, SIZE_RATIO, NEAR_FRAC, FAR_FRAC);
-no function of the generator is called.
+data/refgen.py only the definition of the language: the category names (SYNONYMS, PLURALS), the
+four numbers that say what "clearly" means (MARGIN_FRAC, SIZE_RATIO, NEAR_FRAC, FAR_FRAC) and the
+size under which a reader may overlook a box (MIN_SIZE_PX); no function of the generator is called.
+What makes two boxes clearly apart it measures its own way (MAX_IOU, EDGE_SHARE below, the band of
+"next to"), on other quantities than the generator's, so a slip in either rule shows as a
+disagreement; the generator's bounds lie inside these, so its phrases never sit on their edge.
 
 A reading gives the boxes the phrase surely names and those it may name (a reader could take it
 so). The phrase is right when both are exactly its box. With m = max(1 px, MARGIN_FRAC x the
 shorter image side), s = the shorter side, a cup's "group" = every box its name can mean (a crowd
-box of that category may always be meant: it holds an unknown number of them):
+box of that category may always be meant: it holds an unknown number of them), and cup A "clearly
+left of" cup B = A's centre >= m left of B's, A's left edge >= EDGE_SHARE x m left of B's left edge
+and B's right edge the same right of A's (neither holds the other across), and IoU(A, B) <= MAX_IOU
+(not one heap); right/top/bottom alike:
 
 ===================================  ===================================  ===========================
 phrase                               surely                               may mean
 ===================================  ===================================  ===========================
 the cup                              every cup                            every cup
 the red cup                          cups whose words include red         ... and cups without words
-the leftmost cup / cup on the left   a cup >= m left of every other       a cup no other is >= m left of
-  (right/top/bottom alike)           (box centres)
-the second cup from the left         exactly 1 cup >= m left of it,       it could be second if the
-                                     the rest >= m right of it            unclear ones fall either way
+the leftmost cup / cup on the left   a cup clearly left of every other    a cup no other counted cup
+  (right/top/bottom alike)                                                is clearly left of
+the second cup from the left         exactly 1 counted cup clearly left   it could be second if the
+                                     of it, the other counted cups        unclear ones fall either
+                                     clearly right of it, and every cup   way and the small ones are
+                                     under MIN_SIZE_PX clearly right      counted or not
 the biggest / smallest cup           area >= SIZE_RATIO x every other's   no other clearly bigger
 the big / small cup, the bigger of   as biggest/smallest, and only when   (smaller)
   the two cups                       the image holds exactly two cups
 the cup left of the laptop           wholly left (x2 <= laptop x1) and    centre < laptop centre + m
   (right of / above / below,         centre >= m left of the laptop's
   to the left of, under)
-the cup next to / beside the laptop  0 <= edge gap <= NEAR_FRAC x s       edge gap <= FAR_FRAC x s
+the cup next to / beside the laptop  a horizontal gap of 0..NEAR_FRAC x   edge gap <= FAR_FRAC x s
+                                     s, and the shorter box's middle
+                                     (y) within the taller's height
 ===================================  ===================================  ===========================
+
+A "counted" cup is one of at least MIN_SIZE_PX (sqrt of its area): a smaller one a reader may or may
+not count, so an extreme or an ordinal names its box surely only when it is the same either way.
 
 The anchor ("the laptop", "the red laptop") must itself be surely and only one box. Verdicts:
 ``ok``; ``wrong_box`` (the phrase does not clearly name its box); ``second_box`` (it names its
@@ -48,9 +61,17 @@ from groundtune.boxes import as_box
 from groundtune.progress import track
 
 from .records import iter_jsonl, write_samples
-from .refgen import FAR_FRAC, MARGIN_FRAC, NEAR_FRAC, PLURALS, SIZE_RATIO, SYNONYMS
+from .refgen import FAR_FRAC, MARGIN_FRAC, MIN_SIZE_PX, NEAR_FRAC, PLURALS, SIZE_RATIO, SYNONYMS
 
 VERDICTS = ("ok", "wrong_box", "second_box", "unparsed", "bad_record")
+
+# The checker's own reading of "clearly apart" for extremes and ordinals (refgen measures the
+# share of the smaller box covered instead). Two equal cups overlapping 80% (IoU 0.67) read as one
+# heap; two each half hidden by the other (IoU 1/3, refgen's bound) a reader still tells apart.
+MAX_IOU = 0.4
+# Besides the centres m apart, the matching ends of the two boxes at least this share of m apart: a
+# small cup inside a big one, or out of it by a few px, is never "at the top" or "on the left" of it.
+EDGE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -176,6 +197,36 @@ def _position(side: str):
     return {"left": lambda b: b.cx, "right": lambda b: -b.cx, "top": lambda b: b.cy, "bottom": lambda b: -b.cy}[side]
 
 
+def _iou(a: _Box, b: _Box) -> float:
+    inter = max(0.0, min(a.x2, b.x2) - max(a.x1, b.x1)) * max(0.0, min(a.y2, b.y2) - max(a.y1, b.y1))
+    union = a.area + b.area - inter
+    return inter / union if union > 0 else 1.0
+
+
+def _ends(b: _Box, side: str) -> tuple[float, float]:
+    """(b's end towards ``side``, its end away from it), signed so that smaller is further that way."""
+    return {"left": (b.x1, b.x2), "right": (-b.x2, -b.x1), "top": (b.y1, b.y2), "bottom": (-b.y2, -b.y1)}[side]
+
+
+def _clearly_toward(b: _Box, o: _Box, side: str, m: float) -> bool:
+    """b is clearly further towards ``side`` than o: its centre m past o's, each of its ends at least
+    EDGE_SHARE x m past o's matching end (b sticks out of o on that side, o out of b on the other),
+    and IoU at most MAX_IOU."""
+    pos = _position(side)
+    (b_near, b_far), (o_near, o_far) = _ends(b, side), _ends(o, side)
+    ends_apart = b_near + EDGE_SHARE * m <= o_near and b_far + EDGE_SHARE * m <= o_far
+    return pos(b) + m <= pos(o) and ends_apart and _iou(b, o) <= MAX_IOU
+
+
+def _beside(b: _Box, a: _Box, s: float) -> bool:
+    """b next to a: a horizontal gap of 0..NEAR_FRAC x s, and in one band: the shorter box's
+    vertical middle within the taller's height (a laptop standing on a table has its middle above
+    the table's top)."""
+    gap_x = max(a.x1 - b.x2, b.x1 - a.x2)
+    short, tall = sorted((b, a), key=lambda k: k.y2 - k.y1)
+    return 0 <= gap_x <= NEAR_FRAC * s and tall.y1 <= short.cy <= tall.y2
+
+
 def _edge_gap(a: _Box, b: _Box) -> float:
     dx = max(b.x1 - a.x2, a.x1 - b.x2)
     dy = max(b.y1 - a.y2, a.y1 - b.y2)
@@ -213,7 +264,7 @@ def evaluate(reading: dict, boxes: list[_Box], width: float, height: float) -> t
         cands = [i for i in people if i != k]
         rel = reading["rel"]
         if rel == "next to":
-            sure = {i for i in cands if 0 <= _edge_gap(boxes[i], a) <= NEAR_FRAC * s}
+            sure = {i for i in cands if _beside(boxes[i], a, s)}
             maybe = {i for i in cands if _edge_gap(boxes[i], a) <= FAR_FRAC * s}
         else:
             # (clearly on that side, may be read as on that side), each written out: the same
@@ -228,21 +279,31 @@ def evaluate(reading: dict, boxes: list[_Box], width: float, height: float) -> t
             sure = {i for i in cands if clearly(boxes[i])}
             maybe = {i for i in cands if possibly(boxes[i])}
         return sure, maybe | crowds, ""
+    counted = {i for i in people if boxes[i].area >= MIN_SIZE_PX ** 2}
     if form == "extreme":
-        pos = _position(reading["side"])
-        sure = {i for i in people if all(pos(boxes[i]) + m <= pos(boxes[j]) for j in people if j != i)}
-        maybe = {i for i in people if not any(pos(boxes[j]) + m <= pos(boxes[i]) for j in people if j != i)}
+        side = reading["side"]
+
+        def beats(i: int, j: int) -> bool:
+            return _clearly_toward(boxes[i], boxes[j], side, m)
+
+        sure = {i for i in people if all(beats(i, j) for j in people if j != i)}
+        # beaten only by small cups: the extreme for a reader who overlooks them
+        maybe = {i for i in people if not any(beats(j, i) for j in counted if j != i)}
         return sure, maybe | crowds, ""
     if form == "ordinal":
-        pos, rank = _position(reading["side"]), reading["rank"]
+        side, rank = reading["side"], reading["rank"]
         sure, maybe = set(), set()
         for i in people:
-            before = sum(pos(boxes[j]) + m <= pos(boxes[i]) for j in people if j != i)
-            after = sum(pos(boxes[i]) + m <= pos(boxes[j]) for j in people if j != i)
-            unclear = len(people) - 1 - before - after
-            if unclear == 0 and before == rank - 1:
+            rest = [j for j in people if j != i]
+            before = sum(_clearly_toward(boxes[j], boxes[i], side, m) for j in rest if j in counted)
+            after = sum(_clearly_toward(boxes[i], boxes[j], side, m) for j in rest if j in counted)
+            unclear = sum(j in counted for j in rest) - before - after
+            # a small cup not clearly after it: one reader counts it before it, another not at all
+            small_before = sum(not _clearly_toward(boxes[i], boxes[j], side, m) for j in rest if j not in counted)
+            lowest, highest = before + 1, before + unclear + small_before + 1
+            if lowest == highest == rank:
                 sure.add(i)
-            if before <= rank - 1 <= before + unclear:
+            if lowest <= rank <= highest:
                 maybe.add(i)
         return sure, maybe | crowds, ""
     # size, size_of_two

@@ -11,11 +11,13 @@ category    "the laptop"                                                  the on
 attribute   "the red cup"                                                 the only box of its category
                                                                           with that word, and every
                                                                           other one's words are known
-extreme     "the leftmost cup", "the cup on the right", "the top cup"     every other cup is at least
-                                                                          ``margin`` further from that
-                                                                          side (box centres)
-ordinal     "the second cup from the left"                                3+ cups, each at least
-                                                                          ``margin`` apart from it
+extreme     "the leftmost cup", "the cup on the right", "the top cup"     it is clearly beyond every
+                                                                          other cup towards that side
+                                                                          (below), and it and one other
+                                                                          are counted
+ordinal     "the second cup from the left"                                3+ counted cups (it one), each
+                                                                          clearly before or after it,
+                                                                          uncounted ones clearly after
 size        "the biggest cup"; among two: "the small cup",               its area is SIZE_RATIO x (or
             "the bigger of the two cups"                                  1 / SIZE_RATIO x) every other's
 relation    "the cup left of the laptop", "the cup above the table",      the anchor is the only box of
@@ -23,15 +25,30 @@ relation    "the cup left of the laptop", "the cup above the table",      the an
                                                                           attribute); see below
 ==========  ============================================================  ==============================
 
+A cup is "clearly beyond" another towards a side when both of its edges on that axis lie at least
+``margin`` further that way than the other's (so a box holding another is never beyond it, at the
+top or on the left, and a shift only of centres is not enough) and the boxes' overlap covers at most
+MAX_COVERED of the smaller one (more, and a reader sees one heap, not two things side by side).
+``margin`` is MARGIN_FRAC of the image's shorter side (at least 1 px).
+
+A box under ``min_size`` (sqrt of its area, MIN_SIZE_PX by default) is never a target or an anchor.
+One under ``min_size`` or MIN_SIZE_PX, whichever is larger, is "uncounted" for extremes and
+ordinals: a reader may overlook it, or may count it. It never makes a position phrase possible
+(an ordinal needs 3 counted cups, an extreme one counted other cup) nor gets one, and a position
+phrase is written only when it is true either way: an uncounted cup that is not clearly beyond the
+target the other way (it could be first, or shift the rank) means no phrase, rather than one true
+only for the reader who did not see it. For every other kind an uncounted cup is another cup like
+any other (a reader who sees it must not be misled).
+
 Relations hold by a clear distance and no other box of the category nearly satisfies them:
 "left of" needs the target wholly left of the anchor (x2 <= anchor x1) with its centre at least
 ``margin`` left of the anchor's, while every other cup's centre lies at least ``margin`` right of
-the anchor's centre ("above"/"below" the same on y). "next to" needs the gap between the boxes to
-be at most NEAR_FRAC of the image's shorter side (touching counts, overlapping in both axes does
-not) and every other cup's gap above FAR_FRAC of it. ``margin`` is MARGIN_FRAC of the shorter
-side (at least 1 px). A box whose category also has a crowd box in the image gets no phrase (the
-crowd holds an unknown number of them); boxes smaller than ``min_size`` are never targets or
-anchors, but they still count as other cups: a reader sees them.
+the anchor's centre ("above"/"below" the same on y). "next to" needs the boxes side by side: apart
+horizontally by a gap of at most NEAR_FRAC of the image's shorter side (touching counts,
+overlapping does not), sharing at least BAND_SHARE of the shorter box's height (so a laptop standing
+on a table is not "beside" it), and every other cup's gap (on either axis) above FAR_FRAC of that
+side. A box whose category also has a crowd box in the image gets no phrase (the crowd holds an
+unknown number of them).
 
 An attribute word that would make a phrase read two ways is dropped from that image's boxes: a
 position or size word of the templates ("top", "small": RESERVED_WORDS), or a word that with one
@@ -39,8 +56,9 @@ category's name spells another's ("teddy" on a bear beside a teddy bear).
 
 Left/right words are exactly those ``augment.hflip`` swaps (left, right, leftmost, rightmost), so
 a flipped sample's phrase stays true. ``refcheck.py`` re-derives, with its own parser and
-geometry, whether each written phrase picks exactly its box; the records keep every box of the
-image (``objects``, and ``target``: the index of the phrase's box) for it.
+geometry, whether each written phrase picks exactly its box (a reading of "clearly" of its own
+whose bounds this module's rules stay inside); the records keep every box of the image
+(``objects``, and ``target``: the index of the phrase's box) for it.
 
     groundtune data refgen --from coco --instances instances_val2017.json --images val2017 --out refs.jsonl
     groundtune data refgen --from jsonl --path shelves.jsonl --out refs.jsonl --kinds relation=2,extreme,size
@@ -67,10 +85,21 @@ KINDS = ("category", "attribute", "extreme", "ordinal", "size", "relation")
 
 # What "clearly" means, as fractions of the image's shorter side so a phrase means the same at any
 # resolution. refcheck.py reads these same numbers (the definition of the language), not this code.
-MARGIN_FRAC = 0.04  # centres this far apart are clearly apart (synth's own margin is 0.045)
+MARGIN_FRAC = 0.04  # edges/centres this far apart are clearly apart (synth's own margin is 0.045)
 SIZE_RATIO = 1.5  # "the biggest cup": at least this many times the area of every other cup
 NEAR_FRAC = 0.05  # "next to": the boxes' gap at most this
 FAR_FRAC = 0.15  # ... and every other box of the category's gap more than this
+# Two boxes sharing more than half of the smaller one read as one heap (a cup mostly behind or in
+# another): no "leftmost"/"second from the left" between them, however their edges lie. Half still
+# allows two cups each half hidden by the other, which a reader tells apart.
+MAX_COVERED = 0.5
+# "next to"/"beside": side by side means in one horizontal band; sharing at least half of the
+# shorter box's height excludes one box standing on the other (a laptop on a table shares none).
+BAND_SHARE = 0.5
+# --min-size's default (sqrt of the area, px), and the size under which a box is never counted for
+# an extreme or an ordinal whatever --min-size says: a 15 px bottle in a corner of a 640 px photo is
+# one a reader may overlook (refcheck.py reads boxes under it as ones a reader may or may not count).
+MIN_SIZE_PX = 16.0
 MODEL_FILTER_IOU = 0.5  # --filter-model: a phrase the model boxes back at this IoU or more is kept
 
 # COCO's 80 categories as people say them: the first name is the category's own, the others are
@@ -147,7 +176,7 @@ class RefgenSettings:
 
     kinds: dict[str, float] = field(default_factory=lambda: {k: 1.0 for k in KINDS})  # kind -> weight in the mix
     per_box: int = 3  # at most this many expressions per box
-    min_size: float = 16.0  # boxes with sqrt(area) below this (px) are never targets or anchors
+    min_size: float = MIN_SIZE_PX  # boxes with sqrt(area) below this (px) are never targets or anchors
     seed: int = 0  # same seed, same bytes
 
     def __post_init__(self) -> None:
@@ -386,6 +415,76 @@ def _gap(a: Obj, b: Obj) -> float:
     return max(b.box[0] - a.box[2], a.box[0] - b.box[2], b.box[1] - a.box[3], a.box[1] - b.box[3])
 
 
+def _too_small(o: Obj, settings: RefgenSettings) -> bool:
+    """Under --min-size: never a target or an anchor."""
+    return math.sqrt(o.area) < settings.min_size
+
+
+def _uncounted(o: Obj, settings: RefgenSettings) -> bool:
+    """A box a reader may overlook when counting for an extreme or an ordinal: under --min-size, or
+    under MIN_SIZE_PX even when --min-size is lower (a 5 px cup may be a target then, but a rank
+    counted over it is true only for the reader who spotted it)."""
+    return math.sqrt(o.area) < max(settings.min_size, MIN_SIZE_PX)
+
+
+def _edges(o: Obj, side: str) -> tuple[float, float]:
+    """The box's near and far edge on ``side``'s axis, as positions where smaller is further
+    towards ``side``."""
+    x1, y1, x2, y2 = o.box
+    return {"left": (x1, x2), "right": (-x2, -x1), "top": (y1, y2), "bottom": (-y2, -y1)}[side]
+
+
+def _covered(a: Obj, b: Obj) -> float:
+    """The share of the smaller box that the two boxes' intersection covers (1: one holds the other)."""
+    w = min(a.box[2], b.box[2]) - max(a.box[0], b.box[0])
+    h = min(a.box[3], b.box[3]) - max(a.box[1], b.box[1])
+    smaller = min(a.area, b.area)
+    return max(0.0, w) * max(0.0, h) / smaller if smaller > 0 else 1.0
+
+
+def _clearly_beyond(t: Obj, p: Obj, side: str, m: float) -> bool:
+    """t reads as clearly further towards ``side`` than p: both its edges on that axis at least m
+    further (centres alone would put a small cup inside a big one "at the top" of it) and the two
+    not one heap (MAX_COVERED)."""
+    (t_near, t_far), (p_near, p_far) = _edges(t, side), _edges(p, side)
+    return t_near + m <= p_near and t_far + m <= p_far and _covered(t, p) <= MAX_COVERED
+
+
+def _clearly_extreme(t: Obj, others: list[Obj], side: str, m: float, settings: RefgenSettings) -> bool:
+    """"the leftmost cup": clearly beyond every other cup, counted or not (a reader who sees a tiny
+    one further left would pick it), itself counted (a reader who overlooks it would pick the
+    next), and at least one other counted (a tiny one alone would make "the leftmost" of a single
+    visible cup)."""
+    return (not _uncounted(t, settings) and any(not _uncounted(p, settings) for p in others)
+            and all(_clearly_beyond(t, p, side, m) for p in others))
+
+
+def _ordinal_rank(t: Obj, others: list[Obj], side: str, m: float, settings: RefgenSettings) -> int | None:
+    """The rank of t from ``side`` among the counted cups, when every reader counts the same: t
+    itself counted, each counted cup clearly before or after it, 3+ counted cups in all, and every
+    uncounted cup clearly after it. An uncounted cup before it (or unclear) would make the rank
+    depend on whether the reader saw it, so there is no rank rather than one true only for a
+    reader who missed it."""
+    counted = [p for p in others if not _uncounted(p, settings)]
+    uncounted = [p for p in others if _uncounted(p, settings)]
+    before = [p for p in counted if _clearly_beyond(p, t, side, m)]
+    after = [p for p in counted if _clearly_beyond(t, p, side, m)]
+    if (_uncounted(t, settings) or len(counted) + 1 < 3 or len(before) + len(after) < len(counted)
+            or not all(_clearly_beyond(t, p, side, m) for p in uncounted)):
+        return None
+    return len(before) + 1
+
+
+def _side_by_side(t: Obj, a: Obj, scale: float) -> bool:
+    """"next to"/"beside": apart horizontally by a small gap (touching counts, overlapping does
+    not) and in one horizontal band: sharing BAND_SHARE of the shorter box's height, so neither
+    stands on the other nor sits inside it."""
+    gap_x = max(a.box[0] - t.box[2], t.box[0] - a.box[2])
+    shared_y = min(t.box[3], a.box[3]) - max(t.box[1], a.box[1])
+    shorter = min(t.box[3] - t.box[1], a.box[3] - a.box[1])
+    return 0 <= gap_x <= NEAR_FRAC * scale and shared_y >= BAND_SHARE * shorter
+
+
 def _names(label: str, present: set[str]) -> tuple[str, ...]:
     """How to say ``label`` in an image holding ``present`` categories: never by a name that one of
     them is also called (a user's "table" beside COCO's "dining table"). None left: it cannot be
@@ -413,21 +512,14 @@ def candidates(i: int, d: Detections, settings: RefgenSettings) -> list[Candidat
     group = [t] + others
     out = [Candidate(k[0], k, ("the {n}",) if k[0] == "category" else (f"the {k[1]} {{n}}",))
            for k in _describe_unique(i, d)]
-
-    # position along an axis, smaller = further towards the side
-    sides = {"left": lambda o: o.cx, "right": lambda o: -o.cx, "top": lambda o: o.cy, "bottom": lambda o: -o.cy}
-    if others:
-        for side, pos in sides.items():
-            if all(pos(t) + m <= pos(p) for p in others):
-                out.append(Candidate("extreme", ("extreme", side), _EXTREME_TEXTS[side]))
-    if len(group) >= 3:
-        for side, pos in sides.items():
-            before = [p for p in others if pos(p) + m <= pos(t)]
-            after = [p for p in others if pos(t) + m <= pos(p)]
-            rank = len(before) + 1
-            if len(before) + len(after) == len(others) and rank in _ORDINAL_WORDS:
-                out.append(Candidate("ordinal", ("ordinal", side, rank),
-                                     (f"the {_ORDINAL_WORDS[rank]} {{n}} from the {side}",)))
+    for side in _EXTREME_TEXTS:
+        if _clearly_extreme(t, others, side, m, settings):
+            out.append(Candidate("extreme", ("extreme", side), _EXTREME_TEXTS[side]))
+    for side in _EXTREME_TEXTS:
+        rank = _ordinal_rank(t, others, side, m, settings)
+        if rank in _ORDINAL_WORDS:
+            out.append(Candidate("ordinal", ("ordinal", side, rank),
+                                 (f"the {_ORDINAL_WORDS[rank]} {{n}} from the {side}",)))
     if others and all(t.area >= SIZE_RATIO * p.area for p in others):
         two = len(group) == 2
         texts = ("the big {n}", "the bigger of the two {ns}") if two else ("the biggest {n}", "the largest {n}")
@@ -450,7 +542,7 @@ def _relations(i: int, d: Detections, settings: RefgenSettings, m: float) -> lis
         "right of": lambda o, a: o.box[0] >= a.box[2] and a.cx + m <= o.cx,
         "above": lambda o, a: o.box[3] <= a.box[1] and o.cy + m <= a.cy,
         "below": lambda o, a: o.box[1] >= a.box[3] and a.cy + m <= o.cy,
-        "next to": lambda o, a: 0 <= _gap(o, a) <= NEAR_FRAC * scale,
+        "next to": lambda o, a: _side_by_side(o, a, scale),
     }
     clearly_not = {  # ... and every other box of its category clearly not, not even nearly
         "left of": lambda o, a: a.cx + m <= o.cx,
@@ -461,7 +553,7 @@ def _relations(i: int, d: Detections, settings: RefgenSettings, m: float) -> lis
     }
     out = []
     for j, a in enumerate(d.objects):
-        if (a.label == t.label or a.crowd or a.label in crowded or math.sqrt(a.area) < settings.min_size
+        if (a.label == t.label or a.crowd or a.label in crowded or _too_small(a, settings)
                 or not _names(a.label, present)):
             continue
         for how in _describe_unique(j, d):
@@ -504,7 +596,7 @@ def _choose(cands: list[Candidate], settings: RefgenSettings, rng: random.Random
 def _skip_reason(o: Obj, d: Detections, settings: RefgenSettings) -> str | None:
     if o.crowd:
         return "crowd"
-    if math.sqrt(o.area) < settings.min_size:
+    if _too_small(o, settings):
         return "too_small"
     if any(p.crowd and p.label == o.label for p in d.objects):
         return "crowd_category"
