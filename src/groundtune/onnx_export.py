@@ -47,7 +47,9 @@ ONNX_FILE = "model.onnx"
 SCRIPT_FILE = "onnx_predict.py"
 FAMILIES = ("qwen2-vl", "qwen2.5-vl")  # qwen3-vl's tower adds learned position tables and feeds
 # several LLM layers (deepstack): not built here yet
-PHRASE_MARK = "\ue000"  # a private-use character: where the phrase goes in the rendered prompt
+# the phrase export_onnx writes the prompt with: spaces and quotes, so a template that trims or
+# escapes the phrase (which onnx_predict.py, writing it as given, would not) is caught
+PROBE_PHRASE = ' a "b" '
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf caps one file at 2 GB: bigger weights go beside it
 MAX_BATCH = 1024  # the graph's batch axis is dynamic up to this (the exporter wants a bound)
 
@@ -92,7 +94,6 @@ def export_onnx(model, box_head, processor: qwen.Processor, family: str, resize:
                             "pixel_values": {0: batch}},
             external_data=external,
         )
-    before, after = qwen.prompt_text(processor, PHRASE_MARK, prompt, query).split(PHRASE_MARK)
     image = processor.image_processor
     return {
         "file": ONNX_FILE,
@@ -100,9 +101,8 @@ def export_onnx(model, box_head, processor: qwen.Processor, family: str, resize:
         "image_size": list(resized),  # every image is resized to this (width, height)
         "exported_for": list(image_size),
         "patches": graph.patches,
-        # the prompt around the phrase, its image placeholder already repeated once per image token
-        "prompt_before_phrase": before.replace(qwen.TOKENS.image, qwen.TOKENS.image * graph.image_tokens, 1),
-        "prompt_after_phrase": after,
+        "prompt": prompt_pieces(processor, qwen.prompt_text(processor, PROBE_PHRASE, prompt, query),
+                                graph.image_tokens),
         "pad_token_id": processor.pad_token_id,
         "image_mean": [float(v) for v in image.image_mean],
         "image_std": [float(v) for v in image.image_std],
@@ -110,6 +110,27 @@ def export_onnx(model, box_head, processor: qwen.Processor, family: str, resize:
         "temporal_patch_size": image.temporal_patch_size,
         "merge_size": image.merge_size,
     }
+
+
+def prompt_pieces(processor: qwen.Processor, text: qwen.PhraseText, image_tokens: int) -> list[dict]:
+    """What onnx_predict.py builds a prompt's ids from, in order: ``{"ids": [...]}``, the template's
+    control tokens (its image placeholder once per image token), and ``{"text": [...]}``, a piece of
+    text to tokenize with the phrase between its strings and special tokens' spellings as text:
+    ``Processor.tokenize``'s pieces (``text_pieces``), so both give the same ids for any phrase."""
+    if text.phrase != PROBE_PHRASE:
+        raise ConfigError(f"--onnx: the chat template writes the phrase {PROBE_PHRASE!r} as {text.phrase!r}; "
+                          "onnx_predict.py writes a phrase as given")
+    pieces: list[dict] = []
+    for piece in processor.text_pieces(text):
+        if isinstance(piece, list):
+            pieces.append({"text": piece})
+            continue
+        ids = [piece] * image_tokens if piece == processor.image_token_id else [piece]
+        if pieces and "ids" in pieces[-1]:
+            pieces[-1]["ids"] += ids
+        else:
+            pieces.append({"ids": ids})
+    return pieces
 
 
 @contextlib.contextmanager

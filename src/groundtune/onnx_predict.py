@@ -13,9 +13,9 @@ the image as given (after its EXIF orientation). From Python:
 This file is copied into every ONNX export and is also ``groundtune.onnx_predict``. It repeats, in
 numpy, the few steps groundtune's own path takes with torch (the image resized with Pillow's
 bicubic filter as training resized it, scaled, normalised and cut into the processor's patches;
-the prompt written around the phrase; a box from fractions of the image to its pixels), because
-it must run where groundtune cannot be installed. tests/test_onnx.py checks each step against
-groundtune's and the boxes against the PyTorch model's.
+the prompt's pieces put together around the phrase, which is always text; a box from fractions of
+the image to its pixels), because it must run where groundtune cannot be installed.
+tests/test_onnx.py checks each step against groundtune's and the boxes against the PyTorch model's.
 """
 
 from __future__ import annotations
@@ -38,7 +38,13 @@ class Grounder:
 
         folder = Path(folder)
         self.settings = json.loads((folder / "groundtune.json").read_text())["onnx"]
+        if "prompt" not in self.settings:
+            raise ValueError(f"{folder}: exported by an older groundtune, which wrote the phrase into the prompt's "
+                             "text; use that export's own onnx_predict.py, or export the run again")
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        # it tokenizes only the prompt's text pieces, where a phrase is text: a special token's
+        # spelling in it (<|im_end|>, <|image_pad|>) is read as text, as groundtune reads it
+        self.tokenizer.encode_special_tokens = True
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads  # 0: ONNX Runtime's choice
         self.session = onnxruntime.InferenceSession(str(folder / self.settings["file"]), options,
@@ -61,8 +67,15 @@ class Grounder:
         return [to_pixels(box, image.size) for box in fractions.tolist()]
 
     def input_ids(self, phrase: str) -> list[int]:
-        text = self.settings["prompt_before_phrase"] + phrase + self.settings["prompt_after_phrase"]
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        """The prompt's token ids: the template's control tokens as exported, and each piece of text
+        with the phrase in its place, tokenized on its own (groundtune's ``Processor.tokenize``)."""
+        ids = []
+        for piece in self.settings["prompt"]:
+            if "ids" in piece:
+                ids += piece["ids"]
+            else:
+                ids += self.tokenizer.encode(phrase.join(piece["text"]), add_special_tokens=False).ids
+        return ids
 
     def pixel_values(self, image: Image.Image) -> np.ndarray:
         """(patches, patch_dim) float32: the image at the export's size, as the processor cuts it."""

@@ -9,7 +9,9 @@ record here. Box conventions are not here: they live in groundtune.boxes, keyed 
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -231,6 +233,83 @@ class Processor:
         names = ("end_of_text", "im_end", "image", "video", "vision_start", "vision_end")
         return {name: self.token_id(getattr(TOKENS, name)) for name in names}
 
+    def text_pieces(self, text: PhraseText | str) -> list[int | list[str]]:
+        """``text`` cut where the tokenizer cuts it before tokenizing: at each added token its writer
+        wrote (chat template, prompt, answer format), given as its id, a control token; between
+        them the text, as the writer's strings around the phrase (a list of one string where the
+        phrase is not in it). The phrase is put in only after the cut, so whatever it spells stays
+        inside a text piece."""
+        parts = text.parts if isinstance(text, PhraseText) else (text,)
+        pieces: list[int | list[str]] = []
+        around = [""]  # the current text piece: the strings between its copies of the phrase
+        for n, part in enumerate(parts):
+            if n:
+                around.append("")
+            start = 0
+            for match in self._added_tokens_pattern.finditer(part):
+                around[-1] += part[start : match.start()]
+                pieces += [around, self._added_tokens[match.group()]]
+                around, start = [""], match.end()
+            around[-1] += part[start:]
+        pieces.append(around)
+        return [piece for piece in pieces if piece != [""]]
+
+    def tokenize(self, text: PhraseText | str) -> list[int]:
+        """The token ids of ``text``: the writer's added tokens as control tokens, and each text piece
+        (``text_pieces``, the phrase put back in) tokenized on its own with special tokens' spellings
+        as text. A plain ``str`` is all the writer's. For a phrase that spells no added token these
+        are exactly the ids of tokenizing the whole text at once (the tokenizer also tokenizes the
+        pieces between added tokens one by one; tests/test_phrase_text.py checks it)."""
+        phrase = text.phrase if isinstance(text, PhraseText) else ""
+        ids: list[int] = []
+        for piece in self.text_pieces(text):
+            if isinstance(piece, int):
+                ids.append(piece)
+            else:
+                ids += self._text_tokenizer.encode(phrase.join(piece), add_special_tokens=False).ids
+        return ids
+
+    def __getstate__(self) -> dict:
+        # the cached properties below are left out and made again where the processor is unpickled
+        # (encoding processes): a pickled ``tokenizers`` backend forgets its encode_special_tokens
+        return {name: value for name, value in self.__dict__.items() if not name.startswith("_")}
+
+    @functools.cached_property
+    def _added_tokens(self) -> dict[str, int]:
+        """Every added token (special or not) by its text: where the tokenizer cuts text."""
+        added = self.tokenizer.added_tokens_decoder
+        # text_pieces cuts at a token's exact spelling, as the tokenizer does for Qwen's tokens; a
+        # token that also takes the spaces around it would be cut elsewhere by the tokenizer
+        odd = [t.content for t in added.values() if t.lstrip or t.rstrip or t.single_word]
+        if odd:
+            raise ModelError(f"the tokenizer's added tokens {', '.join(odd)} take spaces around them "
+                             "(lstrip/rstrip/single_word); groundtune's Qwen-VL prompts expect none that do")
+        return {token.content: token_id for token_id, token in added.items()}
+
+    @functools.cached_property
+    def _added_tokens_pattern(self) -> re.Pattern:
+        # longest first: the tokenizer takes the longest added token that matches at a place
+        longest_first = sorted(self._added_tokens, key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
+
+    @functools.cached_property
+    def _text_tokenizer(self):
+        """A copy of the tokenizer's ``tokenizers`` backend that tokenizes special tokens' spellings as
+        text (``encode_special_tokens``), the same flag transformers' ``split_special_tokens=True``
+        sets, and the runner of an ONNX export sets (onnx_predict.py). A copy rather than that call
+        argument: the argument sets the flag on the tokenizer's SHARED backend and leaves it set
+        until the next call sets it back, so prompts encoded in two threads at once (the server)
+        could each read the other's flag; this copy's flag never changes. ``backend_tokenizer`` and
+        ``encode_special_tokens`` are the same in transformers 5.17 and 5.24."""
+        from tokenizers import Tokenizer
+
+        backend = self.tokenizer.backend_tokenizer
+        copy = Tokenizer.from_str(backend.to_str())
+        copy.no_truncation()  # transformers sets these per call on its own backend; the copy has none
+        copy.no_padding()
+        copy.encode_special_tokens = True
+        return copy
+
 
 def resize_image(image: Image.Image, resize: ResizeSpec) -> tuple[Image.Image, Size]:
     """The image exactly as the model sees it, and its (width, height)."""
@@ -240,18 +319,60 @@ def resize_image(image: Image.Image, resize: ResizeSpec) -> tuple[Image.Image, S
     return image, size
 
 
-def prompt_text(processor: Processor, phrase: str, prompt: str = DEFAULT_PROMPT, answer_start: str = "") -> str:
+# Stands for the phrase while the text around it is written and cut at its added tokens (a
+# private-use character: no tokenizer spells a token with it, and json.dumps leaves it as it is)
+PHRASE_SLOT = "\ue000"
+
+
+@dataclass(frozen=True)
+class PhraseText:
+    """A text written around a caller's phrase: ``parts``, the writer's own text (chat template,
+    prompt, answer format), whose added tokens are control tokens, with ``phrase`` between each two
+    of them, as the writer writes it (a JSON answer escapes its quotes), always tokenized as text
+    (``Processor.tokenize``): a phrase can never close a turn or add an image."""
+
+    parts: tuple[str, ...]
+    phrase: str
+
+    @classmethod
+    def written(cls, write: Callable[[str], str], phrase: str) -> "PhraseText":
+        """What ``write(phrase)`` writes, told apart from the phrase: ``write`` is run once with
+        PHRASE_SLOT, whose copies give the parts, and once with the phrase, which gives how the
+        phrase is written between them (every copy alike)."""
+        parts = write(PHRASE_SLOT).split(PHRASE_SLOT)
+        text = write(phrase)
+        copies = len(parts) - 1
+        phrase_length = (len(text) - sum(map(len, parts))) // copies if copies else 0
+        as_written = text[len(parts[0]) : len(parts[0]) + phrase_length]
+        if as_written.join(parts) != text:
+            raise ModelError(f"the prompt (or answer format) writes the phrase {phrase!r} in more than one way, "
+                             f"or itself holds {PHRASE_SLOT!r}; write the phrase as given, the same at every place")
+        return cls(tuple(parts), as_written)
+
+    def __str__(self) -> str:
+        return self.phrase.join(self.parts)
+
+    def __add__(self, text: str) -> "PhraseText":
+        """This text followed by ``text``, the writer's own (the answer's stop token, say)."""
+        return PhraseText(self.parts[:-1] + (self.parts[-1] + text,), self.phrase)
+
+
+def prompt_text(processor: Processor, phrase: str, prompt: str = DEFAULT_PROMPT, answer_start: str = "") -> PhraseText:
     """The chat-formatted user turn with one image, ending where the assistant's answer starts, or
     with ``answer_start``: the answer's first words, given (a box head's query, models/head.py)."""
-    messages = [
-        {
-            "role": "user",
-            "content": [{"type": "image"}, {"type": "text", "text": prompt.format(phrase=phrase)}],
-        }
-    ]
-    return processor.tokenizer.apply_chat_template(
-        messages, chat_template=processor.chat_template, tokenize=False, add_generation_prompt=True
-    ) + answer_start
+
+    def write(phrase: str) -> str:
+        messages = [
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "text", "text": prompt.format(phrase=phrase)}],
+            }
+        ]
+        return processor.tokenizer.apply_chat_template(
+            messages, chat_template=processor.chat_template, tokenize=False, add_generation_prompt=True
+        ) + answer_start
+
+    return PhraseText.written(write, phrase)
 
 
 def image_inputs(processor: Processor, resized_image: Image.Image) -> dict[str, torch.Tensor]:
@@ -263,13 +384,15 @@ def image_inputs(processor: Processor, resized_image: Image.Image) -> dict[str, 
 def encode(
     processor: Processor,
     resized_image: Image.Image,
-    prompt: str,
-    answer: str | None = None,
+    prompt: PhraseText | str,
+    answer: PhraseText | str | None = None,
     vision: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One sample -> 1-D ``input_ids`` (+ ``labels`` when an answer is given), ``mm_token_type_ids``,
     ``pixel_values`` and ``image_grid_thw`` (``vision``'s tensors themselves where given:
-    ``image_inputs`` of this image).
+    ``image_inputs`` of this image). ``prompt`` and ``answer``: a text written around a phrase
+    (``PhraseText``: ``prompt_text``), or a ``str`` that is all its writer's, tokenized by
+    ``Processor.tokenize``.
 
     Labels are IGNORE_INDEX everywhere except the answer and its closing <|im_end|>: the model
     learns to answer, not to repeat the prompt or the image placeholders.
@@ -277,10 +400,12 @@ def encode(
     vision = image_inputs(processor, resized_image) if vision is None else vision
     grid = vision["image_grid_thw"]
     n_image_tokens = int(grid[0].prod()) // processor.merge_size**2
-    prompt = prompt.replace(TOKENS.image, TOKENS.image * n_image_tokens, 1)
-    prompt_ids = processor.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    answer_ids = (processor.tokenizer(answer + TOKENS.im_end + "\n", add_special_tokens=False)["input_ids"]
-                  if answer is not None else None)
+    prompt_ids = processor.tokenize(prompt)
+    image = processor.image_token_id
+    if image in prompt_ids:  # the template's one placeholder (a phrase's spelling of it is text), once per token
+        at = prompt_ids.index(image)
+        prompt_ids[at : at + 1] = [image] * n_image_tokens
+    answer_ids = processor.tokenize(answer + TOKENS.im_end + "\n") if answer is not None else None
     return _sample(processor, prompt_ids, answer_ids, vision["pixel_values"], grid)
 
 

@@ -72,13 +72,20 @@ def encode_sample(processor, family, resize, prompt, image, sample, answer_label
                   box_head: bool = False) -> dict:
     """Resize the image as the model sees it and write the target in the family's convention.
     ``box_head``: the prompt ends with the answer's opening (``head.prompt_end``), where the head
-    reads; the answer (which only the joint mode trains) is the rest, without a label."""
+    reads; the answer (which only the joint mode trains) is the rest, without a label. The phrase,
+    in the prompt and as the answer's label, is text (``qwen.PhraseText``)."""
     resized, resized_size = qwen.resize_image(image, resize)
-    label = sample["phrase"] if answer_label and not box_head else None
-    answer = boxes.format_target(sample_boxes(sample), label, family, image.size, resized_size)
+
+    def target(label: str | None) -> str:
+        return boxes.format_target(sample_boxes(sample), label, family, image.size, resized_size)
+
     opening = head.prompt_end(family) if box_head else ""
+    if answer_label and not box_head:
+        answer = qwen.PhraseText.written(target, sample["phrase"])
+    else:
+        answer = target(None)[len(opening):]
     text = qwen.prompt_text(processor, sample["phrase"], prompt, answer_start=opening)
-    return qwen.encode(processor, resized, text, answer[len(opening):])
+    return qwen.encode(processor, resized, text, answer)
 
 
 class Collate:
