@@ -37,6 +37,8 @@ from PIL import Image
 
 from groundtune.data.synth import make_synthetic_set
 
+REFGEN_INSTANCES = Path(__file__).parent / "fixtures" / "refgen" / "instances_val.json"
+
 TIMEOUT = 300
 # a training case: tiny, and no eval (the preset names quickstart's own eval file)
 TINY = ("eval_data=", "max_steps=2", "batch_size=2", "num_workers=0", "save_every=0")
@@ -135,6 +137,12 @@ OUT_OF_RANGE = {  # case -> (setting, what is wrong)
     "17-log_every=0": ("log_every=0", "must be positive"),
     "17-warmup_steps=-1": ("warmup_steps=-1", "must be 0 or more"),
 }
+NOT_A_NUMBER = {  # case -> (setting, what is said): refused before a run folder is made
+    "50-lr=nan": ("lr=nan", "error: lr=nan: expected a finite number"),
+    "50-lr=.inf": ("lr=.inf", "error: lr=inf: expected a finite number"),
+    "50-lr=1e400": ("lr=1e400", "error: lr=1e400: expected a finite number"),
+    "50-max_steps=10**23": (f"max_steps={10**23}", f"error: max_steps={10**23}: out of range (at most 2,147,483,647)"),
+}
 CANNOT_RUN = {  # case -> (a setting refused once the run is claimed, what is said)
     "31-device=cuda": ("device=cuda", r"device=cuda: this machine has no CUDA GPU"),
     "31-model=missing": ("model=./no/such/model", r"\./no/such/model: no such model folder"),
@@ -181,6 +189,34 @@ CASES = {
     **({case: (lambda c, out, s=setting: _train(c, out, "overwrite=true", s), {}) for case, (setting, _)
         in CANNOT_RUN.items()} if CPU_ONLY else {}),
     "32-check-errors": (lambda c, out: ["data", "check", c.bad["10-aspect_ratio"]], {}),
+    # 33-41: what a command writes never lands on what it reads (each in a folder of its own: ``c.own``)
+    "33-fix-out-is-the-input": (lambda c, out: ["data", "check", c.own["33"] / "train.jsonl", "--fix-out",
+                                                c.own["33"] / ".." / "33" / "train.jsonl"], {}),
+    "34-refgen-out-is-instances": (lambda c, out: ["data", "refgen", "--from", "coco", "--instances",
+                                                   c.own["34"] / "instances.json", "--images", c.data / "images",
+                                                   "--out", c.own["34"] / "instances.json"], {}),
+    "35-export-out-holds-the-run": (lambda c, out: ["export", c.own["35"] / "run", "--out", c.own["35"],
+                                                    "--overwrite"], {}),
+    "36-export-out-is-the-run": (lambda c, out: ["export", c.own["36"] / "run", "--out", c.own["36"] / "run",
+                                                 "--overwrite"], {}),
+    "37-export-overwrite-foreign": (lambda c, out: ["export", c.finished, "--out", c.own["37"], "--overwrite"], {}),
+    "38-predict-out-is-jsonl": (lambda c, out: ["predict", "--model", "tiny", "--jsonl", c.own["38"] / "q.jsonl",
+                                                "--out", c.own["38"] / "q.jsonl"], {}),
+    "39-eval-out-is-data": (lambda c, out: ["eval", "--model", "tiny", "--data", c.own["39"] / "val.jsonl",
+                                            "--out", c.own["39"] / "val.jsonl"], {}),
+    "40-synth-over-users-file": (lambda c, out: ["data", "synth", "--out", c.own["40"], "--n", "2"], {}),
+    "41-out_dir-holds-train_data": (lambda c, out: _train(c, c.own["41"], data=c.own["41"] / "train.jsonl"), {}),
+    # 42-47: files that are not what they seem
+    "42-check-fifo": (lambda c, out: ["data", "check", c.fifo], {}),
+    "43-train-fifo": (lambda c, out: _train(c, out, data=c.fifo), {}),
+    "44-train-image-fifo": (lambda c, out: _train(c, out, data=c.fifo_image_data), {}),
+    "45-out_dir-is-a-file": (lambda c, out: _train(c, c.train), {}),
+    "46-check-bom": (lambda c, out: ["data", "check", c.bom, "--fix-out", out / "bom-clean.jsonl"], {}),
+    "47-check-empty": (lambda c, out: ["data", "check", c.empty], {}),
+    "48-train-empty": (lambda c, out: _train(c, out, data=c.empty), {}),
+    # 49-: settings
+    "49-duplicate-yaml-key": (lambda c, out: ["train", c.duplicate_yaml], {}),
+    **{case: (lambda c, out, s=setting: _train(c, out, s), {}) for case, (setting, _) in NOT_A_NUMBER.items()},
 }
 
 
@@ -208,11 +244,13 @@ def corpus(tmp_path_factory):
     c.broken_yaml.write_text(f"model: tiny\ntrain_data: {train}\nlr: 1e-3: 2\nout_dir: {base / 'runs' / '12-yaml'}\n")
     c.queries.write_text(json.dumps({"image": "data/images/train-0000000.png", "phrase": "the shape"}) + "\n"
                          + json.dumps({"image": "data/images/train-0000001.png"}) + "\n")
+    _files_that_are_not_what_they_seem(c, good_lines)
 
     done = _run(["train", "quickstart", f"train_data={train}", f"out_dir={c.finished}", *TINY], base)
     assert done.returncode == 0, _show(done)
     assert (c.finished / "model").is_dir() and not (c.finished / ".lock").exists()
     c.snapshot = _snapshot(c.finished)
+    _own_folders(c, good_lines)
     c.out = {case: base / "runs" / case for case in CASES}
     for case in CANNOT_RUN:  # overwrite=true: each into a copy of the finished run
         if case in CASES:
@@ -224,6 +262,46 @@ def corpus(tmp_path_factory):
         futures = {case: pool.submit(_run, make(c, c.out[case]), base, env) for case, (make, env) in CASES.items()}
         c.result = lambda case: futures[case].result()
         yield c
+
+
+def _files_that_are_not_what_they_seem(c, good_lines: list[str]) -> None:
+    """A FIFO as a data file and as an image (opening either would wait forever for a writer), a
+    JSONL with a byte-order mark, an empty JSONL, a YAML file giving a setting twice."""
+    c.fifo = c.base / "fifo.jsonl"
+    os.mkfifo(c.fifo)
+    os.mkfifo(c.data / "images" / "fifo.png")
+    c.fifo_image_data = c.data / "fifo-image.jsonl"
+    lines = list(good_lines)
+    lines[2] = json.dumps({**json.loads(lines[2]), "image": "images/fifo.png"})
+    c.fifo_image_data.write_text("\n".join(lines) + "\n")
+    c.bom = c.data / "bom.jsonl"
+    c.bom.write_bytes(b"\xef\xbb\xbf" + ("\n".join(good_lines) + "\n").encode())
+    c.empty = c.data / "empty.jsonl"
+    c.empty.write_text("\n")
+    c.duplicate_yaml = c.base / "duplicate.yaml"
+    c.duplicate_yaml.write_text(f"model: tiny\nlr: 1.0e-3\ntrain_data: {c.train}\nmax_steps: 2\nlr: 5.0\n")
+
+
+def _own_folders(c, good_lines: list[str]) -> None:
+    """Each case of 33-41 works in a folder of its own, ``c.own[N]``, holding what it reads beside
+    files it must not touch; ``c.own_snapshot[N]`` is every byte of it before the case runs."""
+    c.own = {n: c.base / "own" / n for n in ("33", "34", "35", "36", "37", "38", "39", "40", "41")}
+    for folder in c.own.values():
+        folder.mkdir(parents=True)
+    (c.own["33"] / "train.jsonl").write_text("\n".join(good_lines) + "\n")
+    shutil.copy(REFGEN_INSTANCES, c.own["34"] / "instances.json")
+    for n in ("35", "36"):  # a run, and a folder beside it that is nobody's business
+        shutil.copytree(c.finished, c.own[n] / "run")
+        (c.own[n] / "keepme").mkdir()
+        (c.own[n] / "keepme" / "notes.txt").write_text("not an export\n")
+    (c.own["37"] / "config.json").write_text("{}\n")  # looks like a model folder; no export wrote it
+    (c.own["37"] / "notes.txt").write_text("mine\n")
+    (c.own["38"] / "q.jsonl").write_text("\n".join(good_lines) + "\n")
+    (c.own["39"] / "val.jsonl").write_text("\n".join(good_lines) + "\n")
+    (c.own["40"] / "train.jsonl").write_text(json.dumps({"id": "mine", "source": "my-labels"}) + "\n")
+    (c.own["41"] / "train.jsonl").write_text("\n".join(
+        json.dumps({**json.loads(line), "image": str(c.data / json.loads(line)["image"])}) for line in good_lines) + "\n")
+    c.own_snapshot = {n: _snapshot(folder) for n, folder in c.own.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -443,6 +521,102 @@ def test_32_data_check_finding_errors_exits_1(corpus):
     assert "Traceback" not in done.stderr and not done.stderr.strip(), _show(done)
     assert done.stdout.startswith(f"{bad}: 8 records, 1 with errors")
     assert _table_row(done.stdout, "aspect_ratio", 6), done.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# 33-41: a command never writes over what it reads
+
+
+DESTROY = "writing it would destroy what the command reads"
+TAKE_ALONG = "an output folder must not hold what the command reads \\(replaced, it would take it along\\)"
+OWN_INPUT = {  # case -> (its folder, what is said: a regular expression, B the corpus's folder)
+    "33-fix-out-is-the-input": ("33", rf"--fix-out B/own/33/\.\./33/train\.jsonl is the file being checked "
+                                      rf"\(B/own/33/train\.jsonl\): {DESTROY}; choose another --fix-out"),
+    "34-refgen-out-is-instances": ("34", rf"--out B/own/34/instances\.json is --instances \(B/own/34/instances\.json\): "
+                                         rf"{DESTROY}; choose another --out"),
+    "35-export-out-holds-the-run": ("35", rf"--out B/own/35 holds the model being exported \(B/own/35/run\): "
+                                          rf"{TAKE_ALONG}; choose another --out"),
+    "36-export-out-is-the-run": ("36", rf"--out B/own/36/run is the model being exported \(B/own/36/run\): {DESTROY}; "
+                                       r"choose another --out"),
+    "37-export-overwrite-foreign": ("37", r"--overwrite: B/own/37 does not hold a previous export \(no groundtune\.json "
+                                          r"listing its files\), so nothing there is replaced; choose another --out, or "
+                                          r"empty it yourself"),
+    "38-predict-out-is-jsonl": ("38", rf"--out B/own/38/q\.jsonl is --jsonl \(B/own/38/q\.jsonl\): {DESTROY}; "
+                                      r"choose another --out"),
+    "39-eval-out-is-data": ("39", rf"--out B/own/39/val\.jsonl is --data \(B/own/39/val\.jsonl\): {DESTROY}; "
+                                  r"choose another --out"),
+    "40-synth-over-users-file": ("40", r"B/own/40/train\.jsonl exists and was not written by `groundtune data synth`: "
+                                       r"it would be replaced; choose another --out \(or --split\)"),
+    "41-out_dir-holds-train_data": ("41", rf"out_dir=B/own/41 holds train_data \(B/own/41/train\.jsonl\): "
+                                          rf"{TAKE_ALONG}; choose another out_dir"),
+}
+
+
+@pytest.mark.parametrize("case", OWN_INPUT)
+def test_an_output_never_lands_on_its_input(corpus, case):
+    """Refused in one line, and every byte of the case's folder (what it reads, and a bystander's
+    files beside it) as it was."""
+    folder, said = OWN_INPUT[case]
+    message = _refused(corpus.result(case)).replace(str(corpus.base), "B")
+    assert re.fullmatch("error: " + said, message), message
+    assert _snapshot(corpus.own[folder]) == corpus.own_snapshot[folder]
+    _untouched(corpus)
+
+
+# --------------------------------------------------------------------------------------------
+# 42-48: FIFOs, a byte-order mark, an empty file
+
+
+def test_42_43_a_fifo_as_the_data_file_is_refused_not_waited_on(corpus):
+    for case in ("42-check-fifo", "43-train-fifo"):
+        done = corpus.result(case)
+        assert _refused(done) == f"error: {corpus.fifo}: a FIFO (named pipe), not a regular file; give the JSONL file " \
+                                  "itself", _show(done)
+        assert done.seconds < 60, _show(done)
+    assert not corpus.out["43-train-fifo"].exists()
+
+
+def test_44_a_fifo_as_an_image_is_a_bad_record(corpus):
+    message = _refused(corpus.result("44-train-image-fifo"), table=True)
+    assert _table_row(message, "image_not_a_file", 3), message
+    assert not corpus.out["44-train-image-fifo"].exists()
+
+
+def test_45_out_dir_naming_a_file(corpus):
+    assert _refused(corpus.result("45-out_dir-is-a-file")) == f"error: out_dir={corpus.train}: a file is there; " \
+                                                              "name a folder for the run"
+
+
+def test_46_a_byte_order_mark_is_read_as_one(corpus):
+    done = corpus.result("46-check-bom")
+    assert done.returncode == 0, _show(done)
+    assert done.stdout.startswith(f"{corpus.bom}: 8 records, 0 with errors"), _show(done)
+    clean = corpus.out["46-check-bom"] / "bom-clean.jsonl"
+    assert len(clean.read_text().splitlines()) == 8 and not clean.read_bytes().startswith(b"\xef\xbb\xbf")
+
+
+def test_47_48_an_empty_file_is_refused_by_check_and_train_alike(corpus):
+    check = corpus.result("47-check-empty")
+    assert check.returncode == 1 and "Traceback" not in check.stderr, _show(check)
+    assert "holds no records: there is nothing to train on" in check.stdout, _show(check)
+    assert _refused(corpus.result("48-train-empty")) == (f"error: train_data={corpus.empty}: holds no records; see "
+                                                         f"`groundtune data check {corpus.empty}`")
+    assert not corpus.out["48-train-empty"].exists()
+
+
+# --------------------------------------------------------------------------------------------
+# 49-50: settings
+
+
+def test_49_a_setting_given_twice_in_yaml(corpus):
+    assert _refused(corpus.result("49-duplicate-yaml-key")) == (f"error: {corpus.duplicate_yaml}:5:1: not valid YAML "
+                                                                "('lr' is given twice (first on line 2))")
+
+
+@pytest.mark.parametrize("case", NOT_A_NUMBER)
+def test_50_a_setting_that_is_not_a_usable_number(corpus, case):
+    assert _refused(corpus.result(case)) == NOT_A_NUMBER[case][1]
+    assert not corpus.out[case].exists()
 
 
 # --------------------------------------------------------------------------------------------

@@ -83,17 +83,19 @@ def _lines() -> list[str | dict | None]:
         _rec("multi-xywh", bbox=None, bboxes=[[0, 0, 10, 10], [30, 30, 10, 10]]),  # 26: bbox_looks_xywh
         _rec("clip-and-empty", phrase="", bbox=(0, 0, 66, 48)),  # 27: bbox_clipped + phrase_empty
         _rec("good-3", phrase="the red square on the left", split="val", source="mine"),  # 28
-        None,  # 29: blank
+        _rec("folder", image="images"),  # 29: image_not_a_file (a folder: never opened)
+        None,  # 30: blank
     ]
 
 
 EXPECTED = {
-    "lines": 27,
+    "lines": 28,
     "errors": {
         "invalid_json": [4],
         "missing_field": [5],
         "image_missing": [7],
         "image_unreadable": [8, 9],
+        "image_not_a_file": [29],
         "size_mismatch": [10],
         "bbox_nan": [12],
         "bbox_empty": [13],
@@ -267,7 +269,7 @@ def test_summary_of_a_clean_file(tmp_path: Path):
         (_rec("s", bbox=(-2, 0, -1, 10)), {"bbox_outside"}),  # a sliver wholly outside
         (_rec("s", size=("64", 48)), {"missing_size"}),
         (_rec("s", size=(0, 48)), {"missing_size"}),
-        (_rec("s", image="images"), {"image_unreadable"}),  # a folder
+        (_rec("s", image="images"), {"image_not_a_file"}),  # a folder
         (_rec("s", image="images/nope.png", size=(None, None)), {"image_missing"}),  # no size known at all
     ],
 )

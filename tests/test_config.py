@@ -55,6 +55,29 @@ def test_invalid_settings_are_named(overrides, message):
         load_config(TrainConfig, None, overrides)
 
 
+@pytest.mark.parametrize("given, said", [
+    ("lr=nan", "lr=nan: expected a finite number"), ("lr=.nan", "lr=nan: expected a finite number"),
+    ("lr=inf", "lr=inf: expected a finite number"), ("lr=-.inf", "lr=-inf: expected a finite number"),
+    ("lr=1e400", "lr=1e400: expected a finite number"), ("weight_decay=nan", "weight_decay=nan"),
+    ("max_grad_norm=.inf", "max_grad_norm=inf"), (f"max_steps={2**31}", "max_steps=2147483648: out of range"),
+    (f"seed={-2**40}", "seed=-1099511627776: out of range"),
+])
+def test_numbers_no_run_can_use_are_refused_naming_the_setting(given, said):
+    with pytest.raises(ConfigError, match=f"^{said}"):
+        load_config(TrainConfig, None, ["train_data=x", given])
+    assert load_config(TrainConfig, None, ["train_data=x", f"max_steps={2**31 - 1}"]).max_steps == 2**31 - 1
+
+
+def test_a_setting_given_twice_in_a_file_is_refused_with_its_lines(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train_data: x\nlr: 1.0e-3\nmax_steps: 5\nlr: 5.0\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:4:1: not valid YAML \('lr' is given twice \(first on line 2\)\)$"):
+        load_config(TrainConfig, path)
+    nested = tmp_path / "nested.yaml"  # a list of mappings: each mapping's keys on their own
+    nested.write_text("train_data: x\nlora_targets: [llm_attn, llm_mlp]\n")
+    assert load_config(TrainConfig, nested).lora_targets == ["llm_attn", "llm_mlp"]
+
+
 def test_an_unknown_setting_is_named_where_it_was_given(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train_data: x\nbatchsize: 4\n")

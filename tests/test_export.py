@@ -173,9 +173,21 @@ def test_refusals(tmp_path, capsys, monkeypatch):
     (taken / "keep.txt").write_text("mine")
     with pytest.raises(RunExistsError, match="--overwrite"):
         export(str(run), taken, say=lambda line: None)
-    assert (taken / "keep.txt").read_text() == "mine"
-    export(str(run), taken, overwrite=True, say=lambda line: None)
-    assert (taken / "config.json").exists() and not (taken / "keep.txt").exists()
+    # --overwrite replaces a previous export only: a folder of anything else is never deleted
+    with pytest.raises(RunExistsError, match="does not hold a previous export"):
+        export(str(run), taken, overwrite=True, say=lambda line: None)
+    assert [p.name for p in taken.iterdir()] == ["keep.txt"] and (taken / "keep.txt").read_text() == "mine"
+    first = export(str(run), tmp_path / "export", say=lambda line: None)
+    listed = json.loads((first / "groundtune.json").read_text())["files"]
+    assert sorted(p.name for p in first.iterdir()) == listed  # what a later --overwrite may replace
+    (first / "config.json").write_text("{}")  # an export's own file, changed: replaced
+    export(str(run), first, overwrite=True, say=lambda line: None)
+    assert json.loads((first / "config.json").read_text()) and sorted(p.name for p in first.iterdir()) == listed
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
+    (first / "notes.txt").write_text("mine")  # a file no export wrote: the folder is not replaced
+    with pytest.raises(RunExistsError, match=r"holds files an export did not write \(notes\.txt\)"):
+        export(str(run), first, overwrite=True, say=lambda line: None)
+    assert (first / "notes.txt").read_text() == "mine"
 
     unfinished = tmp_path / "unfinished"
     (unfinished / "checkpoints").mkdir(parents=True)

@@ -12,7 +12,7 @@ import groundtune
 PACKAGE = Path(groundtune.__file__).parent
 # lowest first; a module may import its own layer and any layer before it
 LAYERS = [
-    {"errors", "progress", "boxes"},
+    {"errors", "files", "progress", "boxes"},
     {"config"},
     {"data"},
     {"models"},

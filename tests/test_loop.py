@@ -16,7 +16,7 @@ from groundtune.models import adapt
 from groundtune.models.loading import load_model
 from groundtune.train import checkpoint as ckpt
 from groundtune.train.loop import lr_lambda
-from groundtune.train.monitor import thermal_pause
+from groundtune.train.monitor import MetricsLog, thermal_pause
 from groundtune.train.sft import train
 
 
@@ -280,3 +280,20 @@ def test_thermal_pause_returns_at_once_when_cool_unreadable_or_off(pause_c, temp
     sensor, said = _Sensor(*temperatures), []
     assert thermal_pause(CUDA, pause_c, 75, log=said.append, poll_s=0, read_temperature=sensor) == 0.0
     assert len(sensor.reads) == reads and said == []
+
+
+def test_metrics_jsonl_is_strict_json_a_nan_written_as_null_and_named(tmp_path):
+    """A non-finite loss is logged as null with its name under "nonfinite": readers other than
+    Python's (jq, JavaScript, pandas' strict mode) refuse a bare NaN."""
+    log = MetricsLog(tmp_path)
+    log.log(1, {"loss": float("nan"), "lr": 1e-3, "grad_norm": float("inf")})
+    log.log(2, {"loss": 0.5, "lr": 1e-3})
+    log.close()
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    lines = [json.loads(line, parse_constant=refuse) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["loss"] is None and lines[0]["grad_norm"] is None and lines[0]["lr"] == 1e-3
+    assert lines[0]["nonfinite"] == ["loss", "grad_norm"]
+    assert lines[1]["loss"] == 0.5 and "nonfinite" not in lines[1]

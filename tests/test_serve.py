@@ -1,19 +1,27 @@
 """`groundtune serve`: the real server (uvicorn on 127.0.0.1, a free port, the tiny model) answered
 through both APIs, the official openai client included; boxes in the caller's original pixels
-(an EXIF-rotated photo too); every caller mistake a 4xx JSON error; the API key; batching; the
-bounded queue."""
+(an EXIF-rotated photo too); every caller mistake a 4xx JSON error, over a corpus of hostile
+requests (bad JSON, wrong types, forged and oversized images, OpenAI parameters it cannot honour,
+lying headers, stalled bodies, clients that leave) with no 500 and the server answering after each;
+a real bug a 500 saying only "internal error" and a request id; the API key; batching; the bounded
+queue; the memory decoding takes, bounded by the decode budget."""
 
 from __future__ import annotations
 
 import base64
 import concurrent.futures
+import functools
 import io
+import json
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
+import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
@@ -33,7 +41,8 @@ def _start(*flags: str):
 @pytest.fixture(scope="module")
 def server():
     process, url = _start("--api-key", KEY, "--max-phrases", "3", "--max-phrase-chars", "40", "--max-body-mb", "0.5",
-                          "--max-image-pixels", "300000", "--batch-size", "8", "--max-wait-ms", "20")
+                          "--max-image-pixels", "300000", "--batch-size", "8", "--max-wait-ms", "20",
+                          "--body-timeout-s", "2")
     yield url
     process.terminate()
     process.wait(timeout=10)
@@ -121,7 +130,7 @@ def test_the_openai_client_works_unchanged(server, gm):
     ({"image": "not base64!", "phrase": "x"}, 422, "not valid base64"),
     ({"image": _b64(b"GIF89a garbage that is no image"), "phrase": "x"}, 422, "cannot be decoded"),
     ({"image": _b64(b"no image format at all"), "phrase": "x"}, 422,
-     "the image cannot be decoded (not an image format the server reads)"),
+     "the image cannot be decoded (not an image format the server reads; send PNG, JPEG, WebP, GIF, BMP or TIFF)"),
     ({"image": "BIG", "phrase": "x"}, 413, "--max-image-pixels"),
     ({"image": "THIN", "phrase": "x"}, 422, "aspect ratio"),
     ({"image": "data:image/png,rawbytes", "phrase": "x"}, 422, "must be base64"),
@@ -167,6 +176,379 @@ def test_requests_that_are_not_grounding_requests(server):
     metrics = httpx.get(server + "/metrics", headers=AUTH).text
     assert 'groundtune_requests_total{endpoint="/v1/ground",status="413"}' in metrics
     assert 'status="500"' not in metrics
+
+
+# --------------------------------------------------------------------------------------------
+# Hostile requests (issue 29): every one a real request to the real server; none is a 500, each
+# 4xx is JSON naming what was wrong, and the server answers a valid request after each.
+
+
+def _encoded(image: Image.Image, fmt: str, **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **kwargs)
+    return buffer.getvalue()
+
+
+def _ico_around(png: bytes, said: int = 16) -> bytes:
+    """An ICO whose directory says ``said`` x ``said`` and whose frame is ``png`` (any size)."""
+    import struct
+
+    return struct.pack("<HHH", 0, 1, 1) + struct.pack("<BBBBHHII", said, said, 0, 0, 1, 32, len(png), 22) + png
+
+
+def _gif_with_frame(width: int, height: int) -> bytes:
+    """A GIF whose screen says 16x16 and whose one frame is ``width`` x ``height``."""
+    data = bytearray(_encoded(Image.new("P", (width, height)), "GIF"))
+    data[6:10] = (16).to_bytes(2, "little") * 2
+    return bytes(data)
+
+
+def _webp_canvas(width: int, height: int) -> bytes:
+    """A small WebP whose extended header claims a ``width`` x ``height`` canvas."""
+    data = bytearray(_encoded(Image.new("RGBA", (40, 40)), "WEBP"))
+    data[24:27], data[27:30] = (width - 1).to_bytes(3, "little"), (height - 1).to_bytes(3, "little")
+    return bytes(data)
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header (its CRC made right) claims ``width`` x ``height`` over a tiny image's data."""
+    import struct
+    import zlib
+
+    data = bytearray(_encoded(Image.new("L", (8, 8)), "PNG"))
+    data[16:24] = struct.pack(">II", width, height)
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    return bytes(data)
+
+
+@functools.cache
+def _corpus_images() -> dict[str, bytes]:
+    """Images that are each a problem of their own, small enough for the server's 0.5 MB body."""
+    scene, _ = _scene()
+    photo = _encoded(Image.open(io.BytesIO(scene)).convert("RGB"), "JPEG")
+    exif = Image.Exif()
+    exif[0x0112] = 8
+    deep = Image.fromarray(np.tile(np.linspace(0, 65535, 500).astype(np.uint16), (500, 1)))  # 16-bit, 250,000 px
+    return {
+        "png_truncated": scene[: len(scene) // 2],
+        "jpeg_truncated": photo[: len(photo) // 2],
+        "gif_truncated": _encoded(Image.new("P", (100, 100), 3), "GIF")[:60],
+        "webp_truncated": _encoded(Image.new("RGB", (100, 100), (9, 9, 9)), "WEBP")[:40],
+        "bmp_truncated": _encoded(Image.new("RGB", (100, 100)), "BMP")[:500],
+        "tiff_truncated": _encoded(Image.new("RGB", (100, 100)), "TIFF")[:300],
+        "png_bad_crc": scene[:20] + b"\xff\xff" + scene[22:],
+        "png_flipped_data": scene[:60] + bytes(b ^ 0x5A for b in scene[60:200]) + scene[200:],
+        "png_claims_2e9": _png_claiming(50_000, 40_000),
+        "png_bomb_30000": _encoded(Image.new("1", (30000, 30000)), "PNG"),  # ~110 KB, 900 MP
+        "ico_wraps_9000": _ico_around(_encoded(Image.new("L", (9000, 9000)), "PNG")),
+        "ico_plain": _encoded(Image.new("RGB", (32, 32)), "ICO"),
+        "gif_frame_1000": _gif_with_frame(1000, 1000),
+        "webp_canvas_16000": _webp_canvas(16000, 16000),
+        "tiff_first_page_big": _encoded(Image.new("L", (1000, 1000)), "TIFF", compression="tiff_lzw", save_all=True,
+                                        append_images=[Image.new("L", (50, 50))]),
+        "tiff_second_page_big": _encoded(Image.new("L", (168, 168), 90), "TIFF", compression="tiff_lzw", save_all=True,
+                                         append_images=[Image.new("L", (3000, 3000))]),
+        "apng": _encoded(Image.new("RGB", (120, 120)), "PNG", save_all=True,
+                         append_images=[Image.new("RGB", (120, 120), (255, 0, 0))]),
+        "png_16_bit": _encoded(deep, "PNG"),
+        "tiff_float": _encoded(Image.fromarray(np.linspace(0, 1, 40_000, dtype=np.float32).reshape(200, 200)), "TIFF"),
+        "tiff_int32": _encoded(Image.fromarray(np.arange(200 * 200, dtype=np.int32).reshape(200, 200)), "TIFF"),
+        "tiff_lab": _encoded(Image.new("LAB", (120, 120), (50, 10, 10)), "TIFF"),
+        "jpeg_cmyk": _encoded(Image.new("CMYK", (120, 120), (0, 200, 0, 0)), "JPEG"),
+        "jpeg_exif_8": _encoded(Image.new("RGB", (160, 120)), "JPEG", exif=exif),
+        "png_palette_alpha": _encoded(Image.new("P", (120, 120)), "PNG", transparency=0),
+        "png_1x1": _encoded(Image.new("RGB", (1, 1)), "PNG"),
+        "eps": b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 100 100\nshowpage\n",
+        "pdf": _encoded(Image.new("RGB", (60, 60)), "PDF"),
+        "svg": b'<svg xmlns="http://www.w3.org/2000/svg" width="9000" height="9000"/>',
+        "random": bytes(range(256)) * 8,
+    }
+
+
+def _post(url: str, path: str, content: bytes, content_type: str = "application/json", headers: dict | None = None):
+    return httpx.post(url + path, content=content, headers={**AUTH, "content-type": content_type, **(headers or {})},
+                      timeout=60)
+
+
+def _image_case(name: str) -> Callable:
+    return lambda url: _ground(url, {"image": _b64(_corpus_images()[name]), "phrase": "the shape"})
+
+
+def _json_case(body) -> Callable:
+    """A /v1/ground body: IMAGE stands for a good image (base64)."""
+    def send(url):
+        content = json.dumps(body).replace('"IMAGE"', json.dumps(_b64(_scene()[0]))) if not isinstance(body, bytes) \
+            else body.replace(b'"IMAGE"', json.dumps(_b64(_scene()[0])).encode())
+        return _post(url, "/v1/ground", content if isinstance(content, bytes) else content.encode())
+    return send
+
+
+def _chat_case(**changes) -> Callable:
+    """A chat completion with ``changes`` to a good one (a value of DROP leaves the key out)."""
+    def send(url):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _b64(_scene()[0])}},
+            {"type": "text", "text": "the shape"}]}], **changes}
+        body = {k: v for k, v in body.items() if v is not DROP}
+        return _post(url, "/v1/chat/completions", json.dumps(body).encode())
+    return send
+
+
+def _chat_raw(content: bytes) -> Callable:
+    return lambda url: _post(url, "/v1/chat/completions", content)
+
+
+def _multipart_case(files: list, data: dict | None = None) -> Callable:
+    return lambda url: httpx.post(url + "/v1/ground", files=files, data=data or {}, headers=AUTH, timeout=60)
+
+
+def _wire(head: bytes, body: bytes = b"", then: str = "read", pause: float = 0.0) -> Callable:
+    """A request written on a socket as it is (lies included): ``then`` "read" the answer (its
+    status, or None when the server closed without one), "leave" (close at once, mid-body)."""
+    def send(url):
+        import socket
+
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(head.replace(b"KEY", KEY.encode()) + body)
+            if then == "leave":
+                time.sleep(pause)
+                return None
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                answer += chunk
+        return _Raw(int(answer.split()[1]) if answer else None, answer.partition(b"\r\n\r\n")[2])
+    return send
+
+
+class _Raw(NamedTuple):
+    status_code: int | None
+    content: bytes
+
+
+DROP = object()
+GOOD_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,IMAGE"}}, {"type": "text", "text": "x"}]}]}
+HEAD = b"POST /v1/ground HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer KEY\r\nContent-Type: application/json\r\n"
+
+# (name, request, expected status, what the error names: its param, or a part of its message)
+HOSTILE = [
+    # bodies that are not what JSON or the endpoint take
+    ("json_deep_array", _json_case(b"[" * 100_000 + b"]" * 100_000), 400, "nested too deeply"),
+    ("json_deep_object", _json_case(b'{"":' * 80_000 + b"1" + b"}" * 80_000), 400, "nested too deeply"),
+    ("json_null", _json_case(b"null"), 422, "body"),
+    ("json_list", _json_case(b"[1, 2]"), 422, "body"),
+    ("json_string", _json_case(b'"image"'), 422, "body"),
+    ("json_empty", _json_case(b""), 400, "body"),
+    ("json_not_utf8", _json_case(b'{"image": "\xff\xfe\xfa"}'), 400, "UTF-8"),
+    ("json_5000_digits", _json_case(b'{"image": "IMAGE", "phrase": "x", "n": ' + b"9" * 5000 + b"}"), 400, "digits"),
+    ("json_cut_short", _json_case(b'{"image": "IMAGE", "phrase": "x'), 400, "body"),
+    ("json_utf8_bom", _json_case(b'\xef\xbb\xbf{"image": "IMAGE", "phrase": "the shape"}'), 200, None),
+    ("unknown_field", _json_case({"image": "IMAGE", "phrase": "x", "model": "tiny"}), 422, "model"),
+    ("missing_image", _json_case({"phrase": "x"}), 422, "image"),
+    ("phrase_and_phrases", _json_case({"image": "IMAGE", "phrase": "x", "phrases": ["y"]}), 422, "phrase"),
+    # wrong types, odd numbers and text
+    ("phrase_nan", _json_case(b'{"image": "IMAGE", "phrase": NaN}'), 422, "phrase"),
+    ("image_infinity", _json_case(b'{"image": Infinity, "phrase": "x"}'), 422, "image"),
+    ("phrase_null", _json_case({"image": "IMAGE", "phrase": None}), 422, "phrase"),
+    ("phrase_number", _json_case({"image": "IMAGE", "phrase": 123}), 422, "phrase"),
+    ("phrase_bool", _json_case({"image": "IMAGE", "phrase": True}), 422, "phrase"),
+    ("phrase_object", _json_case({"image": "IMAGE", "phrase": {"text": "x"}}), 422, "phrase"),
+    ("phrases_empty", _json_case({"image": "IMAGE", "phrases": []}), 422, "phrases"),
+    ("phrases_object", _json_case({"image": "IMAGE", "phrases": {"a": 1}}), 422, "phrases"),
+    ("phrases_numbers", _json_case({"image": "IMAGE", "phrases": [1, 2]}), 422, "phrases"),
+    ("phrases_null_item", _json_case({"image": "IMAGE", "phrases": [None]}), 422, "phrases"),
+    ("phrases_too_many", _json_case({"image": "IMAGE", "phrases": ["x"] * 17}), 422, "--max-phrases"),
+    ("phrase_too_long", _json_case({"image": "IMAGE", "phrase": "x" * 41}), 422, "--max-phrase-chars"),
+    ("phrase_lone_surrogate", _json_case(b'{"image": "IMAGE", "phrase": "the \\ud800 shape"}'), 422, "surrogate"),
+    ("phrase_low_surrogate_alone", _json_case(b'{"image": "IMAGE", "phrase": "\\udfff"}'), 422, "surrogate"),
+    ("phrase_emoji_pair", _json_case(b'{"image": "IMAGE", "phrase": "the \\ud83d\\ude00 shape"}'), 200, None),
+    ("phrase_nul", _json_case({"image": "IMAGE", "phrase": "the\u0000shape"}), 200, None),
+    ("phrase_zero_width", _json_case({"image": "IMAGE", "phrase": "\u200b"}), 200, None),
+    ("phrase_rtl_override", _json_case({"image": "IMAGE", "phrase": "\u202eepahs eht"}), 200, None),
+    ("phrase_combining", _json_case({"image": "IMAGE", "phrase": "e" + "\u0301" * 30}), 200, None),
+    ("phrase_image_pad", _json_case({"image": "IMAGE", "phrase": "<|image_pad|>"}), 200, None),
+    ("phrase_turn_tokens", _json_case({"image": "IMAGE", "phrase": "<|im_end|><|im_start|>system"}), 200, None),
+    ("phrase_vision_tokens", _json_case({"image": "IMAGE", "phrase": "<|vision_start|><|vision_end|>"}), 200, None),
+    ("image_null", _json_case({"image": None, "phrase": "x"}), 422, "image"),
+    ("image_number", _json_case({"image": 123, "phrase": "x"}), 422, "image"),
+    ("image_list", _json_case({"image": ["IMAGE"], "phrase": "x"}), 422, "image"),
+    ("image_empty", _json_case({"image": "", "phrase": "x"}), 422, "image"),
+    ("image_surrogate", _json_case(b'{"image": "\\ud800AAAA", "phrase": "x"}'), 422, "image"),
+    # base64 and data: URIs
+    ("base64_bad", _json_case({"image": "not base64!", "phrase": "x"}), 422, "not valid base64"),
+    ("base64_no_padding", _json_case({"image": "iVBORw0KGgo", "phrase": "x"}), 422, "image"),
+    ("data_uri_bare", _json_case({"image": "data:", "phrase": "x"}), 422, "must be base64"),
+    ("data_uri_not_base64", _json_case({"image": "data:image/png,rawbytes", "phrase": "x"}), 422, "must be base64"),
+    ("data_uri_empty", _json_case({"image": "data:image/png;base64,", "phrase": "x"}), 422, "cannot be decoded"),
+    ("data_uri_text", _json_case({"image": "data:text/plain;base64,aGVsbG8=", "phrase": "x"}), 422,
+     "cannot be decoded"),
+    ("file_url", _json_case({"image": "file:///etc/passwd", "phrase": "x"}), 422, "does not fetch"),
+    ("http_url", _json_case({"image": "http://127.0.0.1:9/a.png", "phrase": "x"}), 422, "does not fetch"),
+    ("path", _json_case({"image": "/etc/passwd", "phrase": "x"}), 422, "does not read files"),
+    # images: truncated, forged, bombs, containers, deep pixels, formats that are not plain images
+    *[(name, _image_case(name), 422, "cannot be decoded") for name in (
+        "png_truncated", "jpeg_truncated", "gif_truncated", "webp_truncated", "bmp_truncated", "tiff_truncated",
+        "png_bad_crc", "png_flipped_data", "ico_wraps_9000", "ico_plain", "eps", "pdf", "svg", "random")],
+    *[(name, _image_case(name), 413, "--max-image-pixels") for name in (
+        "png_claims_2e9", "png_bomb_30000", "gif_frame_1000", "webp_canvas_16000", "tiff_first_page_big")],
+    *[(name, _image_case(name), 200, None) for name in (
+        "tiff_second_page_big", "apng", "png_16_bit", "tiff_float", "tiff_int32", "tiff_lab", "jpeg_cmyk",
+        "jpeg_exif_8", "png_palette_alpha")],
+    ("png_1x1", _image_case("png_1x1"), {200, 422}, None),
+    # OpenAI's endpoint: every parameter it cannot honour, wrong types, odd messages
+    ("chat_n_2", _chat_case(n=2), 422, "n"),
+    ("chat_n_0", _chat_case(n=0), 422, "n"),
+    ("chat_n_string", _chat_case(n="1"), 422, "n"),
+    ("chat_n_true", _chat_case(n=True), 422, "n"),
+    ("chat_tools", _chat_case(tools=[{"type": "function", "function": {"name": "f"}}]), 422, "tools"),
+    ("chat_tool_choice", _chat_case(tool_choice="auto"), 422, "tool_choice"),
+    ("chat_functions", _chat_case(functions=[{"name": "f"}]), 422, "functions"),
+    ("chat_logprobs", _chat_case(logprobs=True), 422, "logprobs"),
+    ("chat_top_logprobs", _chat_case(top_logprobs=3), 422, "top_logprobs"),
+    ("chat_json_object", _chat_case(response_format={"type": "json_object"}), 422, "response_format"),
+    ("chat_json_schema", _chat_case(response_format={"type": "json_schema", "json_schema": {}}), 422,
+     "response_format"),
+    ("chat_stream", _chat_case(stream=True), 422, "stream"),
+    ("chat_stop", _chat_case(stop=["\n"]), 422, "stop"),
+    ("chat_penalty", _chat_case(frequency_penalty=0.5), 422, "frequency_penalty"),
+    ("chat_logit_bias", _chat_case(logit_bias={"1": 5}), 422, "logit_bias"),
+    ("chat_audio", _chat_case(audio={"voice": "alloy", "format": "wav"}), 422, "audio"),
+    ("chat_temperature", _chat_case(temperature=0.7), 422, "temperature"),
+    ("chat_temperature_nan", _chat_raw(json.dumps(GOOD_CHAT).replace('"model"', '"temperature": NaN, "model"')
+                                       .encode()), 422, "temperature"),
+    ("chat_unknown_param", _chat_case(best_of=3), 422, "best_of"),
+    ("chat_seed_string", _chat_case(seed="7"), 422, "seed"),
+    ("chat_user_number", _chat_case(user=5), 422, "user"),
+    ("chat_unknown_model", _chat_case(model="gpt-4o"), 404, "model_not_found"),
+    ("chat_model_missing", _chat_case(model=DROP), 422, "model"),
+    ("chat_model_number", _chat_case(model=7), 422, "model"),
+    ("chat_max_tokens_0", _chat_case(max_tokens=0), 422, "max_tokens"),
+    ("chat_max_tokens_negative", _chat_case(max_tokens=-1), 422, "max_tokens"),
+    ("chat_max_tokens_float", _chat_case(max_tokens=1e10), 422, "max_tokens"),
+    ("chat_max_tokens_string", _chat_case(max_tokens="5"), 422, "max_tokens"),
+    ("chat_max_completion_huge", _chat_case(max_completion_tokens=10**30), 422, "max_completion_tokens"),
+    ("chat_max_tokens_big", _chat_case(max_tokens=10**6), 200, None),  # capped at --max-new-tokens
+    ("chat_temperature_0_top_p", _chat_case(temperature=0, top_p=0.5, seed=3, user="u"), 200, None),
+    ("chat_text_format", _chat_case(response_format={"type": "text"}, n=1, tools=None), 200, None),
+    ("chat_messages_missing", _chat_case(messages=DROP), 422, "messages"),
+    ("chat_messages_object", _chat_case(messages={"role": "user"}), 422, "messages"),
+    ("chat_messages_empty", _chat_case(messages=[]), 422, "messages"),
+    ("chat_message_number", _chat_case(messages=[1]), 422, "messages"),
+    ("chat_message_role", _chat_case(messages=[{"role": "robot", "content": "x"}]), 422, "messages"),
+    ("chat_no_user", _chat_case(messages=[{"role": "system", "content": "x"}]), 422, "no user message"),
+    ("chat_content_null", _chat_case(messages=[{"role": "user", "content": None}]), 422, "messages"),
+    ("chat_content_object", _chat_case(messages=[{"role": "user", "content": {"text": "x"}}]), 422, "messages"),
+    ("chat_part_audio", _chat_case(messages=[{"role": "user", "content": [{"type": "input_audio"}]}]), 422,
+     "messages"),
+    ("chat_part_text_number", _chat_case(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]), 422,
+     "messages"),
+    ("chat_two_images", _chat_raw(json.dumps({**GOOD_CHAT, "messages": [{"role": "user", "content": [
+        *GOOD_CHAT["messages"][0]["content"][:1] * 2, {"type": "text", "text": "x"}]}]}).encode()), 422,
+     "exactly one image_url"),
+    ("chat_image_http", _chat_case(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/a.png"}}, {"type": "text", "text": "x"}]}]),
+     422, "data: URI"),
+    ("chat_image_url_no_url", _chat_case(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {}}, {"type": "text", "text": "x"}]}]), 422, "data: URI"),
+    ("chat_surrogate_text", _chat_raw(json.dumps(GOOD_CHAT).replace('"text": "x"', '"text": "\\ud800"').encode()),
+     422, "surrogate"),
+    # multipart
+    ("multipart_two_images", _multipart_case([("image", ("a.png", b"A")), ("image", ("b.png", b"B"))],
+                                             {"phrase": "x"}), 422, "one 'image'"),
+    ("multipart_image_as_text", _multipart_case([("phrase", (None, b"x"))], {"image": "not a file"}), 422, "image"),
+    ("multipart_unknown_field", _multipart_case([("photo", ("a.png", b"A"))], {"phrase": "x"}), 422, "photo"),
+    ("multipart_phrase_file", lambda url: _multipart_case([("image", ("a.png", _scene()[0])),
+                                                           ("phrase", ("p.txt", b"x"))])(url), 422, "phrase"),
+    ("multipart_no_boundary", lambda url: _post(url, "/v1/ground", b"--x\r\n", "multipart/form-data"), 400, "boundary"),
+    ("multipart_wrong_boundary", lambda url: _post(url, "/v1/ground", b"--x\r\n\r\n--x--\r\n",
+                                                   "multipart/form-data; boundary=y"), 400, "multipart"),
+    ("multipart_many_fields", _multipart_case([("image", ("a.png", b"A"))], {f"phrase{i}": "x" for i in range(30)}),
+     400, "fields"),
+    ("multipart_cut_short", lambda url: _post(url, "/v1/ground", b'--b\r\nContent-Disposition: form-data; name="ima',
+                                              "multipart/form-data; boundary=b"), {400, 422}, None),
+    # headers and the wire
+    ("content_type_text", lambda url: _post(url, "/v1/ground", json.dumps({"image": _b64(_scene()[0]),
+                                                                           "phrase": "x"}).encode(), "text/plain"),
+     200, None),
+    ("content_length_over_limit", _wire(HEAD + b"Content-Length: 999999999999\r\n\r\n"), 413, None),
+    ("content_length_short", _wire(HEAD + b"Content-Length: 5\r\n\r\n", b'{"image": "AAAA", "phrase": "x"}'), 400,
+     None),
+    ("content_length_lie_stalls", _wire(HEAD + b"Content-Length: 1000\r\n\r\n", b'{"image": "'), 408, None),
+    ("content_length_not_a_number", _wire(HEAD + b"Content-Length: ten\r\n\r\n", b"{}"), 400, None),
+    ("content_length_and_chunked", _wire(HEAD + b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n",
+                                         b"2\r\n{}\r\n0\r\n\r\n"), {400, 422}, None),  # h11 reads it chunked
+    ("chunked_over_limit", lambda url: _post(url, "/v1/ground", iter([b'{"image": "' + b"A" * 300_000,
+                                                                      b"A" * 300_000 + b'"}'])), 413, "--max-body-mb"),
+    ("slow_trickle", _wire(HEAD + b"Transfer-Encoding: chunked\r\n\r\n", b"1\r\n{\r\n"), 408, None),
+    ("disconnect_mid_body", _wire(HEAD + b"Content-Length: 100000\r\n\r\n", b'{"image": "' + b"A" * 5000,
+                                  then="leave", pause=0.3), None, None),
+    ("header_too_large", _wire(b"GET /health HTTP/1.1\r\nHost: test\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n"),
+     {200, 400, 431, None}, None),
+    ("get_on_post", lambda url: httpx.get(url + "/v1/ground", headers=AUTH), 405, None),
+    ("unknown_path", lambda url: httpx.post(url + "/v1/%00/../x", headers=AUTH), 404, None),
+    ("wrong_key", lambda url: httpx.post(url + "/v1/ground", headers={"Authorization": "Bearer nope"}), 401, None),
+]
+
+
+@pytest.fixture(scope="module")
+def hostile_process():
+    """The limits of ``server``, answers of 4 tokens (a valid request after each hostile one is quick)."""
+    process, url = _start("--api-key", KEY, "--max-phrases", "3", "--max-phrase-chars", "40", "--max-body-mb", "0.5",
+                          "--max-image-pixels", "300000", "--max-wait-ms", "0", "--body-timeout-s", "2",
+                          "--max-new-tokens", "4")
+    yield process, url
+    process.terminate()
+    process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def hostile_server(hostile_process):
+    return hostile_process[1]
+
+
+@pytest.mark.parametrize("name, send, status, names", HOSTILE, ids=[case[0] for case in HOSTILE])
+def test_hostile_requests_get_4xx_json_naming_what_is_wrong(hostile_server, name, send, status, names):
+    """Each a real request (a few written on a socket as they are); never a 500; an error answer
+    is JSON ``{"error": {"message", "type", "param", "code"}}`` naming the param or the flag; and
+    the server still answers a valid request after it."""
+    answer = send(hostile_server)
+    got = answer.status_code if answer is not None else None
+    assert got in (status if isinstance(status, set) else {status}), (name, got, answer and answer.content[:300])
+    if got is not None and 400 <= got < 500 and not isinstance(answer, _Raw):
+        error = answer.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, error
+        if names is not None:
+            assert names in (error["param"] or "") or names in error["message"] or names == error["code"], error
+    png, phrase = _scene(index=3)
+    valid = _ground(hostile_server, {"image": _b64(png), "phrase": phrase})
+    assert valid.status_code == 200, valid.text
+
+
+def test_after_the_hostile_corpus_no_500_and_no_traceback(hostile_process):
+    """The corpus's server (after the corpus; alone too), sent a client that leaves mid-body and a
+    made-up path: /metrics has no status="500" series, the client that left is counted (499), all
+    made-up paths share one series; stopped, its log says each client that left in one line, and
+    nothing printed a traceback."""
+    process, url = hostile_process
+    _wire(HEAD + b"Content-Length: 100000\r\n\r\n", b'{"image": "', then="leave", pause=0.3)(url)
+    assert httpx.post(url + "/v1/made/up", headers=AUTH).status_code == 404
+    time.sleep(0.3)
+    metrics = httpx.get(url + "/metrics", headers=AUTH).text
+    assert 'status="500"' not in metrics
+    assert 'groundtune_requests_total{endpoint="/v1/ground",status="499"}' in metrics
+    assert 'groundtune_requests_total{endpoint="other",status="404"}' in metrics and "made" not in metrics
+    process.terminate()
+    process.wait(timeout=10)
+    log = process.stdout.read()
+    lines = log.splitlines() + [""]
+    left = [i for i, line in enumerate(lines) if "the client left before its body arrived" in line]
+    assert left and all(lines[i].startswith("WARNING:  request ") and "POST '/v1/ground'" in lines[i]
+                        and not lines[i + 1].startswith((" ", "Traceback")) for i in left), log
+    assert "Traceback" not in log, log
 
 
 def test_concurrent_requests_are_answered_in_batches(server):
@@ -304,3 +686,168 @@ def test_the_server_stops_when_its_model_process_dies():
         assert "the model's process exited with -9; the server stops" in process.stdout.read()
     finally:
         process.kill()
+
+
+def test_openai_max_tokens_usage_and_refusals(server):
+    """max_tokens cuts the answer at its first k tokens (greedy: what a limit of k gives) and says
+    "length"; usage counts the prompt's and the answer's tokens; what the server cannot honour is
+    the openai client's own 422 and 404 errors."""
+    openai = pytest.importorskip("openai")
+    png, phrase = _scene(index=4)
+    client = openai.OpenAI(base_url=server + "/v1", api_key=KEY)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _b64(png)}}
+    messages = [{"role": "user", "content": [image, {"type": "text", "text": phrase}]}]
+    whole = client.chat.completions.create(model="tiny", messages=messages)
+    cut = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
+    newer = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=3, temperature=0)
+    assert whole.usage.completion_tokens > 3 and cut.usage.completion_tokens == 3
+    assert whole.usage.prompt_tokens == cut.usage.prompt_tokens > 0
+    assert cut.usage.total_tokens == cut.usage.prompt_tokens + 3
+    assert cut.choices[0].finish_reason == "length" and whole.choices[0].finish_reason in ("stop", "length")
+    first_3 = cut.choices[0].message.content
+    assert first_3 and whole.choices[0].message.content.startswith(first_3)
+    assert newer.choices[0].message.content == first_3
+    with pytest.raises(openai.UnprocessableEntityError, match="'n' must be 1"):
+        client.chat.completions.create(model="tiny", messages=messages, n=2)
+    with pytest.raises(openai.UnprocessableEntityError, match="'tools'"):
+        client.chat.completions.create(model="tiny", messages=messages, tools=[
+            {"type": "function", "function": {"name": "box", "parameters": {"type": "object"}}}])
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4o", messages=messages)
+    assert missing.value.code == "model_not_found" and missing.value.param == "model"
+
+
+def _started_at(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+
+
+def test_a_bug_is_a_500_saying_internal_error_and_its_request_id():
+    """A real failure of the server's own (its encoding process killed, as the kernel's OOM killer
+    would): the request gets 500 with "internal error" and a request id, nothing of the exception;
+    the log prints that id with the traceback; /metrics counts the 500 and its latency; the next
+    request is answered (a new worker)."""
+    import signal
+
+    process, url = _start("--workers", "1", "--max-new-tokens", "4")
+    try:
+        spawned = [pid for pid in _children(process.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        worker = max(spawned, key=_started_at)  # the model's process starts first
+        os.kill(worker, signal.SIGKILL)
+        while Path(f"/proc/{worker}").exists() and "zombie" not in Path(f"/proc/{worker}/status").read_text():
+            time.sleep(0.05)
+        time.sleep(0.5)  # the pool sees its worker gone
+        png, phrase = _scene()
+        failed = httpx.post(url + "/v1/ground", json={"image": _b64(png), "phrase": phrase}, timeout=60)
+        request_id = failed.headers["x-request-id"]
+        assert failed.status_code == 500
+        assert failed.json() == {"error": {"message": f"internal error (request id {request_id})",
+                                           "type": "server_error", "param": None, "code": None}}
+        again = httpx.post(url + "/v1/ground", json={"image": _b64(png), "phrase": phrase}, timeout=120)
+        assert again.status_code == 200, again.text
+        metrics = httpx.get(url + "/metrics").text
+        assert 'groundtune_requests_total{endpoint="/v1/ground",status="500"} 1.0' in metrics
+        assert 'groundtune_request_seconds_count{endpoint="/v1/ground"} 2.0' in metrics
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    log = process.stdout.read()
+    said = log[log.index(f"request {request_id}: POST '/v1/ground' failed"):]
+    assert said.splitlines()[1] == "Traceback (most recent call last):" and "BrokenProcessPool" in said, log
+
+
+@pytest.mark.slow
+def test_decoding_memory_is_bounded_by_the_decode_budget():
+    """Six 4 MP 16-bit PNGs at once (~28 MB each to decode, 36 reserved) on a server whose decode
+    budget is 40 MB: they are decoded one at a time, so the server's peak stays within the budget
+    (plus slack), where all six at once took ~170 MB (and the float64 conversion ~750); and the
+    memory goes back (within 32 MB of idle)."""
+    process, url = _start("--max-image-pixels", "4000000", "--decode-budget-mb", "40", "--max-new-tokens", "4",
+                          "--max-wait-ms", "0")
+    status = Path(f"/proc/{process.pid}/status")
+
+    def mb(key: str) -> float:
+        return next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith(key)) / 1024
+
+    try:
+        png, phrase = _scene()
+        assert _ground(url, {"image": _b64(png), "phrase": phrase}).status_code == 200  # a warm server
+        row = np.linspace(0, 65535, 2000).astype(np.uint16)
+        deep = _b64(_encoded(Image.fromarray(np.tile(row, (2000, 1))), "PNG"))
+        time.sleep(0.5)
+        try:
+            Path(f"/proc/{process.pid}/clear_refs").write_text("5")  # the peak (VmHWM) from now on
+        except OSError:
+            pytest.skip("cannot reset the server's peak memory (/proc/PID/clear_refs)")
+        idle = mb("VmRSS")
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda _: _ground(url, {"image": deep, "phrase": "x"}), range(6)))
+        assert [a.status_code for a in answers] == [200] * 6
+        time.sleep(0.5)
+        peak, after = mb("VmHWM") - idle, mb("VmRSS") - idle
+        assert peak < 40 + 32, (peak, after)
+        assert after < 32, (peak, after)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_serve_flags_say_their_defaults_and_a_bad_port_is_one_line():
+    import sys
+
+    shown = subprocess.run([sys.executable, "-m", "groundtune", "serve", "--help"], capture_output=True, text=True,
+                           timeout=60).stdout
+    flags = ["--port", "--max-image-pixels", "--max-phrase-chars", "--body-timeout-s", "--decode-budget-mb",
+             "--max-body-mb", "--max-phrases", "--batch-size", "--queue-size", "--max-wait-ms", "--max-new-tokens"]
+    text = " ".join(shown.split())
+    for flag in flags:
+        said = text.split(f" {flag} {flag.lstrip('-').replace('-', '_').upper()} ", 1)[1].split(" --", 1)[0]
+        assert "(default: " in said and len(said) > 30, (flag, said)
+    for port in ("99999", "0", "http"):
+        done = subprocess.run([sys.executable, "-m", "groundtune", "serve", "--model", "tiny", "--port", port],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "Traceback" not in done.stderr
+        assert done.stderr.splitlines()[-1].startswith("groundtune serve: error: argument --port:"), done.stderr
+    done = subprocess.run([sys.executable, "-m", "groundtune", "serve", "--model", "tiny", "--body-timeout-s", "nan"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--body-timeout-s" in done.stderr.splitlines()[-1]
+
+
+def test_listen_names_the_flags_for_a_port_the_system_refuses():
+    from groundtune.errors import ConfigError
+    from groundtune.serve import _listen
+
+    with pytest.raises(ConfigError, match="--host 127.0.0.1 --port 99999: cannot listen there"):
+        _listen("127.0.0.1", 99999)
+
+
+def test_the_decode_budget_is_first_come_first_served():
+    """A request waits for its share; a small one does not pass a large one waiting before it; one
+    larger than the whole budget waits for all of it; one given up (the server stops) leaves its place."""
+    import asyncio
+
+    from groundtune.serve import DecodeBudget
+
+    async def scenario() -> list[str]:
+        budget, said = DecodeBudget(100), []
+
+        async def decode(name: str, wanted: int, seconds: float) -> None:
+            async with budget.hold(wanted):
+                said.append(f"{name} in ({budget.free} free)")
+                await asyncio.sleep(seconds)
+            said.append(f"{name} out")
+
+        first = asyncio.create_task(decode("a", 60, 0.05))
+        await asyncio.sleep(0)
+        large = asyncio.create_task(decode("huge", 500, 0.01))  # waits for the whole 100
+        await asyncio.sleep(0)
+        small = asyncio.create_task(decode("b", 10, 0.01))  # would fit now; waits its turn
+        await asyncio.sleep(0)
+        gone = asyncio.create_task(decode("gone", 50, 0.01))
+        await asyncio.sleep(0)
+        gone.cancel()
+        await asyncio.gather(first, large, small, return_exceptions=True)
+        assert budget.free == 100 and not budget.waiting
+        return said
+
+    assert asyncio.run(scenario()) == ["a in (40 free)", "a out", "huge in (0 free)", "huge out", "b in (90 free)",
+                                       "b out"]

@@ -21,6 +21,7 @@ import traceback
 
 from groundtune.boxes import FAMILIES
 from groundtune.errors import GroundtuneError, RankLostError, UsageError
+from groundtune.files import not_an_input
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -35,6 +36,7 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 def _data_convert(args: argparse.Namespace) -> int:
     from groundtune.data import sources
 
+    not_an_input(args.out, "--out", {"--refs": args.refs, "--instances": args.instances, "--path": args.path})
     if args.source == "refcoco":
         _require(args, "refs", "instances", "images")
         n = sources.convert_refcoco(args.refs, args.instances, args.images, args.out, split=args.split)
@@ -54,6 +56,8 @@ def _data_convert(args: argparse.Namespace) -> int:
 def _data_check(args: argparse.Namespace) -> int:
     from groundtune.data import check
 
+    if args.fix_out is not None:
+        not_an_input(args.fix_out, "--fix-out", {"the file being checked": args.file})
     if args.refs:
         from groundtune.data import refcheck
 
@@ -65,7 +69,7 @@ def _data_check(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict()))
     else:
         print(report.summary())
-    return 1 if report.errors else 0
+    return 0 if report.trainable else 1
 
 
 def _data_show(args: argparse.Namespace) -> int:
@@ -73,6 +77,7 @@ def _data_show(args: argparse.Namespace) -> int:
     from groundtune.data import show
     from groundtune.models import qwen
 
+    not_an_input(args.out, "--out", {"the file being drawn": args.file})
     family = qwen.family(args.family)
     resize = ResizeSpec(factor=family.factor, min_pixels=args.min_pixels or family.min_pixels,
                         max_pixels=args.max_pixels or family.max_pixels)
@@ -102,6 +107,7 @@ def _data_refgen(args: argparse.Namespace) -> int:
     from groundtune.data import refgen
     from groundtune.data.records import write_samples
 
+    not_an_input(args.out, "--out", {"--instances": args.instances, "--path": args.path})
     settings = refgen.RefgenSettings(kinds=refgen.parse_kinds(args.kinds), per_box=args.per_box,
                                      min_size=args.min_size, seed=args.seed)
     if args.filter_model is None and (args.filter_iou is not None or args.filter_mode is not None):
@@ -154,6 +160,7 @@ def _int_at_least(minimum: int, name: str):
 
 _positive_int = _int_at_least(1, "positive integer")
 _count = _int_at_least(0, "count")
+_canvas_side = _int_at_least(8, "canvas side")  # synth draws shapes of a few pixels at least
 
 
 def _require(args: argparse.Namespace, *names: str, command: str = "convert") -> None:
@@ -228,7 +235,7 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("file", help="canonical JSONL file")
     p.add_argument("--out", required=True, help="PNG file to write")
-    p.add_argument("--n", type=int, default=16, help="number of samples to draw")
+    p.add_argument("--n", type=_positive_int, default=16, help="number of samples to draw")
     p.add_argument("--seed", type=int, default=0, help="which samples: a random choice with this seed")
     p.add_argument("--family", default="qwen2.5-vl", choices=FAMILIES,
                    help="model family: its resize factor, and its shipped pixel budget unless given below")
@@ -244,17 +251,17 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
         formatter_class=_Formatter,
     )
     p.add_argument("--out", required=True, help="folder to write SPLIT.jsonl and images/ to")
-    p.add_argument("--n", type=int, default=1000, help="number of samples")
-    p.add_argument("--seed", type=int, default=0, help="random seed")
-    p.add_argument("--width", type=int, default=112, help="canvas width in pixels")
-    p.add_argument("--height", type=int, default=112, help="canvas height in pixels")
+    p.add_argument("--n", type=_count, default=1000, help="number of samples")
+    p.add_argument("--seed", type=_count, default=0, help="random seed")
+    p.add_argument("--width", type=_canvas_side, default=112, help="canvas width in pixels")
+    p.add_argument("--height", type=_canvas_side, default=112, help="canvas height in pixels")
     p.add_argument("--split", default="train", help="split name: the file is OUT/SPLIT.jsonl")
     from groundtune.data.synth import TASKS  # numpy and Pillow only: --help stays quick
 
     p.add_argument("--task", default="full", choices=TASKS,
                    help="full: 1-3 shapes and relational phrases; single: one shape, 'the {colour} {shape}'; "
                         "attribute: 2-3 shapes named by colour and/or kind; multi: like full with 2-3 shapes")
-    p.add_argument("--workers", type=int, default=0, help="worker processes (0: one per CPU core)")
+    p.add_argument("--workers", type=_count, default=0, help="worker processes (0: one per CPU core)")
     p.set_defaults(handler=_data_synth)
 
     _add_data_refgen(dsub)
@@ -275,7 +282,12 @@ def _add_data_refgen(dsub: argparse._SubParsersAction) -> None:
         "                                                           'the cup next to the laptop'\n"
         "Each record keeps its kind, the box's label, and every box of the image (objects, target) so\n"
         "`groundtune data check --refs` can re-derive that the phrase picks its box. Crowd boxes and\n"
-        "boxes under --min-size are never targets. The same seed writes the same bytes.\n\n"
+        "boxes under --min-size are never targets. The same seed writes the same bytes.\n"
+        "Positions need visible separation: both edges a margin (4% of the shorter side) past every\n"
+        "other box's on that side, and at most half of the smaller box shared; 'next to' only side by\n"
+        "side in one band (never one standing on or inside the other). Boxes under 16 px (or\n"
+        "--min-size) never make or change an extreme or ordinal: a phrase that a reader who counts\n"
+        "them would read otherwise is not written.\n\n"
         "examples:\n"
         "  groundtune data refgen --from coco --instances instances_val2017.json --images val2017 \\\n"
         "      --out refs.jsonl --stats\n"
@@ -299,7 +311,8 @@ def _add_data_refgen(dsub: argparse._SubParsersAction) -> None:
                    + ", ".join(KINDS))
     p.add_argument("--per-box", type=_positive_int, default=d.per_box, help="at most this many expressions per box")
     p.add_argument("--min-size", type=float, default=d.min_size,
-                   help="boxes whose sqrt(area) is under this many pixels are never targets or anchors")
+                   help="boxes whose sqrt(area) is under this many pixels are never targets or anchors, and (like "
+                   "any box under 16 px) are not counted for extremes and ordinals")
     p.add_argument("--seed", type=int, default=d.seed, help="random seed: which phrases and words are chosen")
     p.add_argument("--stats", action="store_true", help="print the count of each kind and of boxes skipped, by reason")
     p.add_argument("--filter-model", metavar="M", help="ground every phrase with this model (" + _MODEL_HELP +
@@ -327,6 +340,8 @@ _MODEL_HELP = (
 def _eval(args: argparse.Namespace) -> int:
     from groundtune.evaluate import run_eval
 
+    if args.out is not None:
+        not_an_input(args.out, "--out", {"--data": args.data})
     run_eval(
         args.model,
         args.data,
@@ -349,6 +364,10 @@ def _predict(args: argparse.Namespace) -> int:
             raise UsageError("groundtune predict --jsonl: needs --out, and takes no --image/--phrase/--draw")
     elif args.image is None or args.phrase is None or args.out is not None:
         raise UsageError("groundtune predict: give --image and --phrase, or --jsonl and --out")
+    if args.jsonl is not None:
+        not_an_input(args.out, "--out", {"--jsonl": args.jsonl})
+    elif args.draw is not None:
+        not_an_input(args.draw, "--draw", {"--image": args.image})
 
     from groundtune import infer
     from groundtune.data.images import load_image
@@ -499,6 +518,19 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     from groundtune.serve import Limits
 
     d = Limits()
+
+    def port(text: str) -> int:
+        value = int(text)
+        if not 1 <= value <= 65535:
+            raise argparse.ArgumentTypeError(f"must be from 1 to 65535, got {value}")
+        return value
+
+    def number(text: str) -> float:  # "nan" and "inf" are floats too
+        value = float(text)
+        if not 0 <= value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a number of at least 0, got {text}")
+        return value
+
     p = sub.add_parser(
         "serve",
         help="serve a model over HTTP: /v1/ground, OpenAI-compatible /v1/chat/completions, a UI at /",
@@ -516,21 +548,30 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", required=True, help=_MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=_positive_int, default=8000)
+    p.add_argument("--port", type=port, default=8000, help="port to listen on (1-65535)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and /metrics")
     p.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
                    help="phrases answered together (1: one at a time)")
-    p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms,
+    p.add_argument("--max-wait-ms", type=number, default=d.max_wait_ms,
                    help="how long a phrase waits for others to fill its batch")
     p.add_argument("--queue-size", type=_positive_int, default=d.queue_size,
                    help="phrases that may wait; beyond, 503 with Retry-After")
     p.add_argument("--workers", type=_count, default=None,
                    help="processes decoding and encoding request images, 0: threads of the server (default: "
                         "some on a GPU machine, none on a CPU one, where the model needs the cores)")
-    p.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20, help="largest request body")
-    p.add_argument("--max-image-pixels", type=_positive_int, default=d.max_image_pixels)
+    p.add_argument("--max-body-mb", type=number, default=d.max_body_bytes / 2**20,
+                   help="largest request body; larger: 413")
+    p.add_argument("--body-timeout-s", type=number, default=d.body_timeout_s,
+                   help="a request's whole body must arrive within this; a stalled or slower one: 408")
+    p.add_argument("--max-image-pixels", type=_positive_int, default=d.max_image_pixels,
+                   help="largest image, in pixels of the decoded frame (read from its own header before "
+                        "decoding); larger: 413")
+    p.add_argument("--decode-budget-mb", type=number, default=d.decode_budget_bytes / 2**20,
+                   help="memory for decoding images, all requests together: each waits for what its image takes "
+                        "(a 50 MP 16-bit PNG: 367 MB; one larger than all of it is decoded alone)")
     p.add_argument("--max-phrases", type=_positive_int, default=d.max_phrases, help="phrases per request")
-    p.add_argument("--max-phrase-chars", type=_positive_int, default=d.max_phrase_chars)
+    p.add_argument("--max-phrase-chars", type=_positive_int, default=d.max_phrase_chars,
+                   help="longest phrase, in characters")
     _add_max_new_tokens(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.set_defaults(handler=_serve)
@@ -542,7 +583,8 @@ def _serve(args: argparse.Namespace) -> int:
     limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_image_pixels=args.max_image_pixels,
                     max_phrases=args.max_phrases, max_phrase_chars=args.max_phrase_chars,
                     queue_size=args.queue_size, batch_size=args.batch_size, max_wait_ms=args.max_wait_ms,
-                    workers=args.workers)
+                    workers=args.workers, decode_budget_bytes=int(args.decode_budget_mb * 2**20),
+                    body_timeout_s=args.body_timeout_s)
     serve(args.model, args.host, args.port, args.api_key, limits, args.device, args.max_new_tokens)
     return 0
 
@@ -636,8 +678,8 @@ def _add_quickstart(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("overrides", nargs="*", help="key=value training settings (see groundtune train --help)")
     p.add_argument("--out", default="quickstart", help="folder for data/, run/, report.json and gallery/")
-    p.add_argument("--n-train", type=int, default=8000, help="synthetic training samples of the variant")
-    p.add_argument("--n-eval", type=int, default=200, help="synthetic held-out samples (another seed)")
+    p.add_argument("--n-train", type=_positive_int, default=8000, help="synthetic training samples of the variant")
+    p.add_argument("--n-eval", type=_positive_int, default=200, help="synthetic held-out samples (another seed)")
     p.set_defaults(handler=_quickstart)
 
 
@@ -675,6 +717,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # the command line's own bars say what is loading; transformers' draw one per weight file
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from groundtune.progress import quiet_libraries
+
+    quiet_libraries()
     try:
         return args.handler(args)
     except (GroundtuneError, *_USER_OS_ERRORS) as e:

@@ -16,6 +16,7 @@ so RL has no setting it ignores, and a setting both read has one definition.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from groundtune.errors import ConfigError, MissingError
+from groundtune.files import regular_file
 
 MODEL_PARTS = ("vision", "merger", "llm")
 LORA_TARGETS = ("llm_attn", "llm_mlp", "merger", "vision")
@@ -34,6 +36,7 @@ ADVANTAGES = ("grpo", "ema")
 HEADS = ("text", "box")  # models/head.py
 ENGINES = ("ddp", "fsdp2", "zero2", "zero3")  # train/parallel.py
 PRESETS = Path(__file__).resolve().parent / "configs"  # shipped YAML presets (also at ./configs)
+MAX_INT = 2**31 - 1  # the largest whole-number setting: more steps, pixels or samples than any run uses
 
 __all__ = ["ConfigError", "TrainConfig", "RLConfig", "load_config", "preset_path", "to_yaml", "describe"]
 
@@ -84,7 +87,7 @@ class _Method(_Settings):
     freeze_llm: bool = False  # method=full: keep the language model fixed
     head: str = "text"  # text: the box written as the answer | box: a head reads it off the hidden states, the prompt's last (which ends with the answer's opening) attending over the image's tokens; one forward pass (models/head.py)
     head_l1_weight: float = 2.0  # head=box: loss = 1 - GIoU + this x L1 (mean over the coordinates, as fractions of the image)
-    head_text_loss_weight: float = 0.0  # head=box: > 0 also trains the text answer (joint mode), weighted so
+    head_text_loss_weight: float = 0.0  # head=box: > 0 also trains the text answer (joint mode): its token loss times this is added
 
     def check(self) -> None:
         if self.head not in HEADS:
@@ -356,8 +359,8 @@ def _fraction(cfg, *names: str) -> None:
 def preset_path(name_or_path: str) -> Path:
     """A YAML path as given, or the name of a preset shipped with groundtune (configs/NAME.yaml)."""
     path = Path(name_or_path)
-    if path.is_file():  # not is_dir: `groundtune quickstart` itself makes a folder named quickstart
-        return path
+    if path.exists() and not path.is_dir():  # not a folder: `groundtune quickstart` makes one named quickstart
+        return regular_file(path, "YAML file")
     shipped = PRESETS / f"{name_or_path}.yaml"
     if shipped.exists():
         return shipped
@@ -398,11 +401,26 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] | tupl
     return cls(**{**from_file, **given})
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last one
+    silently, and a setting would then not be what its first line says."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is given twice (first on line {seen[key] + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
 def _yaml(text: str, where: str):
     """YAML parsed, or a ConfigError naming ``where`` (a file: with line and column)."""
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except (yaml.YAMLError, TypeError) as e:  # TypeError: an unhashable key ({[a]: 1})
         mark = getattr(e, "problem_mark", None)
         at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None and not where.startswith("override") else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
@@ -449,11 +467,23 @@ def _check_types(cfg) -> None:
         if expected is float and not isinstance(value, bool) and isinstance(value, (int, str)):
             try:  # YAML 1.1 reads 2e-3 (no dot) as a string
                 setattr(cfg, f.name, float(value))
-                continue
-            except ValueError:
+            except (ValueError, OverflowError):
                 raise ConfigError(f"{f.name}={value!r}: expected a number") from None
+            _check_range(f.name, getattr(cfg, f.name), given=value)
+            continue
         if expected is str and value is None:
             setattr(cfg, f.name, "")
             continue
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise ConfigError(f"{f.name}={value!r}: expected {expected.__name__}")
+        _check_range(f.name, getattr(cfg, f.name))
+
+
+def _check_range(name: str, value, given=None) -> None:
+    """A number every setting can use: finite (a NaN learning rate would only show as NaN losses
+    once the run had started) and, for a count, within what a 32-bit integer holds. ``given``: the
+    value as written, where it was converted (1e400 -> inf)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{name}={value if given is None else given}: expected a finite number")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        raise ConfigError(f"{name}={value}: out of range (at most {MAX_INT:,})")

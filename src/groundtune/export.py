@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -41,6 +42,7 @@ import torch
 from groundtune import boxes, onnx_export
 from groundtune.config import MAX_NEW_TOKENS
 from groundtune.errors import DiskFullError, RunExistsError, UsageError
+from groundtune.files import not_an_input
 from groundtune.models import head, qwen
 from groundtune.models.loading import METADATA_FILE, load_model, read_metadata, resolve
 
@@ -55,12 +57,16 @@ def export(name: str, out: str | Path, dtype: str = "base", overwrite: bool = Fa
     weights are stored in) or one of DTYPES. ``onnx_image_size`` (width, height): a box-head model
     is also written as ONNX for images of that size (resized as the run resizes them)."""
     out = Path(out)
-    _check_target(out, overwrite)
+    kind, path = resolve(name)
+    _check_target(out, overwrite, {"the model being exported": path if kind in ("run", "folder") else None})
     if onnx_image_size is not None:
         onnx_export.check_ready()
-    kind, path = resolve(name)
     run_meta = read_metadata(path / "model") if kind == "run" else (read_metadata(path) if path else {})
     gm = load_model(name, device="cpu", dtype="fp32")  # merged in fp32, then cast once
+    if gm.base_model != name:  # an adapter's base: read as well, so never written over either
+        base_kind, base_path = resolve(gm.base_model)
+        not_an_input(out, "--out", {"the base model of the export": base_path if base_kind == "folder" else None},
+                     folder=True)
     target_dtype = _stored_dtype(gm.base_model) if dtype == "base" else DTYPES[dtype]
     model = gm.model
     box_head = head.head_of(model)  # a box-head run's head goes in a file of its own (models/head.py)
@@ -74,16 +80,15 @@ def export(name: str, out: str | Path, dtype: str = "base", overwrite: bool = Fa
             model = model.merge_and_unload()
         say(f"merged the LoRA adapter into {gm.base_model}" + (
             " (a QLoRA adapter, merged into the base's full-precision weights: see the model card)" if qlora else ""))
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     parameters = sum(p.numel() for p in model.parameters())
     needed = parameters * target_dtype.itemsize  # every weight is written in target_dtype
     onnx_bytes = parameters * 4 if onnx_image_size is not None else 0  # the graph's weights are fp32
     _check_disk(out, needed + onnx_bytes)
     onnx = None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))  # a new folder, ours alone
     try:
         if onnx_image_size is not None:  # from the fp32 weights, before they are cast
-            tmp.mkdir(parents=True)
             say(f"writing {onnx_export.ONNX_FILE} for {onnx_image_size[0]}x{onnx_image_size[1]} images (fp32)")
             onnx = onnx_export.export_onnx(model, box_head, gm.processor, gm.family, gm.resize, gm.prompt,
                                            onnx_image_size, tmp)
@@ -115,33 +120,72 @@ def export(name: str, out: str | Path, dtype: str = "base", overwrite: bool = Fa
             **({"trained_4bit": True} if qlora else {}),
             **({"onnx": onnx} if onnx is not None else {}),
         }
-        (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(metadata, out.name))
+        # what this export wrote: all that a later --overwrite may replace
+        metadata["files"] = sorted([p.name for p in tmp.iterdir()] + [METADATA_FILE])
+        (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
         _usual_modes(tmp)
+        _replace(out, tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
     say(f"exported {name} -> {out} ({needed / 2**20:,.1f} MiB of {metadata['dtype']} weights)")
     return out
 
 
 def _usual_modes(folder: Path) -> None:
-    """The files with the mode the umask gives new files: the weights are written owner-only
-    (safetensors' temporary file), which a server running as another user could not read."""
+    """The folder and its files with the modes the umask gives new ones: the folder was made
+    owner-only (a temporary folder) and so were the weights (safetensors' temporary file), which a
+    server running as another user could not read."""
     umask = os.umask(0)
     os.umask(umask)
+    folder.chmod(0o777 & ~umask)
     for file in folder.iterdir():
         file.chmod(0o666 & ~umask)
 
 
-def _check_target(out: Path, overwrite: bool) -> None:
+def _check_target(out: Path, overwrite: bool, inputs: dict[str, Path | None]) -> None:
+    """``out`` may be written: not a file, never what the export reads (``inputs``), and where it
+    holds something, only a previous export (its groundtune.json lists what it wrote) replaced with
+    ``overwrite``: a folder of anything else is never deleted."""
     if out.exists() and not out.is_dir():
         raise RunExistsError(f"{out}: a file is there; name a folder for the export")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise RunExistsError(f"{out} exists and is not empty; pass --overwrite to replace it, or another --out")
+    not_an_input(out, "--out", inputs, folder=True)
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise RunExistsError(f"{out} exists and is not empty; pass --overwrite to replace a previous export there, "
+                             "or choose another --out")
+    listed = _export_files(out)
+    if listed is None:
+        raise RunExistsError(f"--overwrite: {out} does not hold a previous export (no {METADATA_FILE} listing its "
+                             "files), so nothing there is replaced; choose another --out, or empty it yourself")
+    others = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir() if p.name not in listed)
+    if others:
+        shown = ", ".join(others[:5]) + (f" (+{len(others) - 5} more)" if len(others) > 5 else "")
+        raise RunExistsError(f"--overwrite: {out} holds files an export did not write ({shown}); they would be "
+                             "deleted with it: move them, or choose another --out")
+
+
+def _export_files(folder: Path) -> set[str] | None:
+    """The files a previous export wrote in ``folder`` (its groundtune.json says), else None."""
+    try:
+        listed = json.loads((folder / METADATA_FILE).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return set(listed) if isinstance(listed, list) and all(isinstance(n, str) for n in listed) else None
+
+
+def _replace(out: Path, new: Path) -> None:
+    """``new`` renamed to ``out``; a previous export there (checked by ``_check_target``) is moved
+    aside first and deleted last, so a kill leaves one of the two whole under a name of its own."""
+    if not out.exists():
+        new.rename(out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+    out.rename(old / out.name)
+    new.rename(out)
+    shutil.rmtree(old)
 
 
 def _check_disk(out: Path, needed: int) -> None:

@@ -149,7 +149,7 @@ def read_answer(
     answer is written with <|box_start|>(x1,y1),(x2,y2)<|box_end|> and the parser reads them.
     """
     ids = list(token_ids)
-    raw = processor.tokenizer.decode(ids[: _answer_length(ids, processor)], skip_special_tokens=False)
+    raw = processor.tokenizer.decode(ids[: answer_length(ids, processor)], skip_special_tokens=False)
     parsed = boxes.parse_answer(raw, family, original_size, resized_size)
     return Prediction(
         bbox=parsed.box,
@@ -433,7 +433,7 @@ def generate(gm, encoded: list[dict], sizes: list[tuple], decoding: Decoding, nu
     results = []
     for row, ids in enumerate(answers):
         original, resized = sizes[row // num_samples]
-        end = _answer_length(ids, gm.processor)
+        end = answer_length(ids, gm.processor)
         results.append((ids[: end + 1], read_answer(ids, gm.processor, gm.family, original, resized)))  # + its stop token
     return results
 
@@ -497,7 +497,7 @@ def plain_generate(gm, encoded: list[dict], decoding: Decoding, num_samples: int
     return out[:, batch["input_ids"].shape[1] :].tolist()
 
 
-def _answer_length(ids: list[int], processor: qwen.Processor) -> int:
+def answer_length(ids: list[int], processor: qwen.Processor) -> int:
     """Tokens before the first end-of-turn, end-of-text or pad token (a finished row of a batch is
     padded until the longest row ends); all of them when the answer was cut off."""
     stop = set(processor.eos_token_ids) | {processor.pad_token_id}

@@ -9,8 +9,10 @@ Endpoints (the contract is in the README, "Serve"):
   image (its EXIF orientation applied, as a viewer shows it), label, raw answer, timings;
 - ``POST /v1/chat/completions``: OpenAI's chat API (the ``openai`` client works unchanged). The
   last user message's text is the phrase, asked with the model's own prompt; its image is an
-  ``image_url`` data: URI. The answer is the model's text, plus ``groundtune`` with the boxes in
-  the caller's pixels;
+  ``image_url`` data: URI. The answer is the model's text (cut at ``max_completion_tokens`` or
+  ``max_tokens``), its ``usage``, plus ``groundtune`` with the boxes in the caller's pixels. A
+  parameter the server cannot honour (n > 1, sampling, tools, logprobs, a response format, ...)
+  is a 422 naming it, another model OpenAI's 404 ``model_not_found`` (``_chat_settings``);
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /`` (a one-page UI).
 
 Three kinds of process (all started by the server, all ended with it):
@@ -28,27 +30,41 @@ The queue is bounded (phrases sent to the model and not answered yet): a full on
 with Retry-After, never an unbounded backlog. The server reads nothing from its own disk or
 network on a caller's behalf (no file paths, no http(s) image URLs), listens on 127.0.0.1 unless
 told otherwise, and answers every caller mistake with a 4xx JSON error that names what was wrong:
-``{"error": {"message", "type", "param"}}``.
+``{"error": {"message", "type", "param", "code"}}``. A 500 is a bug of ours: its answer says
+"internal error" and a request id, which the server's log prints with the traceback.
+
+What a stranger's request can make the server hold is bounded: a body (``--max-body-mb``) that
+must arrive within ``--body-timeout-s``; an image of a few plain formats whose frame is at most
+``--max-image-pixels``, checked on the frame's own header before a pixel is decoded; and the
+memory all requests' images take while they are decoded together, ``--decode-budget-mb``: each
+request reserves what its image's header says decoding it will hold (``images.decoding_bytes``)
+before it is decoded, first come first served.
 """
 
 
 import asyncio
 import base64
 import binascii
-import io
+import collections
+import contextlib
 import json
+import logging
+import math
+import re
 import secrets
 import signal
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 from pathlib import Path
 
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps
 
+from groundtune.data import images
 from groundtune.errors import ConfigError, DataError, MissingPackageError
+from groundtune.progress import quiet_libraries
 
 UI_FILE = Path(__file__).resolve().parent / "assets" / "serve_ui.html"
 
@@ -56,27 +72,49 @@ UI_FILE = Path(__file__).resolve().parent / "assets" / "serve_ui.html"
 @dataclass(frozen=True)
 class Limits:
     """What one request may ask, and how requests are queued and batched; each is a flag of
-    `groundtune serve`."""
+    `groundtune serve` (``FLAGS``)."""
 
     max_body_bytes: int = 20 * 2**20  # a 20 MB upload: a large phone photo, base64-encoded
-    max_image_pixels: int = 50_000_000  # decoded pixels; PIL would decode a forged header's billions
+    max_image_pixels: int = 50_000_000  # the decoded frame's pixels, from its own header, before decoding
     max_phrases: int = 16  # phrases per request
     max_phrase_chars: int = 500
     queue_size: int = 256  # phrases waiting for the model; beyond: 503
     batch_size: int = 16  # phrases answered together (1: no batching)
     max_wait_ms: float = 5.0  # how long the first waiting phrase waits for others
     workers: int | None = None  # processes decoding and encoding images (None: infer.default_workers)
+    # decoded images in memory at once, all requests together: two limit-sized 16-bit PNGs (367
+    # MB each) or four 50 MP JPEG photos (~225 MB); one image larger than all of it is decoded alone
+    decode_budget_bytes: int = 2**30
+    body_timeout_s: float = 60.0  # a request's whole body must arrive within this: 20 MB at 2.7 Mbit/s
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value is None:
+                continue
+            least = {"workers": 0, "max_wait_ms": 0}.get(field.name, 1 if isinstance(field.default, int) else 0.001)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= least):
+                raise ConfigError(f"{FLAGS[field.name]} must be a number of at least {least:g}, got {value!r}")
+
+
+FLAGS = {"max_body_bytes": "--max-body-mb", "max_image_pixels": "--max-image-pixels", "max_phrases": "--max-phrases",
+         "max_phrase_chars": "--max-phrase-chars", "queue_size": "--queue-size", "batch_size": "--batch-size",
+         "max_wait_ms": "--max-wait-ms", "workers": "--workers", "decode_budget_bytes": "--decode-budget-mb",
+         "body_timeout_s": "--body-timeout-s"}
+
+log = logging.getLogger("uvicorn.error")  # uvicorn's own log: the server's stderr, in its format
 
 
 class RequestError(Exception):
     """A caller's mistake: answered with ``status`` and a JSON error naming ``param``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
 
     def __reduce__(self):  # raised in an encoding process, said by the server
-        return RequestError, (self.status, self.message, self.param, self.kind)
+        return RequestError, (self.status, self.message, self.param, self.kind, self.code)
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,26 +122,66 @@ class RequestError(Exception):
 
 
 def decode_image(data: bytes, limits: Limits, param: str = "image") -> Image.Image:
-    """Image bytes -> RGB as a viewer shows it (EXIF orientation applied), refused before decoding
-    when its header claims more than ``limits.max_image_pixels``."""
+    """Image bytes -> RGB as a viewer shows it (EXIF orientation applied). Only the plain formats
+    (``images.PLAIN_FORMATS``: PNG, JPEG, WebP, GIF, BMP, TIFF), refused before decoding when the
+    frame's own header says more than ``limits.max_image_pixels``; what Pillow cannot decode is a
+    422. The memory it holds at most is ``image_frame``'s ``images.decoding_bytes``."""
+    image = _opened(images.open_untrusted, data, limits, param)
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            if im.width * im.height > limits.max_image_pixels:
-                raise RequestError(413, f"the image is {im.width}x{im.height} = {im.width * im.height:,} pixels; "
-                                        f"the limit is {limits.max_image_pixels:,} (--max-image-pixels)", param)
-            im.load()
-            image = ImageOps.exif_transpose(im)
-    except RequestError:
-        raise
-    except Image.DecompressionBombError as e:
-        raise RequestError(413, f"the image is too large to decode ({e})", param) from None
-    except (OSError, SyntaxError, ValueError) as e:
-        # PIL names the buffer it read from ("<_io.BytesIO object at 0x...>"), nothing a caller sent
-        why = "not an image format the server reads" if isinstance(e, UnidentifiedImageError) else str(e)
-        raise RequestError(422, f"the image cannot be decoded ({why})", param) from None
-    from groundtune.data.images import to_rgb
+        image.load()
+        ImageOps.exif_transpose(image, in_place=True)  # in place: one copy less than a new image
+        return images.to_rgb(image)
+    except MemoryError:
+        raise  # the machine's, not the caller's
+    except Exception as e:  # noqa: BLE001 - what Pillow's decoders raise on bytes made up to break them
+        raise RequestError(422, f"the image cannot be decoded ({_pillow_said(e)})", param) from None
 
-    return to_rgb(image)
+
+def image_frame(data: bytes, limits: Limits, param: str = "image") -> images.Frame:
+    """What decoding ``data`` will give, from its header alone (``decode_image``'s refusals,
+    raised before anything is decoded)."""
+    return _opened(images.untrusted_frame, data, limits, param)
+
+
+def _opened(open_, data: bytes, limits: Limits, param: str):
+    try:
+        return open_(data, limits.max_image_pixels)
+    except images.TooManyPixels as e:
+        raise RequestError(413, f"{e} (--max-image-pixels)", param) from None
+    except images.NotAnImage as e:
+        raise RequestError(422, f"the image cannot be decoded ({e})", param) from None
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a header made up to break a plugin's parser
+        raise RequestError(422, f"the image cannot be decoded ({_pillow_said(e)})", param) from None
+
+
+def _pillow_said(error: Exception) -> str:
+    """Pillow's message without the buffer it read from ("<_io.BytesIO object at 0x...>"), which
+    is nothing the caller sent; the exception's name where it said nothing."""
+    said = re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-f]+>", "", str(error)).strip()
+    return said or type(error).__name__
+
+
+def _decoding_process() -> None:
+    """A process of the server that decodes images (the server's own, an encoding worker).
+
+    Pillow's own decompression-bomb limit off: ours (``--max-image-pixels``) is checked first, on
+    the frame's own header, and Pillow's would refuse what is over 179 MP with its own text before
+    ours was read.
+
+    glibc (Linux): every block of 1 MB or more mmap'd on its own, so that it goes back to the
+    system when freed. glibc's default raises that threshold as such blocks are freed (to 32 MB),
+    after which an image's 16 MB Pillow blocks and numpy arrays land in the heaps of the decoding
+    threads' arenas, which keep them: after six 50 MP 16-bit PNGs the server kept 900 MB more than
+    before them. Setting the threshold also turns that raising off."""
+    import ctypes
+
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        ctypes.CDLL(None).mallopt(-3, 2**20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # another C library (musl, macOS): its own ways stand
+        pass
 
 
 def image_bytes(value: str, param: str) -> bytes:
@@ -138,10 +216,22 @@ def check_phrases(phrases, limits: Limits, param: str = "phrases") -> list[str]:
     for phrase in phrases:
         if not isinstance(phrase, str) or not phrase.strip():
             raise RequestError(422, "every phrase must be a non-empty string", param)
+        if not _unicode(phrase):
+            raise RequestError(422, "a phrase holds a lone surrogate (a \\ud800-\\udfff escape that is half of a "
+                                    "character): not Unicode text", param)
         if len(phrase) > limits.max_phrase_chars:
             raise RequestError(422, f"a phrase of {len(phrase)} characters; the limit is {limits.max_phrase_chars} "
                                     "(--max-phrase-chars)", param)
     return phrases
+
+
+def _unicode(text: str) -> bool:
+    """False for a string JSON's escapes made of a lone surrogate, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class Encoder:
@@ -186,15 +276,17 @@ def _from_wire(encoded: dict) -> dict:
     return {k: tensor(v) for k, v in encoded.items()}
 
 
-def _encode_and_send(encoder: Encoder, inbox, keys: list[int], data: bytes, phrases: list[str],
-                     param: str) -> tuple[int, int]:
-    """Encode a request and put its prompts in the model's inbox, one item per phrase; returns the
-    image's size. Nothing is sent for a request that fails (a RequestError for the caller)."""
+def _encode_and_send(encoder: Encoder, inbox, keys: list[int], data: bytes, phrases: list[str], param: str,
+                     max_tokens: int | None = None) -> tuple[int, int, list[int]]:
+    """Encode a request and put its prompts in the model's inbox, one item per phrase, each answer
+    to be cut at ``max_tokens`` (None: the server's --max-new-tokens); returns the image's size and
+    each prompt's length in tokens. Nothing is sent for a request that fails (a RequestError for
+    the caller)."""
     width, height, prompts = encoder(data, phrases, param)
     queued = time.monotonic()  # the system's monotonic clock: the model's process reads it too
     for key, (encoded, sizes) in zip(keys, prompts):
-        inbox.put((key, _to_wire(encoded), sizes, queued))
-    return width, height
+        inbox.put((key, _to_wire(encoded), sizes, queued, max_tokens))
+    return width, height, [int(encoded["input_ids"].shape[-1]) for encoded, _ in prompts]
 
 
 _worker_state: tuple | None = None  # an encoding process's (encoder, inbox)
@@ -205,13 +297,16 @@ def _start_worker(encoder: Encoder, inbox) -> None:
     import torch
 
     _detach_from_server()
+    quiet_libraries()
+    _decoding_process()
     torch.set_num_threads(1)  # one image at a time each: the workers together use the cores
     inbox.cancel_join_thread()  # at exit, prompts the model will never read are not waited for
     _worker_state = (encoder, inbox)
 
 
-def _encode_in_worker(keys: list[int], data: bytes, phrases: list[str], param: str) -> tuple[int, int]:
-    return _encode_and_send(*_worker_state, keys, data, phrases, param)
+def _encode_in_worker(keys: list[int], data: bytes, phrases: list[str], param: str,
+                      max_tokens: int | None) -> tuple[int, int, list[int]]:
+    return _encode_and_send(*_worker_state, keys, data, phrases, param, max_tokens)
 
 
 def _worker_ready() -> None:
@@ -247,7 +342,11 @@ def _model_process(model: str, device: str, limits: Limits, max_new_tokens: int,
     ``model``, says ("ready", Encoder, family, device) or ("error", exception) on ``ready``, then
     answers batches: the items waiting in ``inbox`` (up to ``batch_size``, for at most
     ``max_wait_ms`` after the first), one ``infer.generate`` call, the predictions to ``outbox``
-    as ([(key, Prediction or an error's text)], the batch's stats). None in the inbox ends it."""
+    as ([(key, Answered or an error's text)], the batch's stats). None in the inbox ends it.
+
+    The batch is generated to ``max_new_tokens``; an item's own ``max_tokens`` (OpenAI's, fewer)
+    cuts its answer there and reads it again: decoding is greedy, so the first k tokens are what a
+    limit of k would have given."""
     import pickle
     import queue
     import threading
@@ -255,6 +354,7 @@ def _model_process(model: str, device: str, limits: Limits, max_new_tokens: int,
     from groundtune import infer
 
     _detach_from_server()
+    quiet_libraries()
     try:
         gm = infer.load(model, device=device)
     except BaseException as e:  # noqa: BLE001 - said by the server, which exits with it
@@ -294,13 +394,33 @@ def _model_process(model: str, device: str, limits: Limits, max_new_tokens: int,
         try:
             answers = infer.generate(gm, [_from_wire(item[1]) for item in batch], [item[2] for item in batch],
                                      decoding, engine=engine)
-            results = [(item[0], prediction) for item, (_, prediction) in zip(batch, answers)]
+            results = [(item[0], _answered(gm, ids, prediction, item[2], item[4]))
+                       for item, (ids, prediction) in zip(batch, answers)]
         except Exception as e:  # noqa: BLE001 - the server must outlive a failed batch
             results = [(item[0], f"{type(e).__name__}: {e}") for item in batch]
         outbox.put((results, {"size": len(batch), "seconds": time.monotonic() - start,
                               "waits": [start - item[3] for item in batch]}))
         if stop:
             return
+
+
+class Answered(NamedTuple):
+    """One phrase's answer as the model's process sends it."""
+
+    prediction: object  # infer.Prediction
+    tokens: int  # the answer's tokens, its stop token included
+    stopped: bool  # it ended itself (False: cut at the token limit)
+
+
+def _answered(gm, ids: list[int], prediction, sizes: tuple, max_tokens: int | None) -> Answered:
+    from groundtune import infer
+
+    if max_tokens is not None and len(ids) > max_tokens:
+        ids = ids[:max_tokens]
+        prediction = infer.read_answer(ids, gm.processor, gm.family, *sizes)
+    # generate keeps an answer's stop token: an answer without one was cut (a box head's has no tokens)
+    stopped = not ids or infer.answer_length(ids, gm.processor) < len(ids)
+    return Answered(prediction, len(ids), stopped)
 
 
 class QueueFull(Exception):
@@ -310,8 +430,13 @@ class QueueFull(Exception):
 class Answer(NamedTuple):
     width: int  # the caller's image as a viewer shows it
     height: int
-    predictions: list  # infer.Prediction, one per phrase
+    answers: list[Answered]  # one per phrase
+    prompt_tokens: list[int]  # each phrase's prompt, the image's tokens included
     encoded_at: float  # time.perf_counter() when the prompts were ready and queued
+
+    @property
+    def predictions(self) -> list:
+        return [a.prediction for a in self.answers]
 
 
 class Model:
@@ -348,8 +473,10 @@ class Model:
             raise what[0]
         self.encoder, self.family, device = what  # the device it chose ("auto" resolved)
         self.workers = infer.default_workers(device) if limits.workers is None else limits.workers
+        self.max_new_tokens = max_new_tokens
         self.pending: dict[int, tuple] = {}  # key -> (loop, future): the phrases sent and not answered
         self.next_key = 0
+        self.budget = DecodeBudget(limits.decode_budget_bytes)
         self.died: str | None = None
         self.on_death = None  # what the server does then (serve: stop)
 
@@ -389,14 +516,18 @@ class Model:
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
-    async def answer(self, data: bytes, phrases: list[str], param: str = "image") -> Answer:
-        """The predictions for ``phrases`` in the image file ``data``; QueueFull when they do not
-        fit the queue, a RequestError naming ``param`` for an image the server or the model cannot
-        take."""
+    async def answer(self, data: bytes, phrases: list[str], param: str = "image",
+                     max_tokens: int | None = None) -> Answer:
+        """The predictions for ``phrases`` in the image file ``data`` (answers cut at ``max_tokens``);
+        QueueFull when they do not fit the queue, a RequestError naming ``param`` for an image the
+        server or the model cannot take. The image's header is read first (a bad one is refused
+        before anything waits), then the memory its decoding holds is reserved from the decode
+        budget until its prompts are encoded."""
         from concurrent.futures.process import BrokenProcessPool
 
         if self.died:
             raise RuntimeError(self.died)
+        frame = await asyncio.to_thread(image_frame, data, self.limits, param)
         if len(self.pending) + len(phrases) > self.limits.queue_size:
             raise QueueFull()
         loop = asyncio.get_running_loop()
@@ -406,25 +537,27 @@ class Model:
         self.pending.update({key: (loop, future) for key, future in zip(keys, futures)})
         start = time.perf_counter()
         try:
-            if self.pool is None:
-                width, height = await asyncio.to_thread(_encode_and_send, self.encoder, self.inbox, keys, data,
-                                                        phrases, param)
-            else:
-                pool = self.pool
-                try:
-                    width, height = await loop.run_in_executor(pool, _encode_in_worker, keys, data, phrases, param)
-                except BrokenProcessPool:  # a worker died (killed, out of memory): new ones for the next
-                    if self.pool is pool:
-                        self.pool = self._new_pool()
-                        pool.shutdown(wait=False)
-                    raise
+            async with self.budget.hold(images.decoding_bytes(frame)):
+                if self.pool is None:
+                    width, height, prompt_tokens = await asyncio.to_thread(
+                        _encode_and_send, self.encoder, self.inbox, keys, data, phrases, param, max_tokens)
+                else:
+                    pool = self.pool
+                    try:
+                        width, height, prompt_tokens = await loop.run_in_executor(
+                            pool, _encode_in_worker, keys, data, phrases, param, max_tokens)
+                    except BrokenProcessPool:  # a worker died (killed, out of memory): new ones for the next
+                        if self.pool is pool:
+                            self.pool = self._new_pool()
+                            pool.shutdown(wait=False)
+                        raise
         except BaseException:
             for key in keys:
                 self.pending.pop(key, None)
             raise
         encoded_at = time.perf_counter()
         self.metrics.encode_seconds.observe(encoded_at - start)
-        return Answer(width, height, list(await asyncio.gather(*futures)), encoded_at)
+        return Answer(width, height, list(await asyncio.gather(*futures)), prompt_tokens, encoded_at)
 
     def _read_answers(self) -> None:
         """The answers, as the model's process sends them, to their requests' futures (a thread)."""
@@ -458,6 +591,46 @@ class Model:
             self.on_death()
 
 
+class DecodeBudget:
+    """Bytes of decoded images in memory at once, over all requests (``--decode-budget-mb``): a
+    request holds what its image's header says decoding it takes (``images.decoding_bytes``) while
+    it is decoded and encoded; others wait, first come first served (a large image is not passed
+    by a stream of small ones). One larger than the whole budget waits for all of it."""
+
+    def __init__(self, total: int):
+        self.total = self.free = total
+        self.waiting: collections.deque = collections.deque()  # (bytes, future), in arrival order
+
+    @contextlib.asynccontextmanager
+    async def hold(self, wanted: int):
+        wanted = min(wanted, self.total)
+        if self.waiting or self.free < wanted:
+            entry = (wanted, asyncio.get_running_loop().create_future())
+            self.waiting.append(entry)
+            try:
+                await entry[1]
+            except BaseException:  # cancelled (the server stops): its place, or what it was given, goes on
+                if entry[1].done() and not entry[1].cancelled():
+                    self.free += wanted
+                else:
+                    self.waiting.remove(entry)
+                self._grant()
+                raise
+        else:
+            self.free -= wanted
+        try:
+            yield
+        finally:
+            self.free += wanted
+            self._grant()
+
+    def _grant(self) -> None:
+        while self.waiting and self.waiting[0][0] <= self.free:
+            wanted, future = self.waiting.popleft()
+            self.free -= wanted
+            future.set_result(None)
+
+
 def _settle(future, result) -> None:
     if future.done():
         return
@@ -484,7 +657,8 @@ class Metrics:
         # where a request's time goes: its image decoded and prompts encoded, waiting for a batch, the batch
         seconds = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
         self.encode_seconds = Histogram("groundtune_encode_seconds", "decoding and encoding a request "
-                                        "(waiting for a worker included)", registry=self.registry, buckets=seconds)
+                                        "(waiting for a worker and the decode budget included)",
+                                        registry=self.registry, buckets=seconds)
         self.queue_seconds = Histogram("groundtune_queue_seconds", "a phrase's wait for its batch",
                                        registry=self.registry, buckets=seconds)
         self.batch_seconds = Histogram("groundtune_batch_seconds", "one model call (a batch)",
@@ -500,11 +674,10 @@ def create_app(model: Model, model_name: str, limits: Limits = Limits(), api_key
     try:
         from fastapi import FastAPI, Request
         from fastapi.exceptions import RequestValidationError
-        from fastapi.responses import HTMLResponse, JSONResponse, Response
+        from fastapi.responses import HTMLResponse, Response
         from starlette.exceptions import HTTPException
     except ImportError:
         raise MissingPackageError('groundtune serve needs FastAPI and uvicorn: pip install "groundtune[serve]"') from None
-    import contextlib
 
     metrics = Metrics()
 
@@ -515,49 +688,33 @@ def create_app(model: Model, model_name: str, limits: Limits = Limits(), api_key
         await model.stop()
 
     app = FastAPI(title="groundtune", lifespan=lifespan, docs_url=None, redoc_url=None)
-
-    def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-              headers: dict | None = None) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": kind, "param": param}}, status, headers=headers)
+    app.add_middleware(_Guard, metrics=metrics, limits=limits, api_key=api_key)
 
     @app.exception_handler(RequestError)
     async def _request_error(request, e: RequestError):
-        return error(e.status, e.message, e.param, e.kind, headers={"Retry-After": "1"} if e.status == 503 else None)
+        headers = {"Retry-After": "1"} if e.status == 503 else None
+        if e.status in (408, 413):  # the rest of the body is not read: the connection cannot carry another request
+            headers = {"Connection": "close"}
+        return _error(e.status, e.message, e.param, e.kind, e.code, headers)
+
+    @app.exception_handler(Exception)
+    async def _server_error(request, e: Exception):  # what _Guard did not answer (a bug in it): still no details
+        return _error(500, "internal error", kind="server_error")
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return error(422, f"{first.get('msg', 'invalid request')}", where)
+        return _error(422, f"{first.get('msg', 'invalid request')}", where)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, e: HTTPException):
-        return error(e.status_code, str(e.detail), kind="not_found" if e.status_code == 404 else "invalid_request_error")
+        kind = "not_found" if e.status_code == 404 else "invalid_request_error"
+        return _error(e.status_code, str(e.detail), kind=kind, headers=e.headers)
 
-    @app.exception_handler(Exception)
-    async def _server_error(request, e: Exception):
-        return error(500, f"the server failed on this request ({type(e).__name__}: {e})", kind="server_error")
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        """API key, body size, metrics: before any endpoint reads the body."""
-        endpoint = request.url.path
-        start = time.perf_counter()
-        if api_key is not None and endpoint.startswith(("/v1/", "/metrics")) and not _key_ok(request, api_key):
-            response = error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'", kind="authentication_error")
-        elif int(request.headers.get("content-length") or 0) > limits.max_body_bytes:
-            response = error(413, f"the request body is {int(request.headers['content-length']):,} bytes; the limit "
-                                  f"is {limits.max_body_bytes:,} (--max-body-mb)", "body")
-        else:
-            response = await call_next(request)
-        if endpoint.startswith("/v1/"):
-            metrics.requests.labels(endpoint, str(response.status_code)).inc()
-            metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
-        return response
-
-    async def answer(data: bytes, phrases: list[str], param: str):
+    async def answer(data: bytes, phrases: list[str], param: str, max_tokens: int | None = None) -> Answer:
         try:
-            return await model.answer(data, phrases, param)
+            return await model.answer(data, phrases, param, max_tokens)
         except QueueFull:
             raise RequestError(503, f"the server is busy ({limits.queue_size} phrases waiting); retry shortly",
                                kind="server_busy") from None
@@ -584,20 +741,21 @@ def create_app(model: Model, model_name: str, limits: Limits = Limits(), api_key
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await _json_body(request, limits)
-        if body.get("stream"):
-            raise RequestError(422, "streaming is not supported: the answer is one box", "stream")
+        max_tokens = _chat_settings(body, model_name, model.max_new_tokens)
         data, phrase = _chat_inputs(body, limits)
-        answered = await answer(data, [phrase], "messages")
-        prediction = answered.predictions[0]
+        answered = await answer(data, [phrase], "messages", max_tokens)
+        (one,) = answered.answers
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": prediction.raw},
-                         "finish_reason": "stop", "logprobs": None}],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": one.prediction.raw},
+                         "finish_reason": "stop" if one.stopped else "length", "logprobs": None}],
+            "usage": {"prompt_tokens": answered.prompt_tokens[0], "completion_tokens": one.tokens,
+                      "total_tokens": answered.prompt_tokens[0] + one.tokens},
             # the answer's boxes in the caller's pixels (its raw text is the message above)
-            "groundtune": {**{k: v for k, v in prediction.to_json(all_boxes=True).items() if k != "raw"},
+            "groundtune": {**{k: v for k, v in one.prediction.to_json(all_boxes=True).items() if k != "raw"},
                            "width": answered.width, "height": answered.height},
         }
 
@@ -622,45 +780,160 @@ def create_app(model: Model, model_name: str, limits: Limits = Limits(), api_key
     return app
 
 
-def _key_ok(request, api_key: str) -> bool:
-    given = request.headers.get("authorization", "").removeprefix("Bearer ").strip() or request.headers.get("x-api-key", "")
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+           code: str | None = None, headers: dict | None = None):
+    """OpenAI's error shape. ASCII JSON: a lone surrogate a caller sent, said back, stays valid."""
+    from starlette.responses import Response
+
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return Response(json.dumps(body), status, headers, media_type="application/json")
+
+
+# The endpoints metrics are kept for, each by name; any other path is counted as "other" (a
+# client's made-up paths would each add a series that lives as long as the server)
+_ENDPOINTS = ("/v1/ground", "/v1/chat/completions", "/v1/models")
+
+
+class _Guard:
+    """What every HTTP request passes first: the API key, the declared body size, a request id
+    (the X-Request-Id header), the metrics, and the last word on a failure.
+
+    A plain ASGI middleware, not ``@app.middleware("http")``: Starlette answers an exception no
+    handler takes in its ServerErrorMiddleware, outside such a middleware, which then never counted
+    the 500. Here a bug is logged with the request id and its traceback, answered 500 "internal
+    error" with the id and nothing of the exception, and counted; a client that left before its
+    body arrived is one log line (and counted as 499, as nginx counts it)."""
+
+    def __init__(self, app, metrics: Metrics, limits: Limits, api_key: str | None):
+        self.app, self.metrics, self.limits, self.api_key = app, metrics, limits, api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from starlette.datastructures import Headers
+        from starlette.requests import ClientDisconnect
+
+        request_id, start, status = uuid.uuid4().hex[:16], time.perf_counter(), None
+        path = scope["path"]
+
+        async def counted(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        headers = Headers(scope=scope)
+        try:
+            declared = int(headers.get("content-length") or 0)
+        except ValueError:  # h11 lets only digits through; said anyway
+            declared = 0
+        try:
+            guarded = path.startswith(("/v1/", "/metrics"))
+            if self.api_key is not None and guarded and not _key_ok(headers, self.api_key):
+                await _error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                             kind="authentication_error")(scope, receive, counted)
+            elif declared > self.limits.max_body_bytes:
+                await _error(413, f"the request body is {declared:,} bytes; the limit is "
+                                  f"{self.limits.max_body_bytes:,} (--max-body-mb)", "body",
+                             headers={"Connection": "close"})(scope, receive, counted)
+            else:
+                await self.app(scope, receive, counted)
+        except ClientDisconnect:
+            status = 499
+            log.warning("request %s: %s %r: the client left before its body arrived", request_id, scope["method"], path)
+        except Exception as e:  # noqa: BLE001 - a bug: said in the log, not to the caller
+            log.error("request %s: %s %r failed", request_id, scope["method"], path, exc_info=e)
+            if status is None:
+                await _error(500, f"internal error (request id {request_id})", kind="server_error")(scope, receive,
+                                                                                                    counted)
+            status = 500
+        finally:
+            if path.startswith("/v1/"):
+                endpoint = path if path in _ENDPOINTS else "other"
+                self.metrics.requests.labels(endpoint, str(status)).inc()
+                self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+
+
+def _key_ok(headers, api_key: str) -> bool:
+    given = headers.get("authorization", "").removeprefix("Bearer ").strip() or headers.get("x-api-key", "")
     return secrets.compare_digest(given.encode(), api_key.encode())
 
 
 async def _body(request, limits: Limits) -> bytes:
-    """The whole body, refused past the limit (a body sent without a Content-Length included)."""
-    body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limits.max_body_bytes:
+    """The whole body, refused past the size limit (a body sent without a Content-Length included)
+    or when it has not all arrived within --body-timeout-s (a stalled or trickling client)."""
+    from starlette.requests import ClientDisconnect
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limits.body_timeout_s
+    chunks, size, more = [], 0, True
+    while more:
+        try:
+            message = await asyncio.wait_for(request.receive(), max(0.0, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            raise RequestError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s "
+                                    "(--body-timeout-s)", "body") from None
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        more = message.get("more_body", False)
+        if size > limits.max_body_bytes:
             raise RequestError(413, f"the request body is over the limit of {limits.max_body_bytes:,} bytes "
                                     "(--max-body-mb)", "body")
-    request._body = body  # what request.form() parses
-    return body
+    request._body = b"".join(chunks)  # what request.form() parses (Starlette's cache of the body)
+    return request._body
 
 
 async def _json_body(request, limits: Limits) -> dict:
+    raw = await _body(request, limits)
     try:
-        body = json.loads(await _body(request, limits))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = json.loads(raw)
+    except RecursionError:
+        raise RequestError(400, "the body's JSON is nested too deeply", "body") from None
+    except json.JSONDecodeError as e:
         raise RequestError(400, f"the body is not JSON ({e})", "body") from None
+    except UnicodeDecodeError:
+        raise RequestError(400, "the body is not JSON: it is not UTF-8 text", "body") from None
+    except ValueError:  # Python reads no integer of over 4,300 digits
+        raise RequestError(400, "the body's JSON holds a number of over 4,300 digits", "body") from None
     if not isinstance(body, dict):
         raise RequestError(422, "the body must be a JSON object", "body")
     return body
 
 
+def _shown(value, chars: int = 40) -> str:
+    """A caller's value in an error message: its repr, cut short (reprlib's: a few levels and items
+    of a nested one, which plain repr would walk whole), lone surrogates escaped."""
+    import reprlib
+
+    text = reprlib.repr(value)
+    return text if len(text) <= chars else text[:chars] + "..."
+
+
 async def _ground_inputs(request, limits: Limits) -> tuple[bytes, list[str]]:
     """JSON {"image", "phrase" | "phrases"} or multipart (an ``image`` file, ``phrase`` fields) ->
-    the image file's bytes (decoded with the prompts' encoding, off the event loop) and phrases."""
+    the image file's bytes (decoded with the prompts' encoding, off the event loop) and phrases.
+    A field the endpoint does not take is refused, not ignored."""
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
         await _body(request, limits)
-        form = await request.form()
-        upload = form.get("image")
-        if upload is None or isinstance(upload, str):
-            raise RequestError(422, "multipart requests need an 'image' file field", "image")
+        form = await request.form(max_files=2, max_fields=limits.max_phrases + 2)
+        unknown = [name for name in form if name not in ("image", "phrase", "phrases")]
+        if unknown:
+            raise RequestError(422, f"unknown field {_shown(unknown[0])}: a multipart request takes an 'image' file "
+                                    "and 'phrase' fields", unknown[0])
+        uploads = form.getlist("image")
+        if len(uploads) != 1 or isinstance(uploads[0], str):
+            raise RequestError(422, "multipart requests need one 'image' file field" +
+                               (f", got {len(uploads)}" if len(uploads) > 1 else ""), "image")
         phrases = form.getlist("phrase") + form.getlist("phrases")
-        return await upload.read(), check_phrases(phrases, limits, "phrase")
+        return await uploads[0].read(), check_phrases(phrases, limits, "phrase")
     body = await _json_body(request, limits)
+    unknown = [name for name in body if name not in ("image", "phrase", "phrases")]
+    if unknown:
+        raise RequestError(422, f"unknown field {_shown(unknown[0])}: /v1/ground takes 'image' and 'phrase' or "
+                                "'phrases'", unknown[0][:100])
     if "image" not in body:
         raise RequestError(422, "missing 'image' (base64 or a data: URI)", "image")
     if ("phrase" in body) == ("phrases" in body):
@@ -671,34 +944,120 @@ async def _ground_inputs(request, limits: Limits) -> tuple[bytes, list[str]]:
 
 
 def _chat_inputs(body: dict, limits: Limits) -> tuple[bytes, str]:
-    """The last user message: its text is the phrase, its image_url (a data: URI) the image."""
+    """The last user message: its text is the phrase, its image_url (a data: URI) the image.
+    Earlier messages (a system prompt, earlier turns) are read for their shape only: the model
+    asks with its own prompt."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise RequestError(422, "missing 'messages'", "messages")
-    user = next((m for m in reversed(messages) if isinstance(m, dict) and m.get("role") == "user"), None)
+        raise RequestError(422, "missing 'messages' (a list of messages)", "messages")
+    for message in messages:
+        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+            raise RequestError(422, f"every message must be an object with a 'role' of {', '.join(_ROLES)}; got "
+                                    f"{_shown(message)}", "messages")
+    user = next((m for m in reversed(messages) if m["role"] == "user"), None)
     if user is None:
-        raise RequestError(422, "no user message", "messages")
+        raise RequestError(422, "no user message: its text is the phrase, its image_url the image", "messages")
     content = user.get("content")
-    parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
-    texts, images = [], []
-    for part in parts:
-        if not isinstance(part, dict):
-            raise RequestError(422, "message content parts must be objects", "messages")
-        if part.get("type") == "text":
-            texts.append(str(part.get("text", "")))
-        elif part.get("type") == "image_url":
-            url = part.get("image_url", {})
+    if isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise RequestError(422, "the user message needs 'content': a list of an image_url part and text parts",
+                           "messages")
+    texts, image_urls = [], []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "image_url":
+            url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
             if not isinstance(url, str) or not url.startswith("data:"):
                 raise RequestError(422, "image_url must be a data: URI: the server does not fetch URLs or read "
                                         "files on a caller's behalf", "messages")
-            images.append(url)
+            image_urls.append(url)
         else:
-            raise RequestError(422, f"unsupported content part type {part.get('type')!r}", "messages")
-    if len(images) != 1:
-        raise RequestError(422, f"the user message needs exactly one image_url, got {len(images)}", "messages")
+            raise RequestError(422, "a content part must be {'type': 'text', 'text': '...'} or {'type': 'image_url', "
+                                    f"'image_url': {{'url': 'data:...'}}}}; got {_shown(part)}", "messages")
+    if len(image_urls) != 1:
+        raise RequestError(422, f"the user message needs exactly one image_url, got {len(image_urls)}", "messages")
     phrase = check_phrases(" ".join(t.strip() for t in texts if t.strip()), limits, "messages")[0]
-    return image_bytes(images[0], "messages"), phrase
+    return image_bytes(image_urls[0], "messages"), phrase
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+# OpenAI's chat parameters that change nothing in the answer: taken as they are, when of their type
+_CHAT_NO_EFFECT = {"seed": int, "user": str, "metadata": dict, "store": bool, "service_tier": str,
+                   "parallel_tool_calls": bool, "prompt_cache_key": str, "safety_identifier": str}
+# Those the server cannot honour: refused unless left out, null, or their "off" value
+_CHAT_UNSUPPORTED = {
+    "stream": ((False,), "streaming is not supported: the answer is one box"),
+    "stream_options": ((), "goes with stream, which is not supported"),
+    "n": ((1,), "must be 1: decoding is greedy, so every answer would be the same one"),
+    "logprobs": ((False,), "is not supported: no log probabilities are returned"),
+    "top_logprobs": ((), "is not supported: no log probabilities are returned"),
+    "stop": (([],), "is not supported: the model's answer ends by itself"),
+    "frequency_penalty": ((0, 0.0), "is not supported: decoding is greedy, without penalties"),
+    "presence_penalty": ((0, 0.0), "is not supported: decoding is greedy, without penalties"),
+    "logit_bias": (({},), "is not supported: decoding is greedy, without biases"),
+    "tools": (([],), "are not supported: the answer is the model's text, its boxes in 'groundtune'"),
+    "tool_choice": (("none",), "is not supported: there are no tools"),
+    "functions": (([],), "are not supported: the answer is the model's text, its boxes in 'groundtune'"),
+    "function_call": (("none",), "is not supported: there are no functions"),
+    "response_format": (({"type": "text"},), "is not supported: the answer is the model's text, its boxes in "
+                                              "'groundtune'"),
+    "modalities": ((["text"],), "is not supported: the answer is text"),
+    "audio": ((), "is not supported: the answer is text"),
+    "prediction": ((), "is not supported"),
+    "reasoning_effort": ((), "is not supported: the model answers without reasoning"),
+    "verbosity": ((), "is not supported"),
+    "web_search_options": ((), "is not supported: the server searches nothing"),
+}
+
+
+def _chat_settings(body: dict, model_name: str, max_new_tokens: int) -> int:
+    """OpenAI's chat parameters -> the answer's token limit (``max_completion_tokens`` or its older
+    name ``max_tokens``, at most the server's --max-new-tokens). A parameter the server cannot
+    honour is a 422 naming it, never ignored: there is one greedy answer (no n > 1, sampling,
+    penalties, biases, stop sequences, log probabilities) in plain text (no tools, functions,
+    response formats, audio). top_p is taken as it is: greedy decoding's token is always inside
+    it. A model other than the served one is OpenAI's 404, ``model_not_found``."""
+    def refuse(name: str, why: str):
+        raise RequestError(422, f"'{name}' {why}; got {_shown(body[name])}", name)
+
+    def number(name: str, low: float, high: float, integer: bool = False):
+        value = body.get(name)
+        if value is None:
+            return None
+        kinds = (int,) if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
+            refuse(name, f"must be {'an integer' if integer else 'a number'} from {low:g} to {high:g}")
+        return value
+
+    for name, value in body.items():
+        if name in ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p"):
+            continue
+        if name in _CHAT_NO_EFFECT:
+            if value is not None and (isinstance(value, bool) != (_CHAT_NO_EFFECT[name] is bool)
+                                      or not isinstance(value, _CHAT_NO_EFFECT[name])):
+                refuse(name, f"must be of type {_CHAT_NO_EFFECT[name].__name__}")
+        elif name in _CHAT_UNSUPPORTED:
+            allowed, why = _CHAT_UNSUPPORTED[name]
+            if value is not None and not any(type(value) is type(a) and value == a for a in allowed):
+                refuse(name, why)
+        else:
+            raise RequestError(422, f"unknown parameter {_shown(name)}", name[:100])
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise RequestError(422, f"'model' must be the served model's id, {model_name!r} (GET /v1/models)", "model")
+    if model != model_name:
+        raise RequestError(404, f"the model {_shown(model, 80)} does not exist: this server serves {model_name!r}",
+                           "model", code="model_not_found")
+    if number("temperature", 0, 2):
+        refuse("temperature", "must be 0 or left out: the server decodes greedily (a box is not sampled)")
+    number("top_p", 0, 1)
+    limits = [number(name, 1, 2**31 - 1, integer=True) for name in ("max_completion_tokens", "max_tokens")]
+    return min([max_new_tokens] + [limit for limit in limits if limit is not None])
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
@@ -711,6 +1070,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     from groundtune import infer
 
     listening = _listen(host, port)  # before the model loads: a taken port is said at once
+    _decoding_process()
     answering = Model(model, device, limits, max_new_tokens or infer.DEFAULT_MAX_NEW_TOKENS)
     try:
         app = create_app(answering, model, limits, api_key)
@@ -718,7 +1078,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
             print(f"warning: serving on {host} without --api-key: anyone who can reach it can use it")
         print(f"serving {model} ({answering.family}) on http://{host}:{port}  (UI at /, API at /v1/ground and "
               "/v1/chat/completions)", flush=True)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        # access lines off (warning); a connection idle for 5 s between requests is closed (a body
+        # that stalls is the app's: --body-timeout-s)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=5))
         answering.on_death = lambda: setattr(server, "should_exit", True)
         # uvicorn shuts down gracefully on Ctrl-C or SIGTERM, then raises the signal again with the
         # handler it found: this one ends the process as a normal exit (its workers' queues and
@@ -746,8 +1108,8 @@ def _listen(host: str, port: int):
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-    except OSError as e:
-        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); "
+    except (OSError, OverflowError) as e:  # OverflowError: a port past 65535
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({getattr(e, 'strerror', None) or e}); "
                           "choose another --port (or --host)") from None
     return sock
 

@@ -17,6 +17,8 @@ image_missing          error    no file at the image path (relative to the JSONL
                                 put the image there or fix ``image``
 image_unreadable       error    the file does not decode to the end (corrupt, truncated, not an
                                 image); re-download or re-encode it
+image_not_a_file       error    the path is a folder, a FIFO, a socket or a device: never opened
+                                (a FIFO would wait forever); point ``image`` at the image file
 size_mismatch          error    the decoded size disagrees with width/height and EXIF orientation
                                 does not explain it; the boxes may be for another size of the image
 exif_transposed        warning  the decoded size is width/height swapped and the EXIF orientation
@@ -61,6 +63,7 @@ import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from stat import S_ISREG
 
 from PIL import Image
 
@@ -78,6 +81,8 @@ KINDS: dict[str, tuple[str, str]] = {
     "missing_size": (WARNING, "width/height are filled in from the image in --fix-out."),
     "image_missing": (ERROR, "Put the image at the path given (relative to the JSONL folder) or fix `image`."),
     "image_unreadable": (ERROR, "The file is corrupt, truncated or not an image: re-download or re-encode it."),
+    "image_not_a_file": (ERROR, "The path is a folder, FIFO, socket or device, not an image file: point `image` "
+                                "at the file."),
     "size_mismatch": (ERROR, "The image's size disagrees with width/height: use the image the boxes were "
                              "drawn on, or fix width/height (and the boxes) in the record."),
     "exif_transposed": (WARNING, "Fine: the EXIF rotation is applied at load so the pixels match width/height."),
@@ -115,7 +120,7 @@ Finding = tuple[str, "dict | None"]  # (kind, the record with the fix applied; N
 class ImageInfo:
     """What decoding one image file told us; the pixels themselves are not kept."""
 
-    error: str | None = None  # "image_missing" or "image_unreadable"
+    error: str | None = None  # "image_missing", "image_unreadable" or "image_not_a_file"
     size: tuple[int, int] | None = None  # stored (width, height)
     mode: str | None = None
     transposed_size: tuple[int, int] | None = None  # (width, height) after its EXIF rotation, if it swaps
@@ -131,6 +136,12 @@ class CheckReport:
     warnings: dict[str, list[int]] = field(default_factory=dict)
     fixed: dict[str, list[int]] = field(default_factory=dict)
     kept: int = 0  # records written (or that would be written) to fix_out
+
+    @property
+    def trainable(self) -> bool:
+        """The verdict `groundtune train` reaches on this file with bad_records=refuse: it starts
+        only on a file with records and no errors."""
+        return self.lines > 0 and not self.errors
 
     def to_dict(self) -> dict:
         def ordered(d: dict) -> dict:  # the KINDS table's order, whatever line came first
@@ -157,6 +168,8 @@ class CheckReport:
             f"{self.path}: {self.lines} records, {len(error_lines)} with errors, "
             f"{len(warning_lines)} with warnings, {self.kept} usable"
         )
+        if not self.lines:
+            return head + "\nThe file holds no records: there is nothing to train on (groundtune train refuses it)."
         if not self.errors and not self.warnings:
             return head + "\nNo problems found: the file can be trained on as it is."
         table = Table(box=rich_box.SIMPLE, show_edge=False)
@@ -273,6 +286,9 @@ def probe_images(paths: list[Path], cache: "ProbeCache") -> dict[Path, ImageInfo
             continue
         except OSError:
             infos[path] = ImageInfo(error="image_unreadable")
+            continue
+        if not S_ISREG(stat.st_mode):  # opening a FIFO would wait for a writer forever
+            infos[path] = ImageInfo(error="image_not_a_file")
             continue
         stats[path] = (stat.st_size, stat.st_mtime_ns)
     infos.update(cache.get(stats))

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO, Iterable, Iterator
 
 from groundtune.errors import DataError
+from groundtune.files import regular_file
 
 # What a canonical record must have (design.md); "bbox" stands for "bbox or bboxes".
 REQUIRED_FIELDS = ("id", "image", "width", "height", "phrase", "bbox")
@@ -48,13 +49,14 @@ def jsonl_file(path: str | Path) -> Path:
         raise DataError(f"{path} is a folder; give a JSONL file{hint}")
     if not path.exists():
         raise DataError(f"{path}: no such file")
-    return path
+    return regular_file(path, "JSONL file")
 
 
 def iter_jsonl(path: str | Path) -> Iterator[Line]:
     """Yield every non-blank line of a JSONL file; a line that is not a JSON object is yielded
-    with ``error`` set instead of raising, so checks can count it and go on."""
-    with open(jsonl_file(path), encoding="utf-8") as f:
+    with ``error`` set instead of raising, so checks can count it and go on. A byte-order mark
+    (which Windows editors write) is read as one, not as text that breaks the first line."""
+    with open(jsonl_file(path), encoding="utf-8-sig") as f:
         for number, text in enumerate(f, start=1):
             if not text.strip():
                 continue

@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from groundtune.boxes import as_box, xywh_to_xyxy
+from groundtune.files import regular_file
 from groundtune.progress import track
 
 from .images import header_size
@@ -70,7 +71,7 @@ def load_instances(path: str | Path) -> tuple[dict, dict]:
     """COCO instances.json -> (the whole file, images by id). COCO json has no streaming reader
     in the standard library; pycocotools loads it whole too."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(regular_file(path, "instances.json"), encoding="utf-8-sig") as f:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); is it COCO instances.json?") from None
@@ -91,7 +92,7 @@ class _PlainUnpickler(pickle.Unpickler):
 
 
 def _load_refs(path: str | Path) -> list[dict]:
-    with open(path, "rb") as f:
+    with open(regular_file(path, "refs pickle"), "rb") as f:
         try:
             # The pickles were written by Python 2; its byte strings are decoded as UTF-8.
             refs = _PlainUnpickler(f, encoding="utf-8").load()
@@ -173,11 +174,11 @@ _EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "TIFF": "tif"}  # otherwise the form
 
 def _parquet_files(path: str | Path) -> list[Path]:
     path = Path(path)
-    if path.is_file():
-        return [path]
+    if path.exists() and not path.is_dir():
+        return [regular_file(path, "parquet file")]
     if not path.is_dir():
         raise DataError(f"{path}: no such parquet file or folder")
-    files = sorted(path.rglob("*.parquet"))
+    files = [regular_file(f, "parquet file") for f in sorted(path.rglob("*.parquet"))]
     if not files:
         raise DataError(f"{path}: no .parquet files in this folder")
     return files

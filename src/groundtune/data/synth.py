@@ -17,6 +17,7 @@ model, so it is made to be fast and reproducible:
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing
 import os
@@ -31,7 +32,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from groundtune.boxes import box_centre
-from groundtune.data.records import write_samples
+from groundtune.data.records import DataError, write_samples
+from groundtune.files import regular_file
 from groundtune.progress import progress_bar
 
 # What a sample asks, from easiest to the full task (curriculum stages of the tiny model's pre-training):
@@ -489,6 +491,21 @@ def _write_chunk(job: tuple) -> list[dict]:
     return records
 
 
+def _not_someone_elses(jsonl: Path) -> None:
+    """A JSONL file synth would replace must be one it wrote: a user's own data of that split name
+    is refused (a command never writes over what it did not write)."""
+    if not jsonl.exists():
+        return
+    try:
+        with open(regular_file(jsonl, "JSONL file"), encoding="utf-8-sig") as f:
+            first = json.loads(f.readline() or "null")
+    except (OSError, ValueError):
+        first = None
+    if not (isinstance(first, dict) and first.get("source") == "synth") and jsonl.stat().st_size:
+        raise DataError(f"{jsonl} exists and was not written by `groundtune data synth`: it would be replaced; "
+                        "choose another --out (or --split)")
+
+
 def make_synthetic_set(
     out_dir: str | Path,
     n: int,
@@ -511,6 +528,7 @@ def make_synthetic_set(
     if width < 8 or height < 8:
         raise ValueError(f"canvas {width}x{height} is too small; use at least 8x8")
     out_dir = Path(out_dir)
+    _not_someone_elses(out_dir / f"{split}.jsonl")
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
     workers = workers or os.cpu_count() or 1
     workers = max(1, min(workers, n)) if n else 1

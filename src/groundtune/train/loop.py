@@ -33,6 +33,7 @@ from groundtune.data.check import check_records
 from groundtune.data.records import atomic_write
 from groundtune.data.samples import SYNTH_PREFIX, FileSamples, SyntheticStream, open_samples
 from groundtune.errors import ConfigError, DataError, MissingError, RankLostError, RunExistsError, TrainingError
+from groundtune.files import not_an_input
 from groundtune.infer import Decoding
 from groundtune.models import adapt
 from groundtune.models.loading import GroundingModel, pick_device, resolve
@@ -128,6 +129,7 @@ def prepare_run(cfg, resume, cls: type = TrainConfig,
         _check_machine_and_model(cfg)
         return run, cfg, checkpoints[-1]
     run = Path(cfg.out_dir)
+    _check_out_dir(run, cfg, _check_machine_and_model(cfg))  # before anything of an old run is replaced
     # what a run leaves that is worth keeping: its model, or checkpoints to resume from
     checkpoints = ckpt.list_checkpoints(run)
     held = [name for name, there in (("model/", (run / "model").is_dir()), ("checkpoints", checkpoints)) if there]
@@ -136,15 +138,30 @@ def prepare_run(cfg, resume, cls: type = TrainConfig,
                if checkpoints and not ckpt.is_finished(checkpoints[-1]) else "")
         raise RunExistsError(f"{run} already holds a run ({', '.join(held)}); {how}choose another out_dir, or "
                              "set overwrite=true to replace it")
-    _check_machine_and_model(cfg)  # before anything of the old run is replaced
+    if held and not (run / "config.yaml").is_file():
+        raise RunExistsError(f"overwrite=true: {run} holds {', '.join(held)} but no config.yaml: not a groundtune "
+                             "run, so nothing there is replaced; choose another out_dir")
     return run, cfg, None
 
 
-def _check_machine_and_model(cfg) -> None:
+def _check_out_dir(run: Path, cfg, model: tuple[str, Path | None]) -> None:
+    """out_dir can be a run folder: not a file, and never the model (``model``: what ``resolve``
+    made of it) or data the run reads, nor holding them, nor inside them: a replaced run would
+    take them with it."""
+    if run.exists() and not run.is_dir():
+        raise RunExistsError(f"out_dir={run}: a file is there; name a folder for the run")
+    kind, model_folder = model
+    reads = {"model": model_folder if kind in ("run", "folder") else None,
+             **{name: getattr(cfg, name) for name in ("train_data", "eval_data")
+                if not getattr(cfg, name).startswith(SYNTH_PREFIX)}}
+    not_an_input(run, "out_dir=", reads, folder=True)
+
+
+def _check_machine_and_model(cfg) -> tuple[str, Path | None]:
     """What would otherwise fail only once the model loads: a device this machine has not, a model
-    name that is not there (no weights are read)."""
+    name that is not there (no weights are read). Returns what the model name is (``resolve``)."""
     pick_device(cfg.device)
-    resolve(cfg.model)
+    return resolve(cfg.model)
 
 
 def finished_already(run: Path, resume_from: Path | None) -> bool:
@@ -188,8 +205,8 @@ def check_data(cfg) -> RunData:
         if checked.bad and cfg.bad_records == "refuse":
             raise DataError(checked.refusal(role))
         if not checked.usable:
-            raise DataError(f"{role}={path}: no usable record ({len(checked.bad)} bad); "
-                            f"see `groundtune data check {path}`")
+            what = f"no usable record ({len(checked.bad)} bad)" if checked.report.lines else "holds no records"
+            raise DataError(f"{role}={path}: {what}; see `groundtune data check {path}`")
         bad += [{"file": str(path), **b} for b in checked.bad]
         usable[role] = [record for _, record in checked.usable]
         if checked.bad:

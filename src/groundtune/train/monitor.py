@@ -4,6 +4,7 @@ temperature and clocks (read only), a STOP file and SIGINT/SIGTERM, and the ther
 from __future__ import annotations
 
 import json
+import math
 import signal
 import time
 from pathlib import Path
@@ -37,8 +38,13 @@ class MetricsLog:
             self.tb = None
 
     def log(self, step: int, values: dict) -> None:
-        record = {"step": step, "time": round(time.time(), 3), **values}
-        self.file.write(json.dumps(record) + "\n")
+        # strict JSON (what other readers than Python's take): a NaN or infinite value is written as
+        # null and its name listed under "nonfinite"; TensorBoard gets the value itself
+        nonfinite = [k for k, v in values.items() if isinstance(v, float) and not math.isfinite(v)]
+        record = {"step": step, "time": round(time.time(), 3),
+                  **{k: None if k in nonfinite else v for k, v in values.items()},
+                  **({"nonfinite": nonfinite} if nonfinite else {})}
+        self.file.write(json.dumps(record, allow_nan=False) + "\n")
         self.file.flush()
         if self.tb is not None:
             for key, value in values.items():

@@ -1,0 +1,153 @@
+"""data/images.py: deep (16-bit, 32-bit, float) images to 8-bit RGB as before, in a bounded
+amount of memory (measured); images a stranger sends refused on their frame's own size before
+anything is decoded; a path that is no regular file refused before it is opened."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from groundtune.data import images
+from groundtune.errors import DataError
+
+
+def _encoded(image: Image.Image, fmt: str, **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **kwargs)
+    return buffer.getvalue()
+
+
+def _whole_image_float64(image: Image.Image) -> np.ndarray:
+    """to_rgb's 16-bit rule as it was written before (the whole image as float64)."""
+    a = np.asarray(image, dtype=np.float64)
+    peak = a.max() if a.size else 1.0
+    return (a / (peak if peak > 0 else 1.0) * 255.0).round().astype("uint8")
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+@pytest.mark.parametrize("shape", [(1, 1), (7, 1000), (1100, 700), (3, 300_000)])
+def test_deep_images_become_the_same_8_bits_as_before(dtype, shape):
+    values = np.random.default_rng(0).integers(0, np.iinfo(dtype).max, size=shape, dtype=dtype)
+    image = Image.fromarray(values)
+    rgb = images.to_rgb(image)
+    assert rgb.mode == "RGB" and rgb.size == image.size
+    assert np.array_equal(np.asarray(rgb)[..., 0], _whole_image_float64(image))
+
+
+def test_float_images_are_scaled_by_their_peak_nan_and_negatives_as_0():
+    values = np.array([[0.0, 0.25, np.nan], [-1.0, 0.5, np.inf]], dtype=np.float32)
+    assert np.asarray(images.to_rgb(Image.fromarray(values)))[..., 0].tolist() == [[0, 128, 0], [0, 255, 0]]
+    assert np.asarray(images.to_rgb(Image.new("I;16", (4, 4)))).max() == 0  # all black stays black
+
+
+def test_a_16_bit_png_peaks_at_7_bytes_a_pixel():
+    """Decoded (2 bytes a pixel), scaled to 8-bit grey (1) and made RGB (4): 7 bytes a pixel and a
+    few MB (16-bit PNGs of 3 to 49 MP: 13.5), measured as the peak resident memory (Linux: VmHWM)
+    of a process doing only that; decoding_bytes reserves at least as much. (Whole-image float64
+    arrays took 8 bytes a pixel three times over.)"""
+    png = _encoded(Image.fromarray(np.tile(np.linspace(0, 65535, 4000).astype(np.uint16), (3000, 1))), "PNG")
+    code = textwrap.dedent("""
+        import sys
+        from pathlib import Path
+        import numpy  # as the server has it
+        from groundtune.data import images
+
+        def kb(key):  # the process's resident memory now, or its peak (VmHWM)
+            return next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                        if line.startswith(key))
+
+        data = sys.stdin.buffer.read()
+        frame = images.untrusted_frame(data, 10**9)
+        Path("/proc/self/clear_refs").write_text("5")  # the peak from here
+        before = kb("VmRSS")
+        image = images.open_untrusted(data, 10**9)
+        image.load()
+        rgb = images.to_rgb(image)
+        print((kb("VmHWM") - before) * 1024, images.decoding_bytes(frame), rgb.size[0] * rgb.size[1])
+    """)
+    done = subprocess.run([sys.executable, "-c", code], input=png, capture_output=True, timeout=120)
+    if done.returncode != 0 and "clear_refs" in done.stderr.decode():
+        pytest.skip("cannot reset the peak memory (/proc/self/clear_refs)")
+    peak, reserved, pixels = map(int, done.stdout.split())
+    assert pixels == 12_000_000
+    assert 6 * pixels < peak < 7 * pixels + 16 * 2**20, peak / pixels
+    assert reserved >= peak, (reserved, peak)
+
+
+def test_a_strangers_image_is_refused_on_its_frames_own_size_before_decoding():
+    # an ICO saying 16x16 around a 3000x3000 PNG: not a format taken (Pillow decodes it to open it)
+    inner = _encoded(Image.new("L", (3000, 3000)), "PNG")
+    import struct
+
+    ico = struct.pack("<HHH", 0, 1, 1) + struct.pack("<BBBBHHII", 16, 16, 0, 0, 1, 32, len(inner), 22) + inner
+    with pytest.raises(images.NotAnImage, match="PNG, JPEG, WebP, GIF, BMP or TIFF"):
+        images.open_untrusted(ico, 1_000_000)
+    # a GIF whose screen says 16x16 and whose frame is 2000x2000
+    gif = bytearray(_encoded(Image.new("P", (2000, 2000)), "GIF"))
+    gif[6:10] = struct.pack("<HH", 16, 16)
+    with pytest.raises(images.TooManyPixels, match="2000x2000 = 4,000,000 pixels; the limit is 1,000,000"):
+        images.open_untrusted(bytes(gif), 1_000_000)
+    # a WebP claiming a 16000x16000 canvas: refused before Pillow's decoder (which allocates it) exists
+    webp = bytearray(_encoded(Image.new("RGBA", (40, 40)), "WEBP"))
+    webp[24:27], webp[27:30] = (15999).to_bytes(3, "little"), (15999).to_bytes(3, "little")
+    for read in (images.open_untrusted, images.untrusted_frame):
+        with pytest.raises(images.TooManyPixels, match="16000x16000"):
+            read(bytes(webp), 1_000_000)
+    # a header over Pillow's own bomb limit, where that limit is on: our error, its pixel count
+    bomb = _encoded(Image.new("1", (30000, 30000)), "PNG")
+    assert Image.MAX_IMAGE_PIXELS is not None
+    with pytest.raises(images.TooManyPixels, match="the image is 900,000,000 pixels; the limit is 1,000,000"):
+        images.open_untrusted(bomb, 1_000_000)
+    # the first page of a TIFF is what is decoded and measured
+    tiff = _encoded(Image.new("L", (100, 100)), "TIFF", save_all=True, append_images=[Image.new("L", (3000, 3000))])
+    assert images.untrusted_frame(tiff, 1_000_000).size == (100, 100)
+
+
+@pytest.mark.parametrize("mode, fmt, per_pixel", [
+    ("I;16", "PNG", 2 + 1 + 4), ("RGB", "JPEG", 4), ("RGB", "PNG", 4 + 4), ("RGBA", "PNG", 4 + 5),
+    ("L", "PNG", 1 + 4), ("F", "TIFF", 4 + 1 + 4), ("RGBA", "WEBP", 4 + 5 + 12),
+])
+def test_decoding_bytes_from_the_header(mode, fmt, per_pixel):
+    """What a server reserves for an image: its decoded frame and the larger of turning it (EXIF;
+    a PNG's may follow its pixels) and making it RGB, a WebP's decoder's buffers, the file's
+    bytes, and 16 MB."""
+    data = _encoded(Image.new(mode, (100, 50)), fmt)
+    frame = images.untrusted_frame(data, 10**6)
+    assert (frame.size, frame.mode) == ((100, 50), mode)
+    assert images.decoding_bytes(frame) == 5000 * per_pixel + len(data) + 16 * 2**20
+
+
+def test_a_path_that_is_no_regular_file_is_refused_before_it_is_opened(tmp_path):
+    with pytest.raises(DataError, match="a device, not a regular file; give the image itself"):
+        images.load_image("/dev/zero")
+    with pytest.raises(DataError, match="a device, not a regular file"):
+        images.header_size("/dev/zero")
+    # a FIFO would block open() forever: in a process of its own, so that a regression times out
+    fifo = tmp_path / "image.png"
+    os.mkfifo(fifo)
+    code = textwrap.dedent(f"""
+        from groundtune.data import images
+        from groundtune.errors import DataError
+        for read in (images.load_image, images.header_size):
+            try:
+                read({str(fifo)!r})
+            except DataError as e:
+                print(e)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.splitlines() == [f"{fifo}: a FIFO (named pipe), not a regular file; give the image itself"] * 2
+    # what was said before stays: a missing file, a broken one
+    with pytest.raises(DataError, match="image file not found"):
+        images.load_image(tmp_path / "missing.png")
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    with pytest.raises(DataError, match="cannot decode image"):
+        images.load_image(tmp_path / "broken.png")
+    with pytest.raises(DataError, match="cannot read image"):
+        images.header_size(tmp_path / "broken.png")
