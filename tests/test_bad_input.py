@@ -217,6 +217,8 @@ CASES = {
     # 49-: settings
     "49-duplicate-yaml-key": (lambda c, out: ["train", c.duplicate_yaml], {}),
     **{case: (lambda c, out, s=setting: _train(c, out, s), {}) for case, (setting, _) in NOT_A_NUMBER.items()},
+    "51-synth-negative-count": (lambda c, out: ["data", "synth", "--out", out, "--n", "-1"], {}),
+    "51-serve-port-99999": (lambda c, out: ["serve", "--model", "tiny", "--port", "99999"], {}),
 }
 
 
@@ -617,6 +619,14 @@ def test_49_a_setting_given_twice_in_yaml(corpus):
 def test_50_a_setting_that_is_not_a_usable_number(corpus, case):
     assert _refused(corpus.result(case)) == NOT_A_NUMBER[case][1]
     assert not corpus.out[case].exists()
+
+
+def test_51_a_flag_argparse_refuses_is_one_line_too(corpus):
+    assert _refused(corpus.result("51-synth-negative-count")) == (
+        "error: groundtune data synth: argument --n: must be at least 0, got -1 (see groundtune data synth --help)")
+    assert not corpus.out["51-synth-negative-count"].exists()
+    assert _refused(corpus.result("51-serve-port-99999")) == (
+        "error: groundtune serve: argument --port: must be from 1 to 65535, got 99999 (see groundtune serve --help)")
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,6 +24,14 @@ from groundtune.errors import GroundtuneError, RankLostError, UsageError
 from groundtune.files import not_an_input
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistake on the command line said as every other user mistake is: one line,
+    ``error: ...``, exit 2 (argparse prints the whole usage first, several lines for most commands)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action):  # no "(default: None)": such a help says what happens unset
         return action.help if action.default is None else super()._get_help_string(action)
@@ -695,7 +703,7 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="groundtune",
         description="Fine-tune Qwen-VL models for visual grounding: image + phrase -> bounding box.",
         formatter_class=_Formatter,
