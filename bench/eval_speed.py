@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sft_speed import make_refcoco_like  # noqa: E402
+from provenance import stamped  # noqa: E402
 
 from groundtune import evaluate, infer  # noqa: E402
 from groundtune.data.images import load_image  # noqa: E402
@@ -295,7 +296,7 @@ def main() -> None:
                 args.batch = int(batch or args.batch)
                 results += bench_model(key, samples, data, args)
             if args.out:
-                Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+                Path(args.out).write_text(json.dumps(stamped(results), indent=1) + "\n")
     print(f"\n{'model':6s}{'variant':16s}{'batch':>6s}{'samples/s':>11s}{'x plain':>9s}{'peak GiB':>10s}{'same':>7s}")
     for r in results:
         if r["variant"] in ("breakdown", "profile"):

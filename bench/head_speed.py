@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sft_speed import MODELS, make_refcoco_like  # noqa: E402
+from provenance import stamped  # noqa: E402
 
 from groundtune import evaluate, infer  # noqa: E402
 from groundtune.data.records import read_samples  # noqa: E402
@@ -139,7 +140,7 @@ def main() -> None:
               f"{r['box_vs_text']:6.2f} {r['box']['peak_gib'] or 0:13.2f} {prof['vision_tower_ms']:10.1f} "
               f"{prof['language_model_ms']:8.1f} {prof['head_boxes_ms']:14.1f}")
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps(stamped(results), indent=2) + "\n")
 
 
 if __name__ == "__main__":

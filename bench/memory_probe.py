@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from sft_speed import MODELS, _batches, make_refcoco_like
+from provenance import stamped
 
 from groundtune.config import TrainConfig
 from groundtune.models import adapt, speedups
@@ -91,7 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     result = probe(MODELS[args.model], args.batch, args.cap_gib)
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps(stamped(result), indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+from provenance import stamped
 
 from groundtune import infer, onnx_export, onnx_predict
 from groundtune.models import head
@@ -96,7 +96,6 @@ def main() -> None:
     images = [Image.fromarray((rng.random((height, width, 3)) * 255).astype("uint8")) for _ in range(4)]
     rows = [time_batch(gm, grounder, images, batch, args.batches) for batch in map(int, args.batch.split(","))]
     result = {
-        "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(), "model": args.model, "family": gm.family,
         "image_size": [width, height], "graph_image_size": settings["image_size"],
         "export_seconds": round(export_seconds, 1),
@@ -105,7 +104,7 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps(stamped(result), indent=2) + "\n")
 
 
 if __name__ == "__main__":

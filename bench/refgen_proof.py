@@ -23,9 +23,6 @@ import argparse
 import json
 import math
 import os
-import platform
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -36,23 +33,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from groundtune.data import refcheck, refgen, sources, synth  # noqa: E402
 from groundtune.data.records import atomic_write, read_samples, write_samples  # noqa: E402
+from provenance import stamped  # noqa: E402
 
 CHECK_SEED = 3  # not the proof's training (1) or eval (2) scenes
 VARIANT = {"width": 168, "height": 168, "task": "multi"}  # 2-3 shapes: two of a kind happens often
-
-
-def provenance() -> dict:
-    """When, where and from what a result was made: today's date, this machine, the commit (and
-    whether the working tree differed from it, as a bench run on a shared tree often does)."""
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip())
-    except OSError:
-        sha, dirty = "unknown", None
-    return {"date": time.strftime("%Y-%m-%d"),
-            "hardware": f"{os.cpu_count()}-core {platform.machine()} CPU, {platform.system()}, "
-                        f"python {platform.python_version()}",
-            "commit": sha or "unknown", "uncommitted_changes": dirty}
 
 
 def scene_detections(seed: int, index: int, split: str, variant: dict) -> list[refgen.Obj]:
@@ -138,7 +122,6 @@ def proof(args) -> dict:
     only_b = sum(rb["hit@0.5"] and not ra["hit@0.5"] for ra, rb in zip(a, b))
     only_a = sum(ra["hit@0.5"] and not rb["hit@0.5"] for ra, rb in zip(a, b))
     result = {
-        **provenance(), "command": "python bench/refgen_proof.py " + " ".join(sys.argv[1:]),
         "variant": VARIANT, "train_scenes": args.scenes, "eval_samples": n, "steps": args.steps,
         "train_records": {"a_category": sum(1 for _ in open(files["a_category"])), "b_refgen": checked.to_dict()["checked"]},
         "refgen_stats": stats.to_dict(), "refgen_checked": {k: v for k, v in checked.to_dict().items() if k != "problems"},
@@ -166,7 +149,6 @@ def check(args) -> dict:
         if not v.ok and len(problems) < 20:
             problems.append({"id": record["id"], "phrase": record["phrase"], "verdict": v.verdict})
     result = {
-        **provenance(), "command": "python bench/refgen_proof.py " + " ".join(sys.argv[1:]),
         "scenes": args.check, "variant": variant, "scene_seed": CHECK_SEED,
         "phrases": sum(verdicts.values()), "verdicts": dict(verdicts),
         "wrong_or_second_box": verdicts["wrong_box"] + verdicts["second_box"] + verdicts["unparsed"],
@@ -193,7 +175,7 @@ def main() -> None:
     args.out = args.out or f"bench/results/refgen_{'check' if args.check else 'proof'}.json"
     result = check(args) if args.check else proof(args)
     with atomic_write(args.out) as f:
-        f.write(json.dumps(result, indent=2) + "\n")
+        f.write(json.dumps(stamped(result), indent=2) + "\n")
     if not args.check:
         for name, row in result["models"].items():
             print(f"{name:<24} Acc@0.5 {row['acc@0.5']:.3f} +- {row['binomial_std']:.3f}  by form "

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 from sft_speed import MODELS, make_refcoco_like
+from provenance import stamped
 
 from groundtune import infer
 from groundtune.boxes import iou, parse_answer
@@ -188,7 +189,7 @@ def main() -> None:
         print(f"{r['impl']:12s}{r['rollouts_per_s']:11.2f}{r['generate_s']:10.3f}{r['reward_s']:8.3f}"
               f"{r['update_s']:8.3f}{base / r['step_s']:9.2f}")
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps(stamped(results), indent=1) + "\n")
 
 
 if __name__ == "__main__":

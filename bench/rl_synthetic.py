@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import stamped
+
 VARIANT = {"width": 168, "height": 168, "task": "full"}
 OOD = {"width": 224, "height": 224, "task": "multi"}
 
@@ -132,12 +134,11 @@ def main() -> None:
         "wall_s": {"rl": float((work / "rl.wall").read_text()), "sft_control": float((work / "sft.wall").read_text()),
                    "all": round(time.time() - t_start, 1)},
         "start_steps": args.start_steps, "arm_seconds": args.seconds, "test_n": args.n_test,
-        "command": "python bench/rl_synthetic.py " + " ".join(sys.argv[1:]),
         "rl_steps": _last_step(work / "rl"), "sft_control_steps": _last_step(work / "control"),
     }
     print(json.dumps(result, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps(stamped(result), indent=1) + "\n")
 
 
 def rl_variants(args) -> None:

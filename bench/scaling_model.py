@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 
 from transformers import Qwen2_5_VLTextConfig
+from provenance import stamped
 
 NS = (1, 2, 4, 8, 16, 32, 64)
 GIB = 2**30
@@ -169,7 +170,7 @@ def main() -> None:
               f"ASSUMED: decode scales with pixels, so 1-2 Mpx photos need ~3-6x that. (The synthetic set draws "
               f"~650 samples/s per core, BENCHMARKS.md, before the model's resize and encode: not this figure.)")
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1) + "\n")
+    a.out.write_text(json.dumps(stamped(result), indent=1) + "\n")
     n = max(NS)
     print(f"\nglobal batch N x B: {n} GPUs x {a.batch_3b} = {n * a.batch_3b:,} samples per step (3B), an optimisation "
           f"limit (learning rate, steps per epoch) before any hardware one. JSON: {a.out}")

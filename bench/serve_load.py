@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import httpx
+from provenance import stamped
 
 from groundtune.data import synth
 from groundtune.data.records import image_path, read_samples
@@ -144,7 +145,7 @@ def main() -> None:
         results.append(row)
         print(json.dumps(row), flush=True)
         if args.out:
-            Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+            Path(args.out).write_text(json.dumps(stamped(results), indent=1) + "\n")
 
     with tempfile.TemporaryDirectory() as tmp:
         data = args.data

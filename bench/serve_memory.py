@@ -21,14 +21,11 @@ from __future__ import annotations
 import argparse
 import base64
 import concurrent.futures
-import datetime
 import io
 import json
 import math
 import os
-import platform
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -38,6 +35,7 @@ import numpy as np
 from PIL import Image
 
 from groundtune.serve import Limits, launch
+from provenance import stamped
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -134,15 +132,6 @@ def measure(src: Path | None, png: bytes, pixels: int, concurrency: int, budget_
         process.wait(timeout=30)
 
 
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    memory = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                  if line.startswith("MemTotal:"))
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(memory / 2**30, 1), "platform": platform.platform(),
-            "python": platform.python_version()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pixels", type=int, default=50_000_000,
@@ -155,15 +144,7 @@ def main() -> None:
     args = parser.parse_args()
     png = sixteen_bit_png(args.pixels)
     side = math.isqrt(args.pixels)
-    result = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-              "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                       text=True).stdout.strip(),
-              # "this tree" is the commit plus these uncommitted changes of src/ (none: the commit itself)
-              "uncommitted": subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=REPO,
-                                            capture_output=True, text=True).stdout.split("\n")[:-1],
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(),
-              "image": {"size": f"{side}x{side}", "mode": "I;16", "png_bytes": len(png)},
+    result = {"image": {"size": f"{side}x{side}", "mode": "I;16", "png_bytes": len(png)},
               "max_image_pixels": args.pixels, "concurrency": args.concurrency,
               "decode_budget_mb": args.decode_budget_mb or Limits().decode_budget_bytes / 2**20, "runs": {}}
     runs = [("this tree", None)] + ([("old code: " + str(args.old_src), args.old_src)] if args.old_src else [])
@@ -175,7 +156,7 @@ def main() -> None:
                                                             text=True).stdout.strip()
         print(name, json.dumps(result["runs"][name]), flush=True)
     if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        args.out.write_text(json.dumps(stamped(result), indent=1) + "\n")
 
 
 if __name__ == "__main__":

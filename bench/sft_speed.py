@@ -60,6 +60,7 @@ from groundtune.data.records import write_samples
 from groundtune.models import adapt, qwen
 from groundtune.models.loading import load_model
 from groundtune.train.batches import GroundingDataset
+from provenance import stamped
 
 PEAK_FLOPS = 790e12
 MODELS = {"3b": "random:qwen2.5-vl-3b", "7b": "random:qwen2.5-vl-7b", "tiny": "tiny"}
@@ -356,7 +357,7 @@ def _result(variant: str, counts: dict, batches, batch_size: int, step_s: float,
 
 def _save(results: list[dict], out: str | None) -> None:
     if out:
-        Path(out).write_text(json.dumps(results, indent=1) + "\n")
+        Path(out).write_text(json.dumps(stamped(results), indent=1) + "\n")
 
 
 def _reset_peak() -> None:

@@ -11,15 +11,14 @@ PNG encode and is faster.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from groundtune.data.synth import iter_samples, make_synthetic_set
+from provenance import stamped
 
 
 def samples_per_s(n: int, workers: int, seed: int) -> float:
@@ -51,7 +50,6 @@ def main() -> None:
     every = samples_per_s(args.n, cores, args.seed)
     in_memory = in_memory_samples_per_s(args.n, args.seed)
     result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu_count": cores,
         "samples_per_s_1_worker": round(one, 1),
         "samples_per_s_all": round(every, 1),
@@ -60,11 +58,10 @@ def main() -> None:
         "n": args.n,
         # other processes on the machine skew the all-core number; the 1-minute load says how much
         "load_avg_1min_before": round(load_before, 2),
-        "command": " ".join(["python", *sys.argv]),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.write_text(json.dumps(stamped(result), indent=2) + "\n")
     print(
         f"synth: {one:.0f} samples/s on 1 worker, {every:.0f} samples/s on {cores} workers "
         f"({every / cores:.0f}/core); {in_memory:.0f}/s in memory (iter_samples) -> {out}"

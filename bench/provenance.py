@@ -1,0 +1,102 @@
+"""Where a benchmark's result came from, stamped into every JSON a bench script writes.
+
+    from provenance import stamped                 # bench/ is the script's folder: on sys.path
+    Path(args.out).write_text(json.dumps(stamped(rows), indent=1) + "\\n")
+
+``stamped(result)`` is ``{"provenance": {...}, "results": result}`` for a list (rows), or the dict
+with a ``provenance`` key added: the command as it was typed, the commit and whether the tree
+differed from it, the date and time (UTC), the device (GPU name and memory, or CPU model and
+cores), and the versions of Python, torch, transformers, peft and groundtune. A figure quoted in
+README.md or BENCHMARKS.md links to such a file (tests/test_claims.py holds them to it).
+
+On a machine that gets a copy of the tree without its git history (a lent GPU), the commit comes
+from the environment: ``BENCH_COMMIT=$(git rev-parse HEAD)`` where the copy was made, and
+``BENCH_DIRTY=1`` when the copy held changes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+KEYS = ("command", "commit", "date", "device")  # what every result carries at least
+
+
+def provenance(command: str | None = None) -> dict:
+    """The stamp itself (see the module's docstring)."""
+    return {
+        "command": command or _command(),
+        **_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": _device(),
+        "versions": _versions(),
+    }
+
+
+def stamped(result, command: str | None = None) -> dict:
+    """``result`` (a dict, or a list of rows) with its provenance."""
+    stamp = provenance(command)
+    if isinstance(result, dict):
+        return {"provenance": stamp, **{k: v for k, v in result.items() if k != "provenance"}}
+    return {"provenance": stamp, "results": result}
+
+
+def _command() -> str:
+    """How the script was started: ``python bench/NAME.py ARGS``, as typed from the repository's root."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        shown = script.relative_to(REPO).as_posix()
+    except ValueError:
+        shown = sys.argv[0]
+    return " ".join(["python", shown, *map(shlex.quote, sys.argv[1:])])
+
+
+def _commit() -> dict:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        sha, status = "", ""
+    if sha:
+        return {"commit": sha, "uncommitted_changes": bool(status)}
+    return {"commit": os.environ.get("BENCH_COMMIT", "unknown"),
+            "uncommitted_changes": os.environ.get("BENCH_DIRTY") == "1"}
+
+
+def _device() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            count = torch.cuda.device_count()
+            return f"{count} x {props.name} ({props.total_memory / 2**30:.0f} GiB)" if count > 1 else (
+                f"{props.name} ({props.total_memory / 2**30:.0f} GiB)")
+    except ImportError:
+        pass
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"CPU: {cpu}, {os.cpu_count()} cores"
+
+
+def _versions() -> dict:
+    versions = {"python": platform.python_version()}
+    for package in ("torch", "transformers", "peft", "groundtune"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
