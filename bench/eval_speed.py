@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sft_speed import make_refcoco_like  # noqa: E402
-from provenance import stamped  # noqa: E402
+from provenance import stamped, unstamped  # noqa: E402
 
 from groundtune import evaluate, infer  # noqa: E402
 from groundtune.data.images import load_image  # noqa: E402
@@ -142,7 +142,9 @@ def breakdown(gm, samples: list[dict], data: Path, batch: int, new_tokens: int) 
         out[f"{name}_decode_step_ms"] = round((out[f"{name}_{new_tokens}_s"] - out[f"{name}_1_s"])
                                               / (new_tokens - 1) * 1000, 2)
     workers = infer.default_workers(gm.device)
+    # one record a time: the dataset takes the indices of records that share an image
     loader = torch.utils.data.DataLoader(infer._EncodedRecords(gm, samples, data), batch_size=None,
+                                         sampler=[[i] for i in range(len(samples))],
                                          num_workers=workers, prefetch_factor=16 if workers else None)
     t0 = time.perf_counter()
     count = sum(1 for _ in loader)
@@ -259,7 +261,8 @@ def in_fresh_process(spec: str, data: Path, args) -> list[dict]:
                "--small-batch-too", args.small_batch_too,
                "--engine-batches", ",".join(map(str, args.engine_batches))] + ([] if args.natural else ["--no-natural"])
         subprocess.run(cmd)
-        return json.loads(out.read_text()) if out.exists() else [{"model": spec, "variant": "-", "error": "no result"}]
+        return unstamped(json.loads(out.read_text())) if out.exists() else [{"model": spec, "variant": "-",
+                                                                             "error": "no result"}]
 
 
 def main() -> None:

@@ -48,6 +48,14 @@ def stamped(result, command: str | None = None) -> dict:
     return {"provenance": stamp, "results": result}
 
 
+def unstamped(result):
+    """What ``stamped`` was given: the rows (or dict) of a result file, without the stamp. For a
+    bench that gathers the files its own child processes wrote."""
+    if isinstance(result, dict) and set(result) == {"provenance", "results"}:
+        return result["results"]
+    return {k: v for k, v in result.items() if k != "provenance"} if isinstance(result, dict) else result
+
+
 def _command() -> str:
     """How the script was started: ``python bench/NAME.py ARGS``, as typed from the repository's root."""
     script = Path(sys.argv[0]).resolve()

@@ -60,7 +60,7 @@ from groundtune.data.records import write_samples
 from groundtune.models import adapt, qwen
 from groundtune.models.loading import load_model
 from groundtune.train.batches import GroundingDataset
-from provenance import stamped
+from provenance import stamped, unstamped
 
 PEAK_FLOPS = 790e12
 MODELS = {"3b": "random:qwen2.5-vl-3b", "7b": "random:qwen2.5-vl-7b", "tiny": "tiny"}
@@ -412,7 +412,7 @@ def measure_in_fresh_process(key: str, variant: str, data: Path, args) -> list[d
         if failure:
             return [{"variant": variant or "ladder", "model": key, "settings": variant_settings(variant),
                      "error": failure}]
-        return json.loads(out.read_text())
+        return unstamped(json.loads(out.read_text()))
 
 
 def main() -> None:
