@@ -67,17 +67,21 @@ def _command() -> str:
 
 
 def _commit() -> dict:
+    """BENCH_COMMIT when set (the tree was copied from that commit); else git's, when this tree is a
+    checkout of its own (not a copy inside another checkout, whose commit it is not)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return {"commit": os.environ["BENCH_COMMIT"], "uncommitted_changes": os.environ.get("BENCH_DIRTY") == "1"}
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                capture_output=True, text=True, timeout=10).stdout.strip()
+        if Path(git("rev-parse", "--show-toplevel") or "/nonexistent").resolve() != REPO:
+            return {"commit": "unknown", "uncommitted_changes": None}
+        return {"commit": git("rev-parse", "HEAD"),
+                "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except (OSError, subprocess.TimeoutExpired):
-        sha, status = "", ""
-    if sha:
-        return {"commit": sha, "uncommitted_changes": bool(status)}
-    return {"commit": os.environ.get("BENCH_COMMIT", "unknown"),
-            "uncommitted_changes": os.environ.get("BENCH_DIRTY") == "1"}
+        return {"commit": "unknown", "uncommitted_changes": None}
 
 
 def _device() -> str:
@@ -102,9 +106,15 @@ def _device() -> str:
 
 def _versions() -> dict:
     versions = {"python": platform.python_version()}
-    for package in ("torch", "transformers", "peft", "groundtune"):
+    for package in ("torch", "transformers", "peft"):
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             versions[package] = None
+    try:  # from the source it runs (PYTHONPATH on a machine where it is not installed)
+        import groundtune
+
+        versions["groundtune"] = groundtune.__version__
+    except (ImportError, AttributeError):
+        versions["groundtune"] = None
     return versions
