@@ -79,7 +79,9 @@ def _commit() -> dict:
         if Path(git("rev-parse", "--show-toplevel") or "/nonexistent").resolve() != REPO:
             return {"commit": "unknown", "uncommitted_changes": None}
         return {"commit": git("rev-parse", "HEAD"),
-                "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no"))}
+                # result files written by earlier runs are no change to what is measured
+                "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                                                ":!bench/results"))}
     except (OSError, subprocess.TimeoutExpired):
         return {"commit": "unknown", "uncommitted_changes": None}
 
