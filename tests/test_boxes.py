@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from groundtune import boxes
+from groundtune import boxes, families
 from groundtune.boxes import ResizeSpec, format_target, parse_answer, smart_resize
 
 # qwen-vl-utils' own defaults (factor 28, 3,136 .. 12,845,056): the cases below are its answers
@@ -89,7 +89,7 @@ def test_resize_spec_order_and_round_trip():
     with pytest.raises(ValueError, match="min_pixels"):
         ResizeSpec(28, min_pixels=10, max_pixels=5)
     with pytest.raises(ValueError, match="unknown model family"):
-        boxes.check_family("llava")
+        parse_answer("[1, 2, 3, 4]", "llava", (10, 10), (10, 10))
 
 
 # ---------------------------------------------------------------------------- geometry
@@ -266,9 +266,6 @@ def image_and_box(draw, max_side=2000):
     return (w, h), [x1, y1, x2, y2]
 
 
-FACTOR = {"qwen2.5-vl": 28, "qwen2-vl": 28, "qwen3-vl": 32}  # checked against the records in test_families.py
-
-
 @settings(max_examples=300, deadline=None)
 @given(
     data=image_and_box(),
@@ -281,12 +278,12 @@ def test_round_trip_original_text_parse_original(data, family, max_pixels):
     at least half the original size); in general within half a grid step (one and a half for a
     box smaller than the grid)."""
     size, box = data
-    spec = ResizeSpec(FACTOR[family], 3136, max_pixels)
+    spec = ResizeSpec(families.family(family).factor, 3136, max_pixels)
     resized = spec.resized_size(size)
     text = format_target([box], "thing", family, size, resized)
     parsed = parse_answer(text, family, size, resized)
     assert parsed.ok, (text, parsed.error)
-    if boxes.COORDINATES[family] == boxes.NORM_1000:
+    if families.family(family).coordinates == families.NORM_1000:
         step_x, step_y = size[0] / 1000, size[1] / 1000
     else:
         step_x, step_y = size[0] / resized[0], size[1] / resized[1]

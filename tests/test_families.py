@@ -15,7 +15,7 @@ import torch
 from family_models import MAX_PIXELS, MIN_PIXELS, PATCH
 from PIL import Image
 
-from groundtune import boxes, infer
+from groundtune import boxes, families, infer
 from groundtune.config import TrainConfig
 from groundtune.data import synth
 from groundtune.train.batches import encode_sample
@@ -53,7 +53,7 @@ def _image() -> Image.Image:
 def test_load_reports_family_and_resize(family_folder):
     family, folder = family_folder
     gm = load_model(str(folder), device="cpu")
-    assert gm.family == family
+    assert gm.family == family and qwen.family_of(gm.model) is qwen.family(family)
     # no groundtune.json: the budget of the folder's own preprocessor_config.json, at the family's factor
     assert gm.resize == boxes.ResizeSpec(FACTOR[family], MIN_PIXELS, MAX_PIXELS)
     assert gm.resize_source == "preprocessor_config.json"
@@ -173,23 +173,38 @@ def test_answers_map_back_to_original_pixels(family_folder):
 
 
 # --------------------------------------------------------------------------------------------
-# the family records
+# the family table (groundtune/families.py) and the transformers records (models/qwen.py)
 
 
-def test_family_records_agree_with_transformers_and_the_box_conventions():
+def test_the_family_table_holds_what_qwen_publishes_and_transformers_builds():
     import transformers
 
-    assert set(qwen.FAMILIES) == set(boxes.COORDINATES)  # every family has a box convention, and back
-    assert {name: f.factor for name, f in qwen.FAMILIES.items()} == {"qwen2-vl": 28, "qwen2.5-vl": 28, **FACTOR}
-    for name, family in qwen.FAMILIES.items():
-        config = getattr(transformers, family.config_class)()
-        assert config.model_type == family.model_type and qwen.family_of(config) is family
-        assert family.transformers_class().config_class is type(config)
-    # the pixel budgets Qwen ships (field-notes: preprocessor_config.json of each family)
-    assert qwen.family("qwen2.5-vl").default_resize() == boxes.ResizeSpec(28, 3136, 12845056)
-    assert qwen.family("qwen3-vl").default_resize() == boxes.ResizeSpec(32, 65536, 16777216)
+    # each family's box convention (design.md) and the budget of the processor Qwen ships
+    # (field-notes: preprocessor_config.json of each family), written out by hand
+    published = {
+        "qwen2.5-vl": (families.RESIZED_PIXELS, families.JSON, 28, 3_136, 12_845_056),
+        "qwen2-vl": (families.NORM_1000, families.SPECIAL_TOKENS, 28, 3_136, 12_845_056),
+        "qwen3-vl": (families.NORM_1000, families.JSON, 32, 65_536, 16_777_216),
+    }
+    assert {name: (f.coordinates, f.answer, f.factor, f.min_pixels, f.max_pixels)
+            for name, f in families.FAMILIES.items()} == published
+    for name, facts in families.FAMILIES.items():
+        record = qwen.family(name)  # every family has its transformers record, which reads the table
+        assert record.facts is facts and (record.name, record.factor) == (name, facts.factor)
+        assert record.default_resize() == boxes.ResizeSpec(*published[name][2:])
+        config = getattr(transformers, record.config_class)()  # the vision tower transformers builds
+        assert (config.vision_config.patch_size, config.vision_config.spatial_merge_size) == (
+            facts.patch_size, facts.merge_size)
+        assert config.model_type == record.model_type and qwen.family_of(config) is record
+        assert record.transformers_class().config_class is type(config)
+        # the answer form is the one boxes writes
+        assert boxes.answer_opening(name).startswith("<|box_start|>") == (facts.answer == families.SPECIAL_TOKENS)
     with pytest.raises(ValueError, match="not a Qwen-VL model"):
         qwen.family_of(transformers.LlamaConfig())
+    with pytest.raises(ValueError, match="unknown model family 'llava'"):
+        families.family("llava")
+    with pytest.raises(ValueError, match="neither"):  # a misspelt convention is refused when the table is read
+        families.Facts("qwen9-vl", "pixels", families.JSON, patch_size=16, min_pixels=1, max_pixels=2, onnx=False)
 
 
 @pytest.mark.parametrize("name, part, layer", [

@@ -13,6 +13,7 @@ from groundtune import boxes, infer
 from groundtune.config import RLConfig, TrainConfig
 from groundtune.errors import ConfigError
 from groundtune.models import adapt, head, qwen
+from groundtune.models.box_head import map_box
 from groundtune.models.loading import load_model
 from groundtune.train.batches import Collate, GroundingDataset
 from groundtune.train.rl import rl
@@ -48,12 +49,12 @@ def test_a_map_spread_over_a_block_of_cells_points_at_that_block():
     assert cell[0].tolist() == pytest.approx([1 / 6, 1 / 4]) and len(xy) == 24
     block = torch.zeros(4, 6)
     block[1:3, 2:5] = 1 / 6  # rows 1-2, columns 2-4
-    centre, size = head.map_box(block.flatten()[None, :, None], xy[None], cell[None])
+    centre, size = map_box(block.flatten()[None, :, None], xy[None], cell[None])
     box = torch.cat([centre - size / 2, centre + size / 2], dim=-1)[0]
     assert box.tolist() == pytest.approx([2 / 6, 1 / 4, 5 / 6, 3 / 4], abs=1e-6)
     one = torch.zeros(24)
     one[23] = 1  # the last cell alone: exactly that cell
-    centre, size = head.map_box(one[None, :, None], xy[None], cell[None])
+    centre, size = map_box(one[None, :, None], xy[None], cell[None])
     assert torch.cat([centre - size / 2, centre + size / 2], dim=-1)[0].tolist() == pytest.approx([5 / 6, 3 / 4, 1, 1])
 
 

@@ -14,7 +14,7 @@ import torch
 from family_models import build_family_folder
 from PIL import Image
 
-from groundtune import infer, onnx_export, onnx_predict
+from groundtune import families, infer, onnx_export, onnx_predict
 from groundtune.cli import main
 from groundtune.config import TrainConfig
 from groundtune.errors import ConfigError
@@ -110,28 +110,38 @@ def test_the_exported_runner_needs_no_torch_transformers_or_groundtune(onnx_expo
 
 
 def test_the_cards_transformers_snippet_gives_the_heads_box(onnx_export_folder, tmp_path):
-    """The model card's code, run as a user would (transformers alone, its own process), answers
-    with groundtune's box."""
+    """The model card's code, run as a user would (the export's box_head.py with transformers, its
+    own process, where groundtune cannot be imported), answers with groundtune's box."""
     run, folder = onnx_export_folder
     card = (folder / "README.md").read_text()
     assert "box_head.safetensors" in card and "onnx_predict.py" in card and "vllm serve" not in card
+    assert (folder / "box_head.py").is_file() and "no groundtune" in card
     code = re.search(r"```python\n(.*?)```", card, re.S).group(1)
     image = _images((150, 100), 1)[0]  # resized by the processor: the box maps back all the same
     image.save(tmp_path / "photo.png")
     code = code.replace("photo.jpg", str(tmp_path / "photo.png"))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=folder.parent, timeout=120)
+    blocked = textwrap.dedent("""
+        import importlib.abc, sys
+        class Blocked(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "groundtune":
+                    raise ImportError(f"{name} is not installed here")
+        sys.meta_path.insert(0, Blocked())
+    """)
+    done = subprocess.run([sys.executable, "-c", blocked + code], capture_output=True, text=True, cwd=folder.parent,
+                          timeout=120)
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout.strip().splitlines()[-1])
     gm = load_model(str(run), device="cpu", dtype="fp32")
-    phrase = re.search(r'phrase=("[^"]*")', code).group(1)
+    phrase = re.search(r'ground\(image, \[("[^"]*")\]\)', code).group(1)
     expected = _torch_boxes(gm, image, [json.loads(phrase)])[0]
     assert np.abs(np.array(got) - np.array(expected)).max() < 0.5  # the export's weights are bf16
 
 
-@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen2-vl"])
+@pytest.mark.parametrize("family", [name for name, facts in families.FAMILIES.items() if facts.onnx])
 def test_the_graph_batches_images_as_the_model_takes_them_one_by_one(family, tmp_path):
     """The graph's vision tower (probed windows and rotary tables, one masked attention per layer)
-    and its M-RoPE positions, against groundtune's path, for both families it supports."""
+    and its M-RoPE positions, against groundtune's path, for every family the table says it supports."""
     name = "tiny" if family == "qwen2.5-vl" else str(build_family_folder(family, tmp_path))
     gm = load_model(name, device="cpu", dtype="fp32")
     torch.manual_seed(0)

@@ -17,8 +17,9 @@ qwen2-vl       0-1000 of the image                  ``<|object_ref_start|>label<
 qwen3-vl       0-1000 of the image                  ``[{"bbox_2d": [x1, y1, x2, y2], "label": ..}]``
 =============  ===================================  ==========================================
 
-Each family's resize factor and the pixel budget Qwen ships are in its record (models/qwen.py);
-here a resize is a ResizeSpec, whatever family it came from.
+Which family uses which coordinates and answer form is its record in groundtune/families.py (with
+its resize factor and the pixel budget Qwen ships); here a resize is a ResizeSpec, whatever family
+it came from.
 """
 
 from __future__ import annotations
@@ -29,17 +30,15 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
+from groundtune import families
+from groundtune.families import NORM_1000, SPECIAL_TOKENS
+
 Box = list[float]  # [x1, y1, x2, y2]
 Size = tuple[int, int]  # (width, height): PIL's order. smart_resize alone keeps qwen-vl-utils' (h, w).
 
 MAX_RATIO = 200  # longer side / shorter side above which smart_resize refuses an image, as the reference does
 
-# The coordinate space of each family's answers, by groundtune's family name (models/qwen.py holds
-# the rest of what is known of a family: its resize factor, pixel budget, classes and tokens).
-RESIZED_PIXELS, NORM_1000 = "resized pixels", "0-1000"
-COORDINATES = {"qwen2.5-vl": RESIZED_PIXELS, "qwen2-vl": NORM_1000, "qwen3-vl": NORM_1000}
-FAMILIES = tuple(COORDINATES)
-SPECIAL_TOKEN_FAMILIES = ("qwen2-vl",)  # answers in <|box_start|>(x1,y1),(x2,y2)<|box_end|>; the others in JSON
+FAMILIES = tuple(families.FAMILIES)  # the names (a command line's choices); each one's facts: groundtune.families
 NORM_SCALE = 1000
 
 
@@ -125,12 +124,6 @@ class ResizeSpec:
 
     def __str__(self) -> str:
         return f"factor {self.factor}, {self.min_pixels:,}..{self.max_pixels:,} pixels"
-
-
-def check_family(family: str) -> str:
-    if family not in COORDINATES:
-        raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILIES)}")
-    return family
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,7 +237,7 @@ def best_iou(pred_box: Sequence[float] | None, true_boxes: Sequence[Sequence[flo
 
 def to_model_coords(box: Sequence[float], family: str, original_size: Size, resized_size: Size) -> list[int]:
     """Original-pixel xyxy -> the integer coordinates the family writes in its answer."""
-    if COORDINATES[check_family(family)] == NORM_1000:
+    if families.family(family).coordinates == NORM_1000:
         coords = to_norm1000(box, original_size)
         limit = (NORM_SCALE, NORM_SCALE)
     else:
@@ -269,7 +262,7 @@ def _keep_one_unit(lo: int, hi: int, limit: int) -> tuple[int, int]:
 
 def from_model_coords(coords: Sequence[float], family: str, original_size: Size, resized_size: Size) -> Box:
     """The family's answer coordinates -> original-pixel xyxy (not clipped)."""
-    if COORDINATES[check_family(family)] == NORM_1000:
+    if families.family(family).coordinates == NORM_1000:
         return from_norm1000(coords, original_size)
     return resized_to_original(coords, resized_size, original_size)
 
@@ -284,7 +277,7 @@ def format_target(
     """The answer text a model of ``family`` should produce for these original-pixel boxes.
     ``label=None`` leaves the phrase out of the answer (shorter answers, the same boxes)."""
     coords = [to_model_coords(b, family, original_size, resized_size) for b in boxes]
-    if family in SPECIAL_TOKEN_FAMILIES:
+    if families.family(family).answer == SPECIAL_TOKENS:
         spans = "".join(f"<|box_start|>({c[0]},{c[1]}),({c[2]},{c[3]})<|box_end|>" for c in coords)
         ref = f"<|object_ref_start|>{label}<|object_ref_end|>" if label is not None else ""
         return ref + spans
@@ -394,7 +387,7 @@ def parse_answer(text: str, family: str, original_size: Size, resized_size: Size
     lists, several boxes and extra text. Corners given in the wrong order are put in order; a box
     that has no area once clipped to the image is dropped and, if none is left, reported.
     """
-    check_family(family)
+    families.family(family)  # an unknown family is an error even when the answer holds no box
     raw = _raw_boxes(text or "")
     if not raw:
         return ParsedAnswer(error="no box found in the answer")

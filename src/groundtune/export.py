@@ -20,12 +20,14 @@ What the folder holds, and why each file:
   ``eval`` and ``serve`` read it back.
 - ``README.md``: a model card with the run's eval result, and how to call the model from
   transformers and vLLM, mapping its box back to the caller's image.
+- a box-head model: ``box_head.safetensors``, the head's weights, and ``box_head.py``, the head's
+  own module (models/box_head.py), which runs the export with transformers (the card shows how).
 - with ``--onnx`` (a box-head model): ``model.onnx``, the whole model in one graph for images of
   one size, and ``onnx_predict.py``, which runs it with onnxruntime, numpy, Pillow and tokenizers
   alone (onnx_export.py).
 
 tests/test_export.py loads an export with transformers alone (no groundtune import) and gets
-groundtune's boxes, for all three families.
+groundtune's boxes, for all three families, and a box-head export with its box_head.py.
 """
 
 from __future__ import annotations
@@ -39,11 +41,11 @@ from pathlib import Path
 
 import torch
 
-from groundtune import boxes, onnx_export
+from groundtune import boxes, families, onnx_export
 from groundtune.config import MAX_NEW_TOKENS
 from groundtune.errors import DiskFullError, RunExistsError, UsageError
 from groundtune.files import not_an_input
-from groundtune.models import head, qwen
+from groundtune.models import head
 from groundtune.models.loading import METADATA_FILE, load_model, read_metadata, resolve
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -98,6 +100,7 @@ def export(name: str, out: str | Path, dtype: str = "base", overwrite: bool = Fa
             model.save_pretrained(tmp, state_dict={k: v for k, v in model.state_dict().items()
                                                    if not k.startswith(f"{head.ATTRIBUTE}.")})
             head.save(box_head, tmp)
+            (tmp / head.SCRIPT_FILE).write_text(head.script_source())  # the head's code, which runs the export
         else:
             model.save_pretrained(tmp)
         _greedy_generation_config(gm).save_pretrained(tmp)
@@ -107,7 +110,7 @@ def export(name: str, out: str | Path, dtype: str = "base", overwrite: bool = Fa
         _image_processor_at(gm.processor.image_processor, gm.resize).save_pretrained(tmp)
         metadata = {
             "family": gm.family,
-            "convention": boxes.COORDINATES[gm.family],
+            "convention": families.family(gm.family).coordinates,
             "resize": gm.resize.to_dict(),
             "prompt": gm.prompt,
             "head": "box" if box_head is not None else HEAD,
@@ -242,11 +245,11 @@ def _image_processor_at(image_processor, resize: boxes.ResizeSpec):
 
 def model_card(meta: dict, name: str) -> str:
     """README.md of an export: what it is, how well it did, and how to use it without groundtune."""
-    family = qwen.family(meta["family"])
+    family = families.family(meta["family"])
     resize = meta["resize"]
     example_phrase = "the red mug"
     prompt = meta["prompt"].format(phrase=example_phrase)
-    if meta["convention"] == boxes.RESIZED_PIXELS:
+    if meta["convention"] == families.RESIZED_PIXELS:
         back = ("# boxes are in pixels of the image as the processor resized it\n"
                 f"resized_h, resized_w = (inputs['image_grid_thw'][0, 1:] * {family.patch_size}).tolist()\n"
                 "box = [x1 * image.width / resized_w, y1 * image.height / resized_h,\n"
@@ -275,7 +278,7 @@ tags: [visual-grounding, groundtune, {meta['family']}]
 A {meta['family']} model fine-tuned for visual grounding (image + phrase -> bounding box) with
 groundtune, exported from `{meta['exported_from']}` (base: `{meta['base_model']}`), weights in
 {meta['dtype']}. Its answers are boxes as text in the {meta['family']} convention: coordinates in
-{meta['convention']}{" of the image as resized by the processor" if meta['convention'] == boxes.RESIZED_PIXELS else ""}.
+{meta['convention']}{" of the image as resized by the processor" if meta['convention'] == families.RESIZED_PIXELS else ""}.
 {qlora}
 ## Evaluation
 
@@ -329,7 +332,8 @@ groundtune serve --model {name}
 
 def _box_head_card(meta: dict, name: str, example_phrase: str, eval_line: str) -> str:
     """The model card of a box-head model: its box is read off one forward pass by the head in
-    ``box_head.safetensors``, not written as text, so the snippets run that pass themselves."""
+    ``box_head.safetensors``, not written as text, so the snippets run the export's ``box_head.py``
+    (models/box_head.py), which makes that pass."""
     resize = meta["resize"]
     onnx = meta.get("onnx")
     onnx_section = f"""
@@ -372,52 +376,30 @@ folder, unchanged.
 
 ## Use with transformers
 
+`box_head.py` in this folder is the head's own code, as groundtune trained it, and a runner that
+needs torch, transformers, safetensors and Pillow, no groundtune: it builds the prompt from
+`groundtune.json` (the run's prompt, then `prompt_end`), lets this folder's processor resize the
+image, runs the model once and the head on the last token's state and the image's tokens, and maps
+the box from fractions of the image to its pixels. From Python:
+
 ```python
-import json, torch
-from PIL import Image
-from safetensors.torch import load_file
-from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+import sys
+from PIL import Image, ImageOps
 
-folder = "{name}"
-model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-tokenizer = AutoTokenizer.from_pretrained(folder)
-image_processor = AutoImageProcessor.from_pretrained(folder)  # resizes with the run's pixel budget
-settings = json.load(open(f"{{folder}}/groundtune.json"))
-weights = load_file(f"{{folder}}/box_head.safetensors")  # the head (groundtune's models/head.py)
+sys.path.insert(0, "{name}")  # where box_head.py is
+from box_head import Grounder
 
-
-def linear(x, name):
-    return torch.nn.functional.linear(x, weights[f"{{name}}.weight"], weights.get(f"{{name}}.bias"))
-
-
-image = Image.open("photo.jpg").convert("RGB")
-vision = image_processor(images=[image], return_tensors="pt")
-messages = [{{"role": "user", "content": [{{"type": "image"}},
-             {{"type": "text", "text": settings["prompt"].format(phrase={json.dumps(example_phrase)})}}]}}]
-text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-text += settings["prompt_end"]  # the head's query is the state of the prompt's last token
-tokens = int(vision["image_grid_thw"][0].prod()) // image_processor.merge_size ** 2
-text = text.replace("<|image_pad|>", "<|image_pad|>" * tokens, 1)
-ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-with torch.no_grad():
-    hidden = model.model(input_ids=ids, **vision, mm_token_type_ids=(ids == image_token).int()).last_hidden_state[0]
-    query, states = hidden[-1], hidden[ids[0] == image_token]  # the query; the image's tokens, row by row
-    rows, cols = (int(n) // image_processor.merge_size for n in vision["image_grid_thw"][0, 1:])
-    y, x = torch.meshgrid((torch.arange(rows) + 0.5) / rows, (torch.arange(cols) + 0.5) / cols, indexing="ij")
-    xy, cell = torch.stack([x.flatten(), y.flatten()], dim=-1), torch.tensor([1 / cols, 1 / rows])  # fractions
-    angles = xy[..., None] * torch.pi * 2 ** torch.arange(4)
-    keys = linear(states, "key") + linear(torch.cat([xy, angles.sin().flatten(1), angles.cos().flatten(1)], 1), "where")
-    q = linear(query, "query")
-    p = torch.softmax(keys @ q / q.shape[0] ** 0.5, dim=0)[:, None]  # where the phrase is, over the cells
-    centre = (p * xy).sum(0)
-    size = torch.sqrt(12 * (p * (xy - centre) ** 2).sum(0) + cell ** 2)
-    attended = (p * linear(states, "from_image")).sum(0)
-    correction = linear(torch.nn.functional.gelu(linear(query, "from_query") + attended), "out")
-    (cx, cy), (w, h) = (centre + correction[:2]).tolist(), (size * correction[2:].exp()).tolist()  # fractions
-size = (image.width, image.height) * 2
-box = [min(max(v * s, 0.0), s) for v, s in zip((cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2), size)]
+grounder = Grounder("{name}")  # device="cuda" for a GPU
+image = ImageOps.exif_transpose(Image.open("photo.jpg")).convert("RGB")  # upright, as groundtune reads it
+box, = grounder.ground(image, [{json.dumps(example_phrase)}])  # one box per phrase
 print(box)  # x1, y1, x2, y2 in pixels of photo.jpg
+```
+
+or from a shell, one JSON line per phrase:
+
+```bash
+pip install torch transformers safetensors pillow
+python {name}/box_head.py {name} --image photo.jpg --phrase {json.dumps(example_phrase)}
 ```
 {onnx_section}
 ## Use with groundtune

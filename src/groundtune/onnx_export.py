@@ -38,15 +38,13 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from groundtune import boxes
+from groundtune import boxes, families
 from groundtune.errors import ConfigError, MissingPackageError
 from groundtune.models import head, qwen
 from groundtune.models.adapt import base_model
 
 ONNX_FILE = "model.onnx"
 SCRIPT_FILE = "onnx_predict.py"
-FAMILIES = ("qwen2-vl", "qwen2.5-vl")  # qwen3-vl's tower adds learned position tables and feeds
-# several LLM layers (deepstack): not built here yet
 # the phrase export_onnx writes the prompt with: spaces and quotes, so a template that trims or
 # escapes the phrase (which onnx_predict.py, writing it as given, would not) is caught
 PROBE_PHRASE = ' a "b" '
@@ -68,8 +66,9 @@ def export_onnx(model, box_head, processor: qwen.Processor, family: str, resize:
     """Write ``folder/model.onnx`` for images of ``image_size`` (width, height: resized as the run
     resizes them) and return what ``onnx_predict.py`` needs to feed it (``groundtune.json``'s
     ``onnx`` section). ``model``: the merged fp32 model; ``box_head`` its head."""
-    if family not in FAMILIES:
-        raise ConfigError(f"--onnx: ONNX export supports {', '.join(FAMILIES)} models; this one is {family}")
+    if not families.family(family).onnx:  # the table says which families the graph is built for, and why not
+        supported = [name for name, facts in families.FAMILIES.items() if facts.onnx]
+        raise ConfigError(f"--onnx: ONNX export supports {', '.join(supported)} models; this one is {family}")
     try:
         resized = resize.resized_size(image_size)
     except boxes.ResizeError as e:

@@ -15,17 +15,13 @@ from torch.utils.checkpoint import checkpoint
 
 from groundtune.config import TrainConfig
 from groundtune.errors import ConfigError
-from groundtune.models import head, qwen
+from groundtune.models import head
+from groundtune.models.qwen import family_of
 
 
 def base_model(model):
     """The transformers model under a PEFT wrapper (or the model itself)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def family_of(model) -> qwen.Family:
-    """The family record of a model (a PEFT wrapper included)."""
-    return qwen.family_of(base_model(model).config)
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:

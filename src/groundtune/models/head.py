@@ -25,11 +25,14 @@ The head is a submodule of the model it reads (``model.box_head``): it trains, i
 sharded and all-reduced with the model's trainable weights without any code of its own, and it
 is saved beside the model as ``box_head.safetensors`` (``groundtune.json`` says ``head: box``).
 A phrase with several boxes gets one: the head predicts the first.
+
+The head itself (``BoxHead``, its map and features) is models/box_head.py, a module that imports
+no groundtune: a box-head export carries a copy (``SCRIPT_FILE``), which runs the export with
+transformers alone. Here: the rest of box-head mode (reading a batch, the loss, saving, loading).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,88 +41,11 @@ from safetensors.torch import load_file, save_file
 
 from groundtune import boxes
 from groundtune.errors import ModelError
+from groundtune.models.box_head import HEAD_FILE, BoxHead, ImageTokens, cells
 from groundtune.models.qwen import IGNORE_INDEX
 
-HEAD_FILE = "box_head.safetensors"
 ATTRIBUTE = "box_head"  # the head's name on the model it reads (and the prefix of its weights' names)
-WIDTH = 512  # the correcting MLP's width
-KEY_WIDTH = 128  # the width of the query and the image tokens' keys
-FREQUENCIES = 4  # Fourier features of a cell's (x, y): sin and cos at pi x 1, 2, 4, 8
-
-
-@dataclass
-class ImageTokens:
-    """Where the image tokens of a batch are and where their cells lie in the image: each image's
-    tokens once (``rows``/``columns`` in the hidden states; ``xy`` each cell's centre and ``cell``
-    its width and height, as fractions of the image), and each sample's tokens among them
-    (``index``, (samples, most tokens), valid where ``mask``)."""
-
-    rows: torch.Tensor
-    columns: torch.Tensor
-    xy: torch.Tensor
-    cell: torch.Tensor
-    index: torch.Tensor
-    mask: torch.Tensor
-
-
-class BoxHead(torch.nn.Module):
-    def __init__(self, hidden_size: int, width: int = WIDTH, key_width: int = KEY_WIDTH):
-        super().__init__()
-        self.query = torch.nn.Linear(hidden_size, key_width)
-        # no bias on the keys: one added to every key of a sample shifts all its scores alike, which
-        # the softmax ignores (its gradient would be rounding noise, which Adam scales up to steps)
-        self.key = torch.nn.Linear(hidden_size, key_width, bias=False)
-        self.where = torch.nn.Linear(2 + 4 * FREQUENCIES, key_width, bias=False)
-        # the MLP's first layer on [query, attended states], split so that each image token is
-        # projected once, before the per-sample sum (the same map, a fraction of the memory)
-        self.from_query = torch.nn.Linear(hidden_size, width)
-        self.from_image = torch.nn.Linear(hidden_size, width, bias=False)
-        self.out = torch.nn.Linear(width, 4)
-        torch.nn.init.zeros_(self.out.weight)
-        torch.nn.init.zeros_(self.out.bias)
-
-    def forward(self, query: torch.Tensor, image: torch.Tensor, tokens: ImageTokens) -> torch.Tensor:
-        """``query`` (samples, hidden): each sample's query state; ``image`` (image tokens, hidden):
-        the states of ``tokens``'s image tokens, in its order -> (samples, 4) boxes, xyxy as
-        fractions of the image."""
-        dtype = self.query.weight.dtype
-        query, image, xy, cell = query.to(dtype), image.to(dtype), tokens.xy.to(dtype), tokens.cell.to(dtype)
-        keys = self.key(image) + self.where(fourier(xy))  # (image tokens, key width)
-        q = self.query(query)
-        scores = torch.einsum("nk,ntk->nt", q, keys[tokens.index]) / q.shape[-1] ** 0.5
-        p = torch.softmax(scores.masked_fill(~tokens.mask, float("-inf")), dim=-1)[..., None]  # (samples, T, 1)
-        centre, size = map_box(p, xy[tokens.index], cell[tokens.index])
-        correction = self.out(F.gelu(self.from_query(query) + (p * self.from_image(image)[tokens.index]).sum(1)))
-        cx, cy = (centre + correction[:, :2]).unbind(-1)
-        w, h = (size * torch.exp(correction[:, 2:])).unbind(-1)
-        return torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], dim=-1)
-
-
-def map_box(p: torch.Tensor, xy: torch.Tensor, cell: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The box an attention map over cells points at: ``p`` (samples, T, 1) the map, ``xy`` and
-    ``cell`` (samples, T, 2) its cells' centres and sizes -> (samples, 2) centre and width/height.
-    A map spread evenly over a block of cells gives that block: a uniform spread over a width w
-    has variance (w^2 - cell^2) / 12 between cell centres."""
-    centre = (p * xy).sum(1)
-    spread = (p * (xy - centre[:, None]) ** 2).sum(1)
-    return centre, torch.sqrt(12 * spread + (p * cell).sum(1) ** 2)
-
-
-def fourier(xy: torch.Tensor) -> torch.Tensor:
-    """(tokens, 2) positions in [0, 1] -> (tokens, 2 + 4 FREQUENCIES): them, then sin and cos."""
-    angles = xy[..., None] * (torch.pi * 2 ** torch.arange(FREQUENCIES, device=xy.device, dtype=xy.dtype))
-    return torch.cat([xy, angles.sin().flatten(-2), angles.cos().flatten(-2)], dim=-1)
-
-
-def cells(grid_thw: list[int], merge_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One image's tokens' cells, in the order the prompt holds the tokens (the merged grid row by
-    row, as ``qwen.mrope_positions`` lays it out): (tokens, 2) centres and (tokens, 2) sizes, as
-    fractions of the image."""
-    frames, height, width = (int(n) for n in grid_thw)
-    rows, cols = height // merge_size, width // merge_size
-    y = ((torch.arange(rows) + 0.5) / rows).repeat_interleave(cols).repeat(frames)
-    x = ((torch.arange(cols) + 0.5) / cols).repeat(rows * frames)
-    return torch.stack([x, y], dim=-1), torch.tensor([1 / cols, 1 / rows]).expand(len(x), 2)
+SCRIPT_FILE = "box_head.py"  # the head's own module, copied into a box-head export: it runs the export
 
 
 def image_tokens(batch: dict[str, torch.Tensor], config, image_of_sample: list[int] | None = None) -> ImageTokens:
@@ -150,6 +76,11 @@ def read(box_head: BoxHead, hidden: torch.Tensor, query: tuple[torch.Tensor, tor
     ``query`` (rows, columns), the image tokens at ``tokens`` -> (samples, 4) xyxy fractions."""
     rows, columns = (t.to(hidden.device) for t in query)
     return box_head(hidden[rows, columns], hidden[tokens.rows, tokens.columns], tokens)
+
+
+def script_source() -> str:
+    """The head's module as copied into a box-head export (models/box_head.py)."""
+    return (Path(__file__).parent / SCRIPT_FILE).read_text()
 
 
 def prompt_end(family: str) -> str:

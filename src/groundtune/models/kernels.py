@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from groundtune.config import KERNEL_MODES
 from groundtune.errors import MissingPackageError, TrainingError
-from groundtune.models.adapt import base_model, decoder_layers, family_of
+from groundtune.models.adapt import base_model, decoder_layers
+from groundtune.models.qwen import family_of
 
 # --------------------------------------------------------------------------------------------
 # LoRA: y = x W^T + b + s (x A^T) B^T, the scale s and the sum inside the matmuls

@@ -1,10 +1,12 @@
 """Everything Qwen-VL-specific: one record per family (transformers' class and module names, the
-vision tower's layout, the special tokens, the resize factor and pixel budget Qwen ships, the
-config builder), the grounding prompt, and turning (image, phrase, answer) into model inputs.
+vision tower's layout, the special tokens, the config builder), the grounding prompt, and turning
+(image, phrase, answer) into model inputs.
 
 Every other module asks a ``Family`` record instead of spelling a Qwen class name, module path,
 token or factor itself, so a new family (or a renamed class in a transformers release) is one
-record here. Box conventions are not here: they live in groundtune.boxes, keyed by ``Family.name``.
+record here and one in groundtune/families.py, which holds the facts the layers below the model
+need too (box coordinates and answer form, patch and merge size, the pixel budget Qwen ships):
+a ``Family`` reads those from there (``Family.facts``) and keeps no copy.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
+from groundtune import families
 from groundtune.boxes import ResizeSpec, Size
 from groundtune.errors import ModelError
 from groundtune.models.attention import SharedPrefixes
@@ -44,21 +47,22 @@ class Tokens:
 TOKENS = Tokens()
 
 
+def _shared(fact: str) -> property:
+    """A ``Family`` attribute read from its ``facts`` (groundtune.families), not copied."""
+    return property(lambda self: getattr(self.facts, fact), doc=f"``families.Facts.{fact}``")
+
+
 @dataclass(frozen=True)
 class Family:
     """What groundtune knows of one Qwen-VL family, in transformers 5's names."""
 
-    name: str  # groundtune's name, the key of its box convention (groundtune.boxes)
+    facts: families.Facts  # what the layers below the model know of it too
     model_type: str  # config.model_type
     model_class: str  # the image-text-to-text model class in transformers
     config_class: str
-    patch_size: int  # vision patch side in pixels
-    min_pixels: int  # the pixel budget of the processor Qwen ships (preprocessor_config.json)
-    max_pixels: int
     vision_attention: str  # class of the vision tower's attention layers (models/attention.py replaces their forward)
     merger_modules: tuple[str, ...]  # modules under the vision tower that project into the LLM (the "merger" part)
     padded_vision_mlp: str | None = None  # vision MLP class with a width cuBLAS runs slowly (models/kernels.py pads it)
-    merge_size: int = 2  # patches merged per side into one LLM token
     # Module paths, the same in the three families (transformers 5):
     vision_tower: str = "visual"  # model.visual: the vision tower, merger included
     decoder_layers: str = "language_model.layers"  # the LLM's decoder layers, each with self_attn and mlp
@@ -71,10 +75,13 @@ class Family:
     # inside early LLM layers, which only the model's own forward from pixel_values passes on
     image_features_alone: bool = True
 
-    @property
-    def factor(self) -> int:
-        """The resize factor: image sides are multiples of it (one merged patch per LLM token)."""
-        return self.patch_size * self.merge_size
+    # the facts the layers below the model know too, read from groundtune.families
+    name = _shared("name")
+    patch_size = _shared("patch_size")
+    merge_size = _shared("merge_size")
+    factor = _shared("factor")
+    min_pixels = _shared("min_pixels")
+    max_pixels = _shared("max_pixels")
 
     @property
     def modeling_module(self) -> str:
@@ -132,19 +139,17 @@ class Family:
 FAMILIES = {
     f.name: f
     for f in (
-        Family(name="qwen2-vl", model_type="qwen2_vl", model_class="Qwen2VLForConditionalGeneration",
-               config_class="Qwen2VLConfig", patch_size=14, min_pixels=3_136, max_pixels=12_845_056,
-               vision_attention="VisionAttention", merger_modules=("merger",)),
-        Family(name="qwen2.5-vl", model_type="qwen2_5_vl", model_class="Qwen2_5_VLForConditionalGeneration",
-               config_class="Qwen2_5_VLConfig", patch_size=14, min_pixels=3_136, max_pixels=12_845_056,
+        Family(families.family("qwen2-vl"), model_type="qwen2_vl", model_class="Qwen2VLForConditionalGeneration",
+               config_class="Qwen2VLConfig", vision_attention="VisionAttention", merger_modules=("merger",)),
+        Family(families.family("qwen2.5-vl"), model_type="qwen2_5_vl",
+               model_class="Qwen2_5_VLForConditionalGeneration", config_class="Qwen2_5_VLConfig",
                vision_attention="Qwen2_5_VLVisionAttention", merger_modules=("merger",),
                # its 3,420-wide intermediate is no multiple of 8
                padded_vision_mlp="Qwen2_5_VLMLP"),
-        # Qwen3-VL: patch 16, and DeepStack mergers that feed vision features into early LLM layers
-        Family(name="qwen3-vl", model_type="qwen3_vl", model_class="Qwen3VLForConditionalGeneration",
-               config_class="Qwen3VLConfig", patch_size=16, min_pixels=65_536, max_pixels=16_777_216,
-               vision_attention="Qwen3VLVisionAttention", merger_modules=("merger", "deepstack_merger_list"),
-               image_features_alone=False),
+        # Qwen3-VL: DeepStack mergers that feed vision features into early LLM layers
+        Family(families.family("qwen3-vl"), model_type="qwen3_vl", model_class="Qwen3VLForConditionalGeneration",
+               config_class="Qwen3VLConfig", vision_attention="Qwen3VLVisionAttention",
+               merger_modules=("merger", "deepstack_merger_list"), image_features_alone=False),
     )
 }
 
@@ -184,8 +189,10 @@ def family(name: str) -> Family:
     return FAMILIES[name]
 
 
-def family_of(config) -> Family:
-    """The record of a transformers config's family (a PEFT model's ``config`` included)."""
+def family_of(model_or_config) -> Family:
+    """The record of a model's family, from the model (a PEFT wrapper included) or its transformers
+    config: the one way from a model to its record, for code that holds either."""
+    config = getattr(model_or_config, "config", model_or_config)  # a config has no .config; a model's is its own
     model_type = getattr(config, "model_type", None)
     for record in FAMILIES.values():
         if record.model_type == model_type:

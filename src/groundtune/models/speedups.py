@@ -23,7 +23,7 @@ import inspect
 
 from groundtune.errors import UnsupportedVersionError
 from groundtune.models import attention, kernels
-from groundtune.models.adapt import family_of
+from groundtune.models.qwen import family_of
 
 # transformers versions the speed-ups are tested on: >= the first, < the second (5.17 on the GPU
 # machine the benchmarks run on, the newest 5.x release on the CPU machines the tests run on)

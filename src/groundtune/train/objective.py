@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from groundtune.errors import TrainingError
 from groundtune.models import head, qwen
-from groundtune.models.adapt import base_model, family_of
+from groundtune.models.adapt import base_model
 from groundtune.models.attention import keeps_packed_samples_apart
 from groundtune.models.qwen import IGNORE_INDEX
 
@@ -37,7 +37,7 @@ def hidden_states(core, batch: dict[str, torch.Tensor], image_of_row: list[int] 
         raise TrainingError("a packed batch on a model whose attention would cross its samples: install "
                             "groundtune's attention first (models.speedups.install), as groundtune train does")
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "box_target")}
-    if image_of_row is not None and family_of(core).image_features_alone:
+    if image_of_row is not None and qwen.family_of(core).image_features_alone:
         inputs = qwen.shared_image_inputs(core, inputs, image_of_row)
     # no KV cache: nothing reuses it, and a recomputed (checkpointed) layer would extend it twice
     return core.model(**inputs, use_cache=False).last_hidden_state

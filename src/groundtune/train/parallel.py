@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from groundtune.errors import ConfigError, MissingPackageError, TrainingError
-from groundtune.models import adapt
+from groundtune.models import adapt, qwen
 from groundtune.train.distributed import Ranks
 from groundtune.train.objective import Objective
 
@@ -289,7 +289,7 @@ def _shard(objective: torch.nn.Module, model, compute_dtype) -> None:
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in adapt.decoder_layers(model):
         fully_shard(layer, mp_policy=policy)
-    vision = getattr(adapt.base_model(model).model, adapt.family_of(model).vision_tower, None)
+    vision = getattr(adapt.base_model(model).model, qwen.family_of(model).vision_tower, None)
     if vision is not None:
         fully_shard(vision, mp_policy=policy)
     fully_shard(objective, mp_policy=policy)
