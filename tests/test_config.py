@@ -174,3 +174,22 @@ def test_deepspeed_missing_is_said_before_anything_loads(monkeypatch):
     with pytest.raises(MissingPackageError, match="distributed=zero3 needs DeepSpeed: pip install deepspeed"):
         parallel.check_launch("zero3")
     parallel.check_launch("fsdp2")
+
+
+def test_the_functions_behind_eval_predict_and_serve_default_to_infer_settings():
+    """batch_size, max_new_tokens and device are defined once (config.InferSettings): every function
+    that takes one defaults to it, as the commands' flags do."""
+    import dataclasses
+    import inspect
+
+    from groundtune import evaluate, infer, serve
+    from groundtune.config import InferSettings
+
+    shared = {f.name: f.default for f in dataclasses.fields(InferSettings)}
+    functions = [infer.load, infer.predict, infer.predict_records, infer.predict_jsonl, infer.Decoding.greedy,
+                 evaluate.evaluate, evaluate.filter_by_model, evaluate.run_eval, serve.serve]
+    for fn in functions:
+        taken = {name: p.default for name, p in inspect.signature(fn).parameters.items() if name in shared}
+        assert taken and taken == {name: shared[name] for name in taken}, fn.__qualname__
+    assert infer.Decoding().max_new_tokens == InferSettings.max_new_tokens
+    assert serve.Limits().batch_size == InferSettings.batch_size  # the server's batch: its flag is --batch-size

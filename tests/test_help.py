@@ -36,10 +36,11 @@ def _defaults(cls) -> dict[str, object]:
             for f in dataclasses.fields(cls)}
 
 
-def _subcommand_help(name: str) -> str:
+def _subcommand_help(*names: str) -> str:
     parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices[name].format_help()
+    for name in names:  # "data", "refgen": a command of a command
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+    return parser.format_help()
 
 
 @pytest.mark.parametrize("command, cls", [("train", TrainConfig), ("rl", RLConfig)])
@@ -64,3 +65,46 @@ def test_the_command_prints_the_same_help():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert _settings(out.stdout, TrainConfig) == _settings(_subcommand_help("train"), TrainConfig)
+
+
+def test_every_setting_has_a_help():
+    for cls in (TrainConfig, RLConfig):
+        listed = _settings(_subcommand_help(cls.command), cls)
+        assert [name for name, (_, comment) in listed.items() if not comment] == [], cls.__name__
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["eval", "--model", "m", "--data", "d"], ["batch_size", "max_new_tokens", "device"]),
+    (["predict", "--model", "m"], ["batch_size", "max_new_tokens", "device"]),
+    (["serve", "--model", "m"], ["batch_size", "max_new_tokens", "device"]),
+    (["data", "refgen", "--from", "coco", "--out", "x"], ["batch_size", "device"]),
+])
+def test_the_commands_that_answer_take_their_flags_from_infer_settings(argv, names):
+    """Each flag is built from its InferSettings field: the default and the help are the field's."""
+    from groundtune.config import InferSettings
+
+    args = build_parser().parse_args(argv)
+    shown = " ".join(_subcommand_help(*argv[:2] if argv[0] == "data" else argv[:1]).split())
+    for f in dataclasses.fields(InferSettings):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name in names:
+            assert getattr(args, f.name) == f.default
+            assert " ".join(f.metadata["help"].split()) in shown, flag
+        else:
+            assert flag not in shown
+
+
+def test_serve_flags_are_the_limits_fields():
+    """`groundtune serve`'s limits flags are Limits' fields, each with its default (sizes in MB) and
+    help; the flags left as they are give Limits() itself, and a size given in MB is read in bytes."""
+    from groundtune.cli import _limits
+    from groundtune.serve import MB, Limits, flag
+
+    shown = " ".join(_subcommand_help("serve").split())
+    for f in dataclasses.fields(Limits):
+        assert flag(f.name) in shown and " ".join(f.metadata["help"].split()) in shown, f.name
+    parser = build_parser()
+    assert _limits(parser.parse_args(["serve", "--model", "m"])) == Limits()
+    given = _limits(parser.parse_args(["serve", "--model", "m", "--max-body-mb", "1.5", "--workers", "0",
+                                       "--max-wait-ms", "0", "--batch-size", "4"]))
+    assert (given.max_body_bytes, given.workers, given.max_wait_ms, given.batch_size) == (int(1.5 * MB), 0, 0, 4)

@@ -826,7 +826,7 @@ def test_the_decode_budget_is_first_come_first_served():
     larger than the whole budget waits for all of it; one given up (the server stops) leaves its place."""
     import asyncio
 
-    from groundtune.serve import DecodeBudget
+    from groundtune.batching import DecodeBudget
 
     async def scenario() -> list[str]:
         budget, said = DecodeBudget(100), []

@@ -1,7 +1,7 @@
 """The command line: an explicit table of commands, each calling one Python function.
 
     groundtune data convert|check|show|synth|refgen
-    groundtune train | rl | eval | predict | quickstart
+    groundtune train | rl | eval | predict | export | serve | quickstart
 
 Each handler only turns flags into arguments; the work is in the function it calls, which is
 what Python users call too. Imports are inside handlers so `groundtune --help` starts fast.
@@ -14,6 +14,7 @@ its traceback and exits 1. ``groundtune --debug COMMAND`` shows the traceback of
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -330,9 +331,8 @@ def _add_data_refgen(dsub: argparse._SubParsersAction) -> None:
     p.add_argument("--filter-mode", choices=["keep", "flag"],
                    help="with --filter-model: keep (default) writes only the phrases boxed back; flag writes all, "
                    "each with model_iou and model_agrees")
-    p.add_argument("--batch-size", type=_positive_int, default=16,
-                   help="with --filter-model: phrases answered together")
-    p.add_argument("--device", default="auto", help="with --filter-model: auto, cpu, cuda, cuda:1, ...")
+    _infer_flag(p, "batch_size", when="with --filter-model: ")
+    _infer_flag(p, "device", when="with --filter-model: ")
     p.set_defaults(handler=_data_refgen)
 
 
@@ -424,21 +424,24 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                    "index.html, to this folder (the --compare model's go to FOLDER/compare)")
     p.add_argument("--compare", metavar="M2", help="a second model evaluated on the same samples; "
                    "both reports side by side")
-    p.add_argument("--batch-size", type=_positive_int, default=16,
-                   help="samples answered together (default 16; 64 is faster on a GPU with the memory)")
+    _infer_flag(p, "batch_size")
     p.add_argument("--max-pixels", type=_positive_int, help="override the model's saved pixel budget (warned: "
                    "a budget other than training's usually costs accuracy)")
     p.add_argument("--min-pixels", type=_positive_int, help="override the model's saved minimum pixels")
-    _add_max_new_tokens(p)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    _infer_flag(p, "max_new_tokens")
+    _infer_flag(p, "device")
     p.set_defaults(handler=_eval)
 
 
-def _add_max_new_tokens(p: argparse.ArgumentParser) -> None:
-    from groundtune.config import MAX_NEW_TOKENS  # not from infer: that imports torch, and --help stays quick
+def _infer_flag(p: argparse.ArgumentParser, name: str, when: str = "") -> None:
+    """The flag of the InferSettings field ``name`` (--batch-size for batch_size), with the field's
+    default and help; ``when`` opens the help of a flag that acts only with another. From
+    config.py, not infer.py: that imports torch, and --help stays quick."""
+    from groundtune.config import InferSettings
 
-    p.add_argument("--max-new-tokens", type=_positive_int, default=MAX_NEW_TOKENS,
-                   help="longest answer in tokens (greedy decoding; a longer one is cut and usually unparsable)")
+    f = next(f for f in dataclasses.fields(InferSettings) if f.name == name)
+    p.add_argument("--" + name.replace("_", "-"), type=_positive_int if isinstance(f.default, int) else str,
+                   default=f.default, help=when + f.metadata["help"])
 
 
 def _add_predict(sub: argparse._SubParsersAction) -> None:
@@ -465,10 +468,9 @@ def _add_predict(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draw", metavar="OUT.png", help="also save the image with the predicted box drawn")
     p.add_argument("--jsonl", metavar="IN", help="predict every line of this JSONL file instead")
     p.add_argument("--out", help="with --jsonl: the JSONL file to write")
-    p.add_argument("--batch-size", type=_positive_int, default=16,
-                   help="with --jsonl: samples answered together (default 16; 64 is faster on a GPU)")
-    _add_max_new_tokens(p)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    _infer_flag(p, "batch_size", when="with --jsonl: ")
+    _infer_flag(p, "max_new_tokens")
+    _infer_flag(p, "device")
     p.set_defaults(handler=_predict)
 
 
@@ -523,9 +525,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    from groundtune.serve import Limits
-
-    d = Limits()
+    from groundtune.serve import MB, Limits, flag
 
     def port(text: str) -> int:
         value = int(text)
@@ -558,50 +558,36 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=port, default=8000, help="port to listen on (1-65535)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and /metrics")
-    p.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
-                   help="phrases answered together (1: one at a time)")
-    p.add_argument("--max-wait-ms", type=number, default=d.max_wait_ms,
-                   help="how long a phrase waits for others to fill its batch")
-    p.add_argument("--queue-size", type=_positive_int, default=d.queue_size,
-                   help="phrases that may wait; beyond, 503 with Retry-After")
-    p.add_argument("--workers", type=_count, default=None,
-                   help="processes decoding and encoding request images, 0: threads of the server (default: "
-                        "some on a GPU machine, none on a CPU one, where the model needs the cores)")
-    p.add_argument("--max-body-mb", type=number, default=d.max_body_bytes / 2**20,
-                   help="largest request body; larger: 413")
-    p.add_argument("--body-timeout-s", type=number, default=d.body_timeout_s,
-                   help="a request's whole body must arrive within this; a stalled or slower one: 408")
-    p.add_argument("--max-image-pixels", type=_positive_int, default=d.max_image_pixels,
-                   help="largest image, in pixels of the decoded frame (read from its own header before "
-                        "decoding); larger: 413")
-    p.add_argument("--decode-budget-mb", type=number, default=d.decode_budget_bytes / 2**20,
-                   help="memory for decoding images, all requests together: each waits for what its image takes "
-                        "(a 50 MP 16-bit PNG: 367 MB; one larger than all of it is decoded alone)")
-    p.add_argument("--max-phrases", type=_positive_int, default=d.max_phrases, help="phrases per request")
-    p.add_argument("--max-phrase-chars", type=_positive_int, default=d.max_phrase_chars,
-                   help="longest phrase, in characters")
-    _add_max_new_tokens(p)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    for f in dataclasses.fields(Limits):  # --batch-size among them: its default and help are InferSettings'
+        name, in_mb = flag(f.name), flag(f.name).endswith("-mb")  # a size in bytes is given in MB
+        if in_mb or isinstance(f.default, float):
+            kind = number
+        else:
+            kind = _count if f.metadata["least"] == 0 else _positive_int
+        p.add_argument(name, dest=f.name, metavar=name[2:].replace("-", "_").upper(), type=kind,
+                       default=f.default / MB if in_mb else f.default, help=f.metadata["help"])
+    _infer_flag(p, "max_new_tokens")
+    _infer_flag(p, "device")
     p.set_defaults(handler=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from groundtune.serve import Limits, serve
+    from groundtune.serve import serve
 
-    limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_image_pixels=args.max_image_pixels,
-                    max_phrases=args.max_phrases, max_phrase_chars=args.max_phrase_chars,
-                    queue_size=args.queue_size, batch_size=args.batch_size, max_wait_ms=args.max_wait_ms,
-                    workers=args.workers, decode_budget_bytes=int(args.decode_budget_mb * 2**20),
-                    body_timeout_s=args.body_timeout_s)
-    serve(args.model, args.host, args.port, args.api_key, limits, args.device, args.max_new_tokens)
+    serve(args.model, args.host, args.port, args.api_key, _limits(args), args.device, args.max_new_tokens)
     return 0
 
 
-# --------------------------------------------------------------------------------------------
-# The table
+def _limits(args: argparse.Namespace):
+    """serve's Limits from its flags, a size given in MB back in bytes."""
+    from groundtune.serve import MB, Limits, flag
+
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)}
+    return Limits(**{name: int(value * MB) if flag(name).endswith("-mb") else value for name, value in given.items()})
+
 
 # --------------------------------------------------------------------------------------------
-# train, quickstart
+# train, rl, quickstart
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -633,38 +619,51 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from groundtune.config import PRESETS, RLConfig, TrainConfig, describe
+    from groundtune.config import TrainConfig
+
+    _add_run_command(
+        sub, "train", TrainConfig, "supervised fine-tuning (LoRA / QLoRA / full)",
+        "Fine-tune a model on canonical JSONL.",
+        "  groundtune train quickstart max_steps=500\n"
+        "  groundtune train qwen2.5-vl-3b-lora-24gb train_data=train.jsonl eval_data=val.jsonl\n"
+        "  groundtune train my.yaml model=Qwen/Qwen2.5-VL-7B-Instruct method=qlora lr=1e-4\n"
+        "  groundtune train --resume runs/sft        # after Ctrl-C, SIGTERM, `touch runs/sft/STOP` or a "
+        "crash\n")
+
+
+def _add_rl(sub: argparse._SubParsersAction) -> None:
+    from groundtune.config import RLConfig
+
+    _add_run_command(
+        sub, "rl", RLConfig, "reinforcement learning with the box's IoU as reward (GRPO / REINFORCE)",
+        "Improve a model (an SFT run's LoRA adapter, or a new one) by sampling answers to\n"
+        "prompts and rewarding each by its box's IoU with the truth.",
+        "  groundtune rl quickstart-rl model=quickstart/run\n"
+        "  groundtune rl my.yaml model=runs/sft train_data=train.jsonl eval_data=val.jsonl kl_coef=0.04\n"
+        "  groundtune rl --resume runs/rl\n")
+
+
+def _add_run_command(sub: argparse._SubParsersAction, name: str, cls, help_text: str, what: str,
+                     examples: str) -> None:
+    """A command that makes a run folder from ``cls``'s settings (train, rl): CONFIG, key=value
+    overrides or --resume RUN, and every setting with its default and help in --help."""
+    from groundtune.config import PRESETS, describe
 
     presets = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
-    commands = {
-        "train": (TrainConfig, "supervised fine-tuning (LoRA / QLoRA / full)",
-                  "Fine-tune a model on canonical JSONL.",
-                  "  groundtune train quickstart max_steps=500\n"
-                  "  groundtune train qwen2.5-vl-3b-lora-24gb train_data=train.jsonl eval_data=val.jsonl\n"
-                  "  groundtune train my.yaml model=Qwen/Qwen2.5-VL-7B-Instruct method=qlora lr=1e-4\n"
-                  "  groundtune train --resume runs/sft        # after Ctrl-C, SIGTERM, `touch runs/sft/STOP` or a crash\n"),
-        "rl": (RLConfig, "reinforcement learning with the box's IoU as reward (GRPO / REINFORCE)",
-               "Improve a model (an SFT run's LoRA adapter, or a new one) by sampling answers to\n"
-               "prompts and rewarding each by its box's IoU with the truth.",
-               "  groundtune rl quickstart-rl model=quickstart/run\n"
-               "  groundtune rl my.yaml model=runs/sft train_data=train.jsonl eval_data=val.jsonl kl_coef=0.04\n"
-               "  groundtune rl --resume runs/rl\n"),
-    }
-    for name, (cls, help_text, what, examples) in commands.items():
-        p = sub.add_parser(
-            name,
-            help=help_text,
-            description=f"{what} CONFIG is a YAML file or a shipped preset\n({presets}); any setting can be "
-            "overridden as key=value.\n\nexamples:\n" + examples + "\n"
-            "The run folder (out_dir) gets model/ (use it with eval/predict), checkpoints/, metrics.jsonl\n"
-            f"and tb/ (TensorBoard).\n\nsettings ({cls.__name__}) and their defaults:\n" + describe(cls),
-            formatter_class=_Formatter,
-        )
-        p.add_argument("config", nargs="?", help="YAML file or preset name")
-        p.add_argument("overrides", nargs="*", help="key=value settings that override the file")
-        p.add_argument("--resume", metavar="RUN", help="continue the run in this folder exactly where it stopped "
-                       "(train_data=/eval_data= may name a corrected file of the same records)")
-        p.set_defaults(handler=_train)
+    p = sub.add_parser(
+        name,
+        help=help_text,
+        description=f"{what} CONFIG is a YAML file or a shipped preset\n({presets}); any setting can be "
+        "overridden as key=value.\n\nexamples:\n" + examples + "\n"
+        "The run folder (out_dir) gets model/ (use it with eval/predict), checkpoints/, metrics.jsonl\n"
+        f"and tb/ (TensorBoard).\n\nsettings ({cls.__name__}) and their defaults:\n" + describe(cls),
+        formatter_class=_Formatter,
+    )
+    p.add_argument("config", nargs="?", help="YAML file or preset name")
+    p.add_argument("overrides", nargs="*", help="key=value settings that override the file")
+    p.add_argument("--resume", metavar="RUN", help="continue the run in this folder exactly where it stopped "
+                   "(train_data=/eval_data= may name a corrected file of the same records)")
+    p.set_defaults(handler=_train)
 
 
 def _quickstart(args: argparse.Namespace) -> int:
@@ -691,9 +690,13 @@ def _add_quickstart(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_quickstart)
 
 
+# --------------------------------------------------------------------------------------------
+# The table
+
 COMMANDS = {
     "data": _add_data,
     "train": _add_train,
+    "rl": _add_rl,
     "eval": _add_eval,
     "predict": _add_predict,
     "export": _add_export,

@@ -1,7 +1,7 @@
-"""Typed settings, one dataclass per stage. The dataclass IS the config: its fields, defaults and
-comments are the documentation (``groundtune train --help`` prints them); YAML files and
-``key=value`` overrides fill it; ``__post_init__`` refuses invalid combinations naming the setting,
-before anything is loaded.
+"""Typed settings, one dataclass per stage. The dataclass IS the config: each field holds its
+default and its help (``setting``; ``groundtune train --help`` prints them, ``describe``); YAML
+files and ``key=value`` overrides fill it; ``__post_init__`` refuses invalid combinations naming the
+setting, before anything is loaded.
 
 Each stage's class is assembled from the groups of settings it reads, each group defined once:
 
@@ -11,6 +11,9 @@ Each stage's class is assembled from the groups of settings it reads, each group
 so RL has no setting it ignores, and a setting both read has one definition.
 
     cfg = load_config(TrainConfig, preset_path("quickstart"), ["lr=1e-3", "max_steps=50"])
+
+``InferSettings`` are the settings of the commands that answer with a model (eval, predict, serve,
+data refgen --filter-model): their flags and the defaults of infer/evaluate/serve's functions.
 """
 
 from __future__ import annotations
@@ -38,7 +41,16 @@ ENGINES = ("ddp", "fsdp2", "zero2", "zero3")  # train/parallel.py
 PRESETS = Path(__file__).resolve().parent / "configs"  # shipped YAML presets (also at ./configs)
 MAX_INT = 2**31 - 1  # the largest whole-number setting: more steps, pixels or samples than any run uses
 
-__all__ = ["ConfigError", "TrainConfig", "RLConfig", "load_config", "preset_path", "to_yaml", "describe"]
+__all__ = ["ConfigError", "TrainConfig", "RLConfig", "InferSettings", "load_config", "preset_path", "to_yaml",
+           "describe", "setting"]
+
+
+def setting(default, help: str = ""):
+    """A settings field: its default and its help, one line of --help (``describe``; the CLI's
+    flags built from InferSettings). A list default is copied for each instance."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
 
 
 class _Settings:
@@ -59,13 +71,18 @@ class _Settings:
 @dataclass
 class _Target(_Settings):
     # --- what to train on
-    model: str = "tiny"  # tiny | a training run folder | a local HF folder | a hub id (Qwen/Qwen2.5-VL-3B-Instruct)
-    train_data: str = ""  # canonical JSONL (groundtune data convert / synth), or synth:TASK drawn on the fly (full, single, attribute, multi; TASK+TASK alternates)
-    eval_data: str = ""  # canonical JSONL for generation eval during training; "" = none
-    out_dir: str = "runs/sft"  # the run folder: model/, checkpoints/, metrics.jsonl, tb/
-    overwrite: bool = False  # a new run may replace a finished one in out_dir (its model/, checkpoints/, logs)
-    bad_records: str = "refuse"  # records `groundtune data check` finds unusable: refuse (list them, stop before loading the model) | skip (train without them; listed in RUN/bad_records.jsonl)
-    max_bad_fraction: float = 0.5  # stop when more than this share of a batch fails to load during the run (an image deleted or damaged since the check); fewer are skipped and counted
+    model: str = setting("tiny", "tiny | a training run folder | a local HF folder | a hub id "
+                         "(Qwen/Qwen2.5-VL-3B-Instruct)")
+    train_data: str = setting("", "canonical JSONL (groundtune data convert / synth), or synth:TASK drawn on the fly "
+                              "(full, single, attribute, multi; TASK+TASK alternates)")
+    eval_data: str = setting("", 'canonical JSONL for generation eval during training; "" = none')
+    out_dir: str = setting("runs/sft", "the run folder: model/, checkpoints/, metrics.jsonl, tb/")
+    overwrite: bool = setting(False, "a new run may replace a finished one in out_dir (its model/, checkpoints/, logs)")
+    bad_records: str = setting("refuse", "records `groundtune data check` finds unusable: refuse (list them, stop "
+                               "before loading the model) | skip (train without them; listed in "
+                               "RUN/bad_records.jsonl)")
+    max_bad_fraction: float = setting(0.5, "stop when more than this share of a batch fails to load during the run (an "
+                                      "image deleted or damaged since the check); fewer are skipped and counted")
 
     def check(self) -> None:
         if not self.train_data:
@@ -81,13 +98,17 @@ class _Target(_Settings):
 @dataclass
 class _Method(_Settings):
     # --- what to adapt
-    method: str = "lora"  # lora | qlora (4-bit base, GPU + bitsandbytes) | full
-    freeze_vision: bool = True  # method=full: keep the vision tower fixed
-    freeze_merger: bool = True  # method=full: keep the vision->LLM merger fixed
-    freeze_llm: bool = False  # method=full: keep the language model fixed
-    head: str = "text"  # text: the box written as the answer | box: a head reads it off the hidden states, the prompt's last (which ends with the answer's opening) attending over the image's tokens; one forward pass (models/head.py)
-    head_l1_weight: float = 2.0  # head=box: loss = 1 - GIoU + this x L1 (mean over the coordinates, as fractions of the image)
-    head_text_loss_weight: float = 0.0  # head=box: > 0 also trains the text answer (joint mode): its token loss times this is added
+    method: str = setting("lora", "lora | qlora (4-bit base, GPU + bitsandbytes) | full")
+    freeze_vision: bool = setting(True, "method=full: keep the vision tower fixed")
+    freeze_merger: bool = setting(True, "method=full: keep the vision->LLM merger fixed")
+    freeze_llm: bool = setting(False, "method=full: keep the language model fixed")
+    head: str = setting("text", "text: the box written as the answer | box: a head reads it off the hidden states, the "
+                        "prompt's last (which ends with the answer's opening) attending over the image's tokens; one "
+                        "forward pass (models/head.py)")
+    head_l1_weight: float = setting(2.0, "head=box: loss = 1 - GIoU + this x L1 (mean over the coordinates, as "
+                                    "fractions of the image)")
+    head_text_loss_weight: float = setting(0.0, "head=box: > 0 also trains the text answer (joint mode): its token "
+                                           "loss times this is added")
 
     def check(self) -> None:
         if self.head not in HEADS:
@@ -108,11 +129,11 @@ class _Method(_Settings):
 @dataclass
 class _Lora(_Settings):
     # --- the LoRA adapter
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    lora_targets: list[str] = field(default_factory=lambda: ["llm_attn", "llm_mlp"])  # of LORA_TARGETS
-    lora_last_n_layers: int = 0  # adapt only the last N LLM layers; 0 = all
+    lora_r: int = setting(16, "the adapter's rank")
+    lora_alpha: int = setting(32, "the adapter's scale: its update is multiplied by lora_alpha / lora_r")
+    lora_dropout: float = setting(0.0, "dropout on the adapter's input")
+    lora_targets: list[str] = setting(["llm_attn", "llm_mlp"], f"the parts adapted, some of {', '.join(LORA_TARGETS)}")
+    lora_last_n_layers: int = setting(0, "adapt only the last N LLM layers; 0 = all")
 
     def check(self) -> None:
         bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
@@ -126,20 +147,21 @@ class _Lora(_Settings):
 @dataclass
 class _Optimisation(_Settings):
     # --- optimisation
-    lr: float = 2e-4  # peak learning rate
-    lr_vision: float = 0.0  # per-part peak learning rates; 0 = use lr
-    lr_merger: float = 0.0
-    lr_llm: float = 0.0
-    weight_decay: float = 0.0  # never applied to norms, biases, embeddings or the LM head
-    warmup_steps: int = 0  # linear warmup, then cosine decay to min_lr_ratio * lr
-    min_lr_ratio: float = 0.1
-    max_steps: int = 1000  # optimizer steps; the data is cycled as needed
-    batch_size: int = 8  # samples per micro-batch
-    max_grad_norm: float = 1.0  # gradient clipping; 0 = off
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
-    gradient_checkpointing: int = 0  # recompute the last N LLM layers in backward (-1 = all, 0 = off)
-    kernels: str = "none"  # fused RMSNorm/SwiGLU/M-RoPE: none | liger (GPU, liger-kernel) | auto (liger where it can)
-    seed: int = 0
+    lr: float = setting(2e-4, "peak learning rate")
+    lr_vision: float = setting(0.0, "per-part peak learning rates; 0 = use lr")
+    lr_merger: float = setting(0.0, "0 = use lr")
+    lr_llm: float = setting(0.0, "0 = use lr")
+    weight_decay: float = setting(0.0, "never applied to norms, biases, embeddings or the LM head")
+    warmup_steps: int = setting(0, "linear warmup, then cosine decay to min_lr_ratio * lr")
+    min_lr_ratio: float = setting(0.1, "where the cosine decay ends, as a share of each peak learning rate")
+    max_steps: int = setting(1000, "optimizer steps; the data is cycled as needed")
+    batch_size: int = setting(8, "samples per micro-batch")
+    max_grad_norm: float = setting(1.0, "gradient clipping; 0 = off")
+    precision: str = setting("auto", "auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
+    gradient_checkpointing: int = setting(0, "recompute the last N LLM layers in backward (-1 = all, 0 = off)")
+    kernels: str = setting("none", "fused RMSNorm/SwiGLU/M-RoPE: none | liger (GPU, liger-kernel) | auto (liger where "
+                           "it can)")
+    seed: int = setting(0, "random seed: data order, augmentations, new weights, sampled answers")
 
     def check(self) -> None:
         _positive(self, "lr", "max_steps", "batch_size")
@@ -161,9 +183,10 @@ class _Optimisation(_Settings):
 @dataclass
 class _Step(_Settings):
     # --- the SFT step
-    grad_accum: int = 1  # micro-batches per optimizer step
-    packing: bool = False  # a micro-batch in one row, no padding, attention within each sample: on a GPU one variable-length flash call per layer (the fast setting); on a CPU a dense mask (slow)
-    compile: bool = False  # torch.compile the LLM decoder layers: fewer kernel launches, slower first steps
+    grad_accum: int = setting(1, "micro-batches per optimizer step")
+    packing: bool = setting(False, "a micro-batch in one row, no padding, attention within each sample: on a GPU one "
+                            "variable-length flash call per layer (the fast setting); on a CPU a dense mask (slow)")
+    compile: bool = setting(False, "torch.compile the LLM decoder layers: fewer kernel launches, slower first steps")
 
     def check(self) -> None:
         _positive(self, "grad_accum")
@@ -176,13 +199,15 @@ class _Step(_Settings):
 @dataclass
 class _Data(_Settings):
     # --- data
-    min_pixels: int = 0  # pixel budget; 0 = the model's own (its groundtune.json, else its preprocessor_config.json)
-    max_pixels: int = 0
-    prompt: str = ""  # "" = the model's saved prompt or the official grounding prompt; must hold {phrase}
-    answer_label: bool = True  # the answer repeats the phrase as "label" (Qwen's format); false: boxes only (always so with head=box)
-    hflip_prob: float = 0.0  # horizontal flip that also swaps left/right in the phrase
-    scale_crop_prob: float = 0.0  # crop that keeps the target inside and moves the box
-    num_workers: int = 0  # data loader worker processes
+    min_pixels: int = setting(0, "pixel budget; 0 = the model's own (its groundtune.json, else its "
+                              "preprocessor_config.json)")
+    max_pixels: int = setting(0, "0 = the model's own, as min_pixels")
+    prompt: str = setting("", "\"\" = the model's saved prompt or the official grounding prompt; must hold {phrase}")
+    answer_label: bool = setting(True, "the answer repeats the phrase as \"label\" (Qwen's format); false: boxes only "
+                                 "(always so with head=box)")
+    hflip_prob: float = setting(0.0, "horizontal flip that also swaps left/right in the phrase")
+    scale_crop_prob: float = setting(0.0, "crop that keeps the target inside and moves the box")
+    num_workers: int = setting(0, "data loader worker processes")
 
     def check(self) -> None:
         _at_least_zero(self, "min_pixels", "max_pixels", "num_workers")
@@ -196,19 +221,22 @@ class _Data(_Settings):
 @dataclass
 class _Loop(_Settings):
     # --- eval, checkpoints, monitoring
-    log_every: int = 10  # steps between metrics.jsonl lines
-    eval_every: int = 0  # steps between generation evals (0 = only at the end, when eval_data is set)
-    eval_samples: int = 200  # fixed subset of eval_data used during training
-    eval_batch_size: int = 32
-    eval_max_new_tokens: int = MAX_NEW_TOKENS  # longest eval answer (greedy decoding, as groundtune eval)
-    save_every: int = 200  # steps between resumable checkpoints (0 = only at the end)
-    keep_last: int = 2  # resumable checkpoints kept
-    max_bad_steps: int = 5  # stop after this many non-finite losses in a row (each one is skipped)
-    thermal_pause_c: int = 0  # wait while the GPU is at or above this temperature (°C); 0 = off; read only
-    thermal_resume_c: int = 75  # ... until it is back at or below this
-    device: str = "auto"  # auto (a CUDA GPU when there is one) | cpu | cuda | cuda:N
-    distributed: str = "ddp"  # under torchrun / accelerate launch: ddp (a whole copy per rank) | fsdp2 (parameters sharded per decoder layer) | zero2 | zero3 (DeepSpeed ZeRO; pip install deepspeed); see docs/scaling.md
-    deepspeed_config: str = ""  # zero2/zero3: a DeepSpeed JSON whose options go over groundtune's (e.g. configs/deepspeed/zero3-offload.json)
+    log_every: int = setting(10, "steps between metrics.jsonl lines")
+    eval_every: int = setting(0, "steps between generation evals (0 = only at the end, when eval_data is set)")
+    eval_samples: int = setting(200, "fixed subset of eval_data used during training")
+    eval_batch_size: int = setting(32, "samples answered together in those evals")
+    eval_max_new_tokens: int = setting(MAX_NEW_TOKENS, "longest eval answer (greedy decoding, as groundtune eval)")
+    save_every: int = setting(200, "steps between resumable checkpoints (0 = only at the end)")
+    keep_last: int = setting(2, "resumable checkpoints kept")
+    max_bad_steps: int = setting(5, "stop after this many non-finite losses in a row (each one is skipped)")
+    thermal_pause_c: int = setting(0, "wait while the GPU is at or above this temperature (°C); 0 = off; read only")
+    thermal_resume_c: int = setting(75, "... until it is back at or below this")
+    device: str = setting("auto", "auto (a CUDA GPU when there is one) | cpu | cuda | cuda:N")
+    distributed: str = setting("ddp", "under torchrun / accelerate launch: ddp (a whole copy per rank) | fsdp2 "
+                               "(parameters sharded per decoder layer) | zero2 | zero3 (DeepSpeed ZeRO; pip install "
+                               "deepspeed); see docs/scaling.md")
+    deepspeed_config: str = setting("", "zero2/zero3: a DeepSpeed JSON whose options go over groundtune's (e.g. "
+                                    "configs/deepspeed/zero3-offload.json)")
 
     def check(self) -> None:
         if self.distributed not in ENGINES:
@@ -226,11 +254,11 @@ class _Loop(_Settings):
 @dataclass
 class _Rollouts(_Settings):
     # --- rollouts: the answers sampled for each prompt
-    group_size: int = 8  # sampled answers per prompt (GRPO's G)
-    temperature: float = 1.0  # sampling temperature of the answers
-    top_p: float = 1.0  # nucleus sampling; 1 = off
-    top_k: int = 0  # sample among the k most likely tokens; 0 = off (never the checkpoint's own top_k)
-    max_new_tokens: int = 48  # longer answers are cut (and usually unparsable: reward 0)
+    group_size: int = setting(8, "sampled answers per prompt (GRPO's G)")
+    temperature: float = setting(1.0, "sampling temperature of the answers")
+    top_p: float = setting(1.0, "nucleus sampling; 1 = off")
+    top_k: int = setting(0, "sample among the k most likely tokens; 0 = off (never the checkpoint's own top_k)")
+    max_new_tokens: int = setting(48, "longer answers are cut (and usually unparsable: reward 0)")
 
     def check(self) -> None:
         _positive(self, "group_size", "max_new_tokens")
@@ -243,9 +271,9 @@ class _Rollouts(_Settings):
 @dataclass
 class _Reward(_Settings):
     # --- reward (train/rewards.py)
-    reward_box: float = 1.0  # weight of IoU with the true box
-    reward_format: float = 0.1  # weight of "a box was parsed and lies inside the image"
-    reward_giou: bool = False  # GIoU instead of IoU: disjoint boxes still get a signal
+    reward_box: float = setting(1.0, "weight of IoU with the true box")
+    reward_format: float = setting(0.1, 'weight of "a box was parsed and lies inside the image"')
+    reward_giou: bool = setting(False, "GIoU instead of IoU: disjoint boxes still get a signal")
 
     def check(self) -> None:
         _at_least_zero(self, "reward_box", "reward_format")
@@ -254,13 +282,14 @@ class _Reward(_Settings):
 @dataclass
 class _Update(_Settings):
     # --- policy update
-    advantage: str = "grpo"  # grpo: (reward - group mean) / group std | ema: reward - moving-average baseline per prompt
-    ema_decay: float = 0.9  # advantage=ema: weight of a prompt's previous baseline
-    inner_updates: int = 1  # gradient steps per batch of answers; the clipped ratio acts from the second on
-    clip: float = 0.2  # policy-ratio clip range, PPO's epsilon
-    kl_coef: float = 0.0  # KL penalty to the starting policy (the SFT model); 0 = none, no reference pass
-    micro_batch: int = 16  # answers per forward/backward pass of the update (memory, not results)
-    curriculum: bool = False  # a prompt whose last group was all solved or all hopeless sits out its next turn
+    advantage: str = setting("grpo", "grpo: (reward - group mean) / group std | ema: reward - moving-average baseline "
+                             "per prompt")
+    ema_decay: float = setting(0.9, "advantage=ema: weight of a prompt's previous baseline")
+    inner_updates: int = setting(1, "gradient steps per batch of answers; the clipped ratio acts from the second on")
+    clip: float = setting(0.2, "policy-ratio clip range, PPO's epsilon")
+    kl_coef: float = setting(0.0, "KL penalty to the starting policy (the SFT model); 0 = none, no reference pass")
+    micro_batch: int = setting(16, "answers per forward/backward pass of the update (memory, not results)")
+    curriculum: bool = setting(False, "a prompt whose last group was all solved or all hopeless sits out its next turn")
 
     def check(self) -> None:
         _positive(self, "inner_updates", "micro_batch")
@@ -288,11 +317,13 @@ class RLConfig(_Loop, _Update, _Reward, _Rollouts, _Optimisation, _Lora, _Target
 
     command: typing.ClassVar[str] = "rl"
 
-    model: str = "tiny"  # an SFT run folder (its LoRA adapter trains on; the lora_* settings must stay as they are), or a model as for train (a new LoRA)
-    train_data: str = ""  # the prompts: canonical JSONL (boxes are the truth rewards are scored on) or synth:TASK
-    out_dir: str = "runs/rl"
-    max_steps: int = 200  # policy updates (each on batch_size x group_size fresh answers)
-    batch_size: int = 8  # prompts per step
+    model: str = setting("tiny", "an SFT run folder (its LoRA adapter trains on; the lora_* settings must stay as they "
+                         "are), or a model as for train (a new LoRA)")
+    train_data: str = setting("", "the prompts: canonical JSONL (boxes are the truth rewards are scored on) or "
+                              "synth:TASK")
+    out_dir: str = setting("runs/rl")  # its help is train's (describe)
+    max_steps: int = setting(200, "policy updates (each on batch_size x group_size fresh answers)")
+    batch_size: int = setting(8, "prompts per step")
 
     # train's settings that rl has not, and why (load_config says it for a setting given anyway)
     not_settings: typing.ClassVar[dict[str, str]] = {
@@ -327,6 +358,26 @@ class RLConfig(_Loop, _Update, _Reward, _Rollouts, _Optimisation, _Lora, _Target
                 raise ConfigError(f"{', '.join(changed)}: model={self.model} is an SFT run whose LoRA adapter "
                                   "trains on as it was made; leave the lora_* settings out, or start a new adapter "
                                   "from that run's base model")
+
+
+# --------------------------------------------------------------------------------------------
+# answering with a model: eval, predict, serve, data refgen --filter-model
+
+
+@dataclass(frozen=True)
+class InferSettings:
+    """The settings every command that answers with a model shares, each defined once: a field is
+    their flag (batch_size: ``--batch-size``, with this default and help; cli.py) and the default of
+    the functions they call (``def predict(..., batch_size=InferSettings.batch_size)``: a dataclass
+    keeps a field's default as the class attribute). Here, not in infer.py: ``--help`` builds the
+    flags without importing torch. Training's own evals have theirs (eval_batch_size: 32,
+    eval_max_new_tokens); the pixel-budget overrides are eval's alone (``--max-pixels``)."""
+
+    batch_size: int = setting(16, "phrases answered together (64 is faster on a GPU with the memory; 1: one at "
+                                  "a time)")
+    max_new_tokens: int = setting(MAX_NEW_TOKENS, "longest answer in tokens (greedy decoding; a longer one is cut "
+                                                  "and usually unparsable)")
+    device: str = setting("auto", "auto, cpu, cuda, cuda:1, ...")
 
 
 def _adapter_folder(model: str) -> Path | None:
@@ -432,22 +483,15 @@ def to_yaml(cfg) -> str:
 
 
 def describe(cls) -> str:
-    """One line per setting with its default, for --help."""
-    import inspect
-
-    # a subclass's settings first, then those it inherits (a redefined setting keeps its own comment)
-    source = [line for klass in cls.__mro__ if dataclasses.is_dataclass(klass)
-              for line in inspect.getsource(klass).splitlines()]
+    """One line per setting with its default and help, for --help. A setting a stage redefines
+    without a help of its own (RLConfig's out_dir: another default) keeps its group's."""
+    groups = [klass for klass in cls.__mro__ if dataclasses.is_dataclass(klass)]  # the stage first
     lines = []
     for f in dataclasses.fields(cls):
-        comment = ""
-        for src_line in source:
-            stripped = src_line.strip()
-            if stripped.startswith(f"{f.name}:") and "#" in stripped:
-                comment = stripped.split("#", 1)[1].strip()
-                break
+        help = next((g.metadata["help"] for klass in groups for g in dataclasses.fields(klass)
+                     if g.name == f.name and g.metadata.get("help")), "")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  {f.name} = {default!r}" + (f"  # {comment}" if comment else ""))
+        lines.append(f"  {f.name} = {default!r}" + (f"  # {help}" if help else ""))
     return "\n".join(lines)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 from groundtune import boxes, infer
+from groundtune.config import InferSettings
 from groundtune.data.images import load_image
 from groundtune.data.records import atomic_write, image_path, read_samples, sample_boxes
 from groundtune.data.refgen import MODEL_FILTER_IOU
@@ -71,8 +72,8 @@ def summarise(rows: list[dict]) -> dict:
     }
 
 
-def evaluate(gm, samples: list[dict], data_path, batch_size: int = 16, limit: int | None = None,
-             progress: bool = True, max_new_tokens: int = infer.DEFAULT_MAX_NEW_TOKENS,
+def evaluate(gm, samples: list[dict], data_path, batch_size: int = InferSettings.batch_size,
+             limit: int | None = None, progress: bool = True, max_new_tokens: int = InferSettings.max_new_tokens,
              predictions: list | None = None) -> tuple[dict, list[dict]]:
     """Predict (greedy) and score every sample; returns (report, one row per sample). The report
     records what was measured and how: model, data, family, pixel budget, prompt, decoding.
@@ -120,7 +121,7 @@ def evaluate(gm, samples: list[dict], data_path, batch_size: int = 16, limit: in
 
 
 def filter_by_model(gm, records: list[dict], data_path, min_iou: float = MODEL_FILTER_IOU, flag_only: bool = False,
-                    batch_size: int = 16, progress: bool = True) -> tuple[list[dict], int]:
+                    batch_size: int = InferSettings.batch_size, progress: bool = True) -> tuple[list[dict], int]:
     """Self-consistency for generated phrases (``data refgen --filter-model``): ground each phrase
     with ``gm`` (greedy, as eval) and keep those whose box comes back at IoU >= ``min_iou``; with
     ``flag_only`` keep every record, each with ``model_iou`` and ``model_agrees`` added. Returns
@@ -208,8 +209,9 @@ pre {{ white-space: pre-wrap; word-break: break-all; background: #f4f4f4; font-s
 
 
 def run_eval(model: str, data, limit: int | None = None, out=None, gallery=None, compare: str | None = None,
-             batch_size: int = 16, max_pixels: int | None = None, min_pixels: int | None = None,
-             device: str = "auto", max_new_tokens: int = infer.DEFAULT_MAX_NEW_TOKENS) -> dict:
+             batch_size: int = InferSettings.batch_size, max_pixels: int | None = None,
+             min_pixels: int | None = None, device: str = InferSettings.device,
+             max_new_tokens: int = InferSettings.max_new_tokens) -> dict:
     """Evaluate ``model`` (and ``compare`` on the same samples) on a canonical JSONL file, print
     the metrics, and write report.json / the gallery when asked. Returns the report."""
     from groundtune.models.loading import resolve

@@ -35,7 +35,7 @@ import torch
 from PIL import Image
 
 from groundtune import boxes
-from groundtune.config import MAX_NEW_TOKENS
+from groundtune.config import InferSettings
 from groundtune.data.images import load_image, to_rgb
 from groundtune.data.records import atomic_write, image_path, iter_jsonl, missing_fields, record_size
 from groundtune.data.samples import ignore_stop_signals
@@ -46,7 +46,6 @@ from groundtune.progress import track
 
 T = TypeVar("T")
 
-DEFAULT_MAX_NEW_TOKENS = MAX_NEW_TOKENS  # defined with the settings (config.py)
 READ_AHEAD = True  # benchmarks switch it off to measure what it gives (predict_records, _read_ahead)
 
 
@@ -57,7 +56,7 @@ class Decoding:
     what grounding needs (Qwen2.5-VL: top_k=1, repetition_penalty 1.05; Qwen3-VL: top_k=20,
     top_p=0.8), so none is left unset. Reports and metrics record it (``to_dict``)."""
 
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS  # longer answers are cut (and usually unparsable)
+    max_new_tokens: int = InferSettings.max_new_tokens  # longer answers are cut (and usually unparsable)
     do_sample: bool = False  # False: greedy, deterministic
     temperature: float = 1.0  # sampling only
     top_p: float = 1.0  # sampling only; 1 = off
@@ -71,7 +70,7 @@ class Decoding:
             raise ValueError(f"sampling needs temperature > 0, 0 < top_p <= 1 and top_k >= 0; got {self}")
 
     @classmethod
-    def greedy(cls, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> "Decoding":
+    def greedy(cls, max_new_tokens: int = InferSettings.max_new_tokens) -> "Decoding":
         return cls(max_new_tokens=max_new_tokens)
 
     @classmethod
@@ -160,7 +159,7 @@ def read_answer(
     )
 
 
-def load(name: str, device: str = "auto", min_pixels: int | None = None, max_pixels: int | None = None,
+def load(name: str, device: str = InferSettings.device, min_pixels: int | None = None, max_pixels: int | None = None,
          who: str = "predict"):
     """A model ready for inference: loaded (``models.loading.load_model``) with its own pixel budget,
     overridden where ``min_pixels``/``max_pixels`` are given (``who`` warns: it is not what the
@@ -190,8 +189,8 @@ def predict(
     gm,
     images: list[Image.Image],
     phrases: list[str],
-    batch_size: int = 16,
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    batch_size: int = InferSettings.batch_size,
+    max_new_tokens: int = InferSettings.max_new_tokens,
     progress: bool = False,
     names: list[str] | None = None,
     engine: Engine | None = None,
@@ -221,8 +220,8 @@ def predict(
     return predictions
 
 
-def predict_records(gm, records: list[dict], data_path, batch_size: int = 16,
-                    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, progress: str | None = None,
+def predict_records(gm, records: list[dict], data_path, batch_size: int = InferSettings.batch_size,
+                    max_new_tokens: int = InferSettings.max_new_tokens, progress: str | None = None,
                     workers: int | None = None) -> list[Prediction]:
     """Greedy predictions for records (``image`` relative to ``data_path``'s folder, ``phrase``,
     and ``width``/``height`` where known), in the records' order.
@@ -518,8 +517,8 @@ def read_queries(in_path: str | Path) -> list[dict]:
     return records
 
 
-def predict_jsonl(gm, in_path: str | Path, out_path: str | Path, batch_size: int = 16,
-                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, progress: bool = True,
+def predict_jsonl(gm, in_path: str | Path, out_path: str | Path, batch_size: int = InferSettings.batch_size,
+                  max_new_tokens: int = InferSettings.max_new_tokens, progress: bool = True,
                   records: list[dict] | None = None) -> int:
     """Predict every line of a JSONL file (``read_queries``; or ``records`` already read from it)
     and write each input record with a ``prediction`` object added, in the file's order; returns

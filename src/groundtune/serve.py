@@ -15,16 +15,9 @@ Endpoints (the contract is in the README, "Serve"):
   is a 422 naming it, another model OpenAI's 404 ``model_not_found`` (``_chat_settings``);
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /`` (a one-page UI).
 
-Three kinds of process (all started by the server, all ended with it):
-- the server's own: HTTP (uvicorn's event loop), the checks on each request, and the answers;
-- encoding workers (``--workers``; on a CPU machine threads of the server instead): each
-  request's image decoded and its prompts encoded as it arrives (``infer.encode_prompt``, the
-  resize and prompt of training), straight into the model's inbox, so the next batch is ready
-  while the model answers this one;
-- the model's (``_model_process``): the prompts waiting (up to ``batch_size``, for at most
-  ``max_wait_ms`` after the first) go through ONE ``infer.generate`` call on the inference
-  engine. It has the process to itself: sharing the server's interpreter with the event loop, a
-  batch of the tiny model on the CPU took ~30% longer (BENCHMARKS.md, "Serving").
+This module is the HTTP: reading what a caller sends, the app, its errors and metrics. Behind it
+(batching.py), encoding workers turn each request into prompts as it arrives, and the model, in a
+process of its own, answers the prompts waiting in batches of up to ``--batch-size``.
 
 The queue is bounded (phrases sent to the model and not answered yet): a full one answers 503
 with Retry-After, never an unbounded backlog. The server reads nothing from its own disk or
@@ -45,7 +38,6 @@ before it is decoded, first come first served.
 import asyncio
 import base64
 import binascii
-import collections
 import contextlib
 import json
 import logging
@@ -56,51 +48,65 @@ import signal
 import sys
 import time
 import uuid
-from dataclasses import dataclass, fields
-from typing import NamedTuple
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from PIL import Image, ImageOps
 
+from groundtune.batching import Answer, Model, QueueFull, prepare_decoding
+from groundtune.config import InferSettings
 from groundtune.data import images
 from groundtune.errors import ConfigError, DataError, MissingPackageError
-from groundtune.progress import quiet_libraries
 
 UI_FILE = Path(__file__).resolve().parent / "assets" / "serve_ui.html"
+MB = 2**20  # a Limits field counted in bytes (*_bytes) is a flag in MB: max_body_bytes is --max-body-mb
+
+
+def flag(name: str) -> str:
+    """The `groundtune serve` flag of the Limits field ``name``."""
+    return "--" + (name.removesuffix("_bytes") + "_mb" if name.endswith("_bytes") else name).replace("_", "-")
+
+
+_SHARED = {f.name: f for f in fields(InferSettings)}  # the settings serve shares with eval and predict
+
+
+def _limit(default, help: str, least: float | None = None):
+    """A Limits field: its default, its flag's help, and the least value it takes (by default 1 for
+    a count, 0.001 for a number)."""
+    least = (1 if isinstance(default, int) else 0.001) if least is None else least
+    return field(default=default, metadata={"help": help, "least": least})
 
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask, and how requests are queued and batched; each is a flag of
-    `groundtune serve` (``FLAGS``)."""
+    """What one request may ask, and how requests are queued and batched. Each field is a flag of
+    `groundtune serve` (``flag``), its default and help read from here (cli.py)."""
 
-    max_body_bytes: int = 20 * 2**20  # a 20 MB upload: a large phone photo, base64-encoded
-    max_image_pixels: int = 50_000_000  # the decoded frame's pixels, from its own header, before decoding
-    max_phrases: int = 16  # phrases per request
-    max_phrase_chars: int = 500
-    queue_size: int = 256  # phrases waiting for the model; beyond: 503
-    batch_size: int = 16  # phrases answered together (1: no batching)
-    max_wait_ms: float = 5.0  # how long the first waiting phrase waits for others
-    workers: int | None = None  # processes decoding and encoding images (None: infer.default_workers)
-    # decoded images in memory at once, all requests together: two limit-sized 16-bit PNGs (367
-    # MB each) or four 50 MP JPEG photos (~225 MB); one image larger than all of it is decoded alone
-    decode_budget_bytes: int = 2**30
-    body_timeout_s: float = 60.0  # a request's whole body must arrive within this: 20 MB at 2.7 Mbit/s
+    # the batch size every command that answers shares: its default and help are config.InferSettings'
+    batch_size: int = _limit(InferSettings.batch_size, _SHARED["batch_size"].metadata["help"])
+    max_wait_ms: float = _limit(5.0, "how long a phrase waits for others to fill its batch", least=0)
+    queue_size: int = _limit(256, "phrases that may wait; beyond, 503 with Retry-After")
+    workers: int | None = _limit(None, "processes decoding and encoding request images, 0: threads of the server "
+                                       "(default: some on a GPU machine, none on a CPU one, where the model needs "
+                                       "the cores)", least=0)  # None: infer.default_workers
+    max_body_bytes: int = _limit(20 * MB, "largest request body; larger: 413")  # a big phone photo in base64
+    # 60 s: a body of 20 MB arriving at 2.7 Mbit/s
+    body_timeout_s: float = _limit(60.0, "a request's whole body must arrive within this; a stalled or slower one: 408")
+    max_image_pixels: int = _limit(50_000_000, "largest image, in pixels of the decoded frame (read from its own "
+                                               "header before decoding); larger: 413")
+    # 1 GB: two limit-sized 16-bit PNGs (367 MB each) or four 50 MP JPEG photos (~225 MB)
+    decode_budget_bytes: int = _limit(2**30, "memory for decoding images, all requests together: each waits for "
+                                             "what its image takes (a 50 MP 16-bit PNG: 367 MB; one larger than all "
+                                             "of it is decoded alone)")
+    max_phrases: int = _limit(16, "phrases per request")
+    max_phrase_chars: int = _limit(500, "longest phrase, in characters")
 
     def __post_init__(self) -> None:
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if value is None:
-                continue
-            least = {"workers": 0, "max_wait_ms": 0}.get(field.name, 1 if isinstance(field.default, int) else 0.001)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= least):
-                raise ConfigError(f"{FLAGS[field.name]} must be a number of at least {least:g}, got {value!r}")
+        for f in fields(self):
+            value, least = getattr(self, f.name), f.metadata["least"]
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= least):
+                raise ConfigError(f"{flag(f.name)} must be a number of at least {least:g}, got {value!r}")
 
-
-FLAGS = {"max_body_bytes": "--max-body-mb", "max_image_pixels": "--max-image-pixels", "max_phrases": "--max-phrases",
-         "max_phrase_chars": "--max-phrase-chars", "queue_size": "--queue-size", "batch_size": "--batch-size",
-         "max_wait_ms": "--max-wait-ms", "workers": "--workers", "decode_budget_bytes": "--decode-budget-mb",
-         "body_timeout_s": "--body-timeout-s"}
 
 log = logging.getLogger("uvicorn.error")  # uvicorn's own log: the server's stderr, in its format
 
@@ -163,27 +169,6 @@ def _pillow_said(error: Exception) -> str:
     return said or type(error).__name__
 
 
-def _decoding_process() -> None:
-    """A process of the server that decodes images (the server's own, an encoding worker).
-
-    Pillow's own decompression-bomb limit off: ours (``--max-image-pixels``) is checked first, on
-    the frame's own header, and Pillow's would refuse what is over 179 MP with its own text before
-    ours was read.
-
-    glibc (Linux): every block of 1 MB or more mmap'd on its own, so that it goes back to the
-    system when freed. glibc's default raises that threshold as such blocks are freed (to 32 MB),
-    after which an image's 16 MB Pillow blocks and numpy arrays land in the heaps of the decoding
-    threads' arenas, which keep them: after six 50 MP 16-bit PNGs the server kept 900 MB more than
-    before them. Setting the threshold also turns that raising off."""
-    import ctypes
-
-    Image.MAX_IMAGE_PIXELS = None
-    try:
-        ctypes.CDLL(None).mallopt(-3, 2**20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # another C library (musl, macOS): its own ways stand
-        pass
-
-
 def image_bytes(value: str, param: str) -> bytes:
     """A base64 string or a data: URI -> the image file's bytes. Anything else (a URL, a file path)
     is refused: the server reads nothing from its disk or network on a caller's behalf."""
@@ -237,7 +222,8 @@ def _unicode(text: str) -> bool:
 class Encoder:
     """A request's image bytes and phrases -> (width, height, [(encoded prompt, sizes)]): the image
     decoded as a viewer shows it, each phrase encoded as eval encodes it (``infer.PromptEncoder``).
-    Made by the model's process, used by the encoding workers (or threads)."""
+    Made by the model's process, used by the encoding workers (or threads): batching.Model's
+    ``make_encoder``."""
 
     def __init__(self, gm, limits: Limits):
         from groundtune import infer
@@ -252,392 +238,10 @@ class Encoder:
             raise RequestError(422, f"{e}: the model cannot take it", param) from None
         return image.width, image.height, prompts
 
-
-def _to_wire(encoded: dict) -> dict:
-    """An encoded prompt's tensors as numpy arrays, which a queue carries in its own bytes: torch
-    would hand each tensor over as a shared-memory file descriptor, one per tensor in flight."""
-    import torch
-
-    def wire(tensor: torch.Tensor):  # numpy has no bfloat16: its bits, as int16
-        bf16 = tensor.dtype == torch.bfloat16
-        return bf16, (tensor.view(torch.int16) if bf16 else tensor).numpy()
-
-    return {k: wire(v) for k, v in encoded.items()}
-
-
-def _from_wire(encoded: dict) -> dict:
-    import torch
-
-    def tensor(value) -> torch.Tensor:
-        bf16, array = value
-        t = torch.from_numpy(array)
-        return t.view(torch.bfloat16) if bf16 else t
-
-    return {k: tensor(v) for k, v in encoded.items()}
-
-
-def _encode_and_send(encoder: Encoder, inbox, keys: list[int], data: bytes, phrases: list[str], param: str,
-                     max_tokens: int | None = None) -> tuple[int, int, list[int]]:
-    """Encode a request and put its prompts in the model's inbox, one item per phrase, each answer
-    to be cut at ``max_tokens`` (None: the server's --max-new-tokens); returns the image's size and
-    each prompt's length in tokens. Nothing is sent for a request that fails (a RequestError for
-    the caller)."""
-    width, height, prompts = encoder(data, phrases, param)
-    queued = time.monotonic()  # the system's monotonic clock: the model's process reads it too
-    for key, (encoded, sizes) in zip(keys, prompts):
-        inbox.put((key, _to_wire(encoded), sizes, queued, max_tokens))
-    return width, height, [int(encoded["input_ids"].shape[-1]) for encoded, _ in prompts]
-
-
-_worker_state: tuple | None = None  # an encoding process's (encoder, inbox)
-
-
-def _start_worker(encoder: Encoder, inbox) -> None:
-    global _worker_state
-    import torch
-
-    _detach_from_server()
-    quiet_libraries()
-    _decoding_process()
-    torch.set_num_threads(1)  # one image at a time each: the workers together use the cores
-    inbox.cancel_join_thread()  # at exit, prompts the model will never read are not waited for
-    _worker_state = (encoder, inbox)
-
-
-def _encode_in_worker(keys: list[int], data: bytes, phrases: list[str], param: str,
-                      max_tokens: int | None) -> tuple[int, int, list[int]]:
-    return _encode_and_send(*_worker_state, keys, data, phrases, param, max_tokens)
-
-
-def _worker_ready() -> None:
-    """A task that only shows its worker has started."""
-
-
-def _detach_from_server() -> None:
-    """In a process the server started: Ctrl-C and SIGTERM stop the server, which ends this process;
-    a server killed outright (SIGKILL, out of memory) cannot, so this process ends itself then."""
-    import os
-    import threading
-
-    from groundtune.data.samples import ignore_stop_signals
-
-    ignore_stop_signals(0)
-    parent = os.getppid()
-
-    def exit_with_parent() -> None:
-        while os.getppid() == parent:
-            time.sleep(1)
-        os._exit(0)
-
-    threading.Thread(target=exit_with_parent, daemon=True).start()
-
-
-# --------------------------------------------------------------------------------------------
-# The model's process
-
-
-def _model_process(model: str, device: str, limits: Limits, max_new_tokens: int, inbox, outbox, ready) -> None:
-    """The model, in a process of its own so that nothing competes with its thread for the
-    interpreter (the server's event loop did: a batch took ~30% longer on the CPU). Loads
-    ``model``, says ("ready", Encoder, family, device) or ("error", exception) on ``ready``, then
-    answers batches: the items waiting in ``inbox`` (up to ``batch_size``, for at most
-    ``max_wait_ms`` after the first), one ``infer.generate`` call, the predictions to ``outbox``
-    as ([(key, Answered or an error's text)], the batch's stats). None in the inbox ends it.
-
-    The batch is generated to ``max_new_tokens``; an item's own ``max_tokens`` (OpenAI's, fewer)
-    cuts its answer there and reads it again: decoding is greedy, so the first k tokens are what a
-    limit of k would have given."""
-    import pickle
-    import queue
-    import threading
-
-    from groundtune import infer
-
-    _detach_from_server()
-    quiet_libraries()
-    try:
-        gm = infer.load(model, device=device)
-    except BaseException as e:  # noqa: BLE001 - said by the server, which exits with it
-        try:
-            pickle.dumps(e)
-        except Exception:  # noqa: BLE001
-            e = RuntimeError(f"{type(e).__name__}: {e}")
-        ready.send(("error", e))
-        return
-    engine, decoding = infer.engine_for(gm), infer.Decoding.greedy(max_new_tokens)
-    outbox.cancel_join_thread()  # at exit, answers to a server that is gone are not waited for
-    ready.send(("ready", Encoder(gm, limits), gm.family, str(gm.device)))
-
-    waiting: queue.Queue = queue.Queue()
-
-    def read_inbox() -> None:  # (its items unpickled) on a thread of its own, while the model works
-        for item in iter(inbox.get, None):
-            waiting.put(item)
-        waiting.put(None)
-
-    threading.Thread(target=read_inbox, daemon=True).start()
-    while True:
-        first = waiting.get()
-        if first is None:
-            return
-        batch, deadline, stop = [first], time.monotonic() + limits.max_wait_ms / 1000, False
-        while len(batch) < limits.batch_size:
-            try:  # what waits already is taken at once; then more, until the deadline
-                item = waiting.get(timeout=max(0.0, deadline - time.monotonic())) if waiting.empty() else waiting.get()
-            except queue.Empty:
-                break
-            if item is None:
-                stop = True
-                break
-            batch.append(item)
-        start = time.monotonic()
-        try:
-            answers = infer.generate(gm, [_from_wire(item[1]) for item in batch], [item[2] for item in batch],
-                                     decoding, engine=engine)
-            results = [(item[0], _answered(gm, ids, prediction, item[2], item[4]))
-                       for item, (ids, prediction) in zip(batch, answers)]
-        except Exception as e:  # noqa: BLE001 - the server must outlive a failed batch
-            results = [(item[0], f"{type(e).__name__}: {e}") for item in batch]
-        outbox.put((results, {"size": len(batch), "seconds": time.monotonic() - start,
-                              "waits": [start - item[3] for item in batch]}))
-        if stop:
-            return
-
-
-class Answered(NamedTuple):
-    """One phrase's answer as the model's process sends it."""
-
-    prediction: object  # infer.Prediction
-    tokens: int  # the answer's tokens, its stop token included
-    stopped: bool  # it ended itself (False: cut at the token limit)
-
-
-def _answered(gm, ids: list[int], prediction, sizes: tuple, max_tokens: int | None) -> Answered:
-    from groundtune import infer
-
-    if max_tokens is not None and len(ids) > max_tokens:
-        ids = ids[:max_tokens]
-        prediction = infer.read_answer(ids, gm.processor, gm.family, *sizes)
-    # generate keeps an answer's stop token: an answer without one was cut (a box head's has no tokens)
-    stopped = not ids or infer.answer_length(ids, gm.processor) < len(ids)
-    return Answered(prediction, len(ids), stopped)
-
-
-class QueueFull(Exception):
-    pass
-
-
-class Answer(NamedTuple):
-    width: int  # the caller's image as a viewer shows it
-    height: int
-    answers: list[Answered]  # one per phrase
-    prompt_tokens: list[int]  # each phrase's prompt, the image's tokens included
-    encoded_at: float  # time.perf_counter() when the prompts were ready and queued
-
-    @property
-    def predictions(self) -> list:
-        return [a.prediction for a in self.answers]
-
-
-class Model:
-    """The server's side of the model's process: starts it (and the encoding workers), sends it
-    each request's prompts, and hands its answers to the requests that wait for them."""
-
-    def __init__(self, model: str, device: str, limits: Limits, max_new_tokens: int):
-        import multiprocessing
-
-        from groundtune import infer
-
-        self.limits, self.metrics = limits, None
-        # spawned, not forked: the server has threads by now
-        self.context = multiprocessing.get_context("spawn")
-        self.inbox, self.outbox = self.context.Queue(), self.context.Queue()
-        ours, theirs = self.context.Pipe()
-        self.process = self.context.Process(target=_model_process, name="groundtune-model",
-                                            args=(model, device, limits, max_new_tokens, self.inbox, self.outbox,
-                                                  theirs))
-        self.process.start()
-        theirs.close()
-        self.pool = None
-        try:
-            said, *what = ours.recv()
-        except EOFError:
-            self.process.join()
-            raise RuntimeError(f"the model's process exited with {self.process.exitcode} while loading "
-                               f"{model}") from None
-        except BaseException:  # Ctrl-C while it loads: it ignores the signal, and would be waited for
-            self.close()
-            raise
-        if said == "error":
-            self.process.join()
-            raise what[0]
-        self.encoder, self.family, device = what  # the device it chose ("auto" resolved)
-        self.workers = infer.default_workers(device) if limits.workers is None else limits.workers
-        self.max_new_tokens = max_new_tokens
-        self.pending: dict[int, tuple] = {}  # key -> (loop, future): the phrases sent and not answered
-        self.next_key = 0
-        self.budget = DecodeBudget(limits.decode_budget_bytes)
-        self.died: str | None = None
-        self.on_death = None  # what the server does then (serve: stop)
-
-    async def start(self, metrics) -> None:
-        import threading
-
-        self.metrics = metrics
-        threading.Thread(target=self._read_answers, daemon=True).start()
-        if self.workers:  # started (each submit starts one) and imported before the server says it is up
-            self.pool = self._new_pool()
-            loop = asyncio.get_running_loop()
-            await asyncio.gather(*(loop.run_in_executor(self.pool, _worker_ready) for _ in range(self.workers)))
-
-    def _new_pool(self):
-        from concurrent.futures import ProcessPoolExecutor
-
-        return ProcessPoolExecutor(self.workers, mp_context=self.context, initializer=_start_worker,
-                                   initargs=(self.encoder, self.inbox))
-
-    async def stop(self) -> None:
-        """The workers and the model's process ended and waited for (the server's shutdown)."""
-        self.inbox.cancel_join_thread()  # prompts the model will not read are not waited for at exit
-        if self.pool is not None:
-            await asyncio.to_thread(self.pool.shutdown, wait=True, cancel_futures=True)
-        if self.process.is_alive():
-            self.inbox.put(None)
-            await asyncio.to_thread(self.process.join, 30)
-            if self.process.is_alive():
-                self.process.kill()
-
-    def close(self) -> None:
-        """What ``stop`` did not end (a server that failed or was stopped before it started) ended
-        now: the model's process ignores the signals that stop the server."""
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-        if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
-
-    async def answer(self, data: bytes, phrases: list[str], param: str = "image",
-                     max_tokens: int | None = None) -> Answer:
-        """The predictions for ``phrases`` in the image file ``data`` (answers cut at ``max_tokens``);
-        QueueFull when they do not fit the queue, a RequestError naming ``param`` for an image the
-        server or the model cannot take. The image's header is read first (a bad one is refused
-        before anything waits), then the memory its decoding holds is reserved from the decode
-        budget until its prompts are encoded."""
-        from concurrent.futures.process import BrokenProcessPool
-
-        if self.died:
-            raise RuntimeError(self.died)
-        frame = await asyncio.to_thread(image_frame, data, self.limits, param)
-        if len(self.pending) + len(phrases) > self.limits.queue_size:
-            raise QueueFull()
-        loop = asyncio.get_running_loop()
-        keys = list(range(self.next_key, self.next_key + len(phrases)))
-        self.next_key += len(phrases)
-        futures = [loop.create_future() for _ in keys]
-        self.pending.update({key: (loop, future) for key, future in zip(keys, futures)})
-        start = time.perf_counter()
-        try:
-            async with self.budget.hold(images.decoding_bytes(frame)):
-                if self.pool is None:
-                    width, height, prompt_tokens = await asyncio.to_thread(
-                        _encode_and_send, self.encoder, self.inbox, keys, data, phrases, param, max_tokens)
-                else:
-                    pool = self.pool
-                    try:
-                        width, height, prompt_tokens = await loop.run_in_executor(
-                            pool, _encode_in_worker, keys, data, phrases, param, max_tokens)
-                    except BrokenProcessPool:  # a worker died (killed, out of memory): new ones for the next
-                        if self.pool is pool:
-                            self.pool = self._new_pool()
-                            pool.shutdown(wait=False)
-                        raise
-        except BaseException:
-            for key in keys:
-                self.pending.pop(key, None)
-            raise
-        encoded_at = time.perf_counter()
-        self.metrics.encode_seconds.observe(encoded_at - start)
-        return Answer(width, height, list(await asyncio.gather(*futures)), prompt_tokens, encoded_at)
-
-    def _read_answers(self) -> None:
-        """The answers, as the model's process sends them, to their requests' futures (a thread)."""
-        import queue
-
-        while True:
-            try:
-                results, stats = self.outbox.get(timeout=1)
-            except queue.Empty:
-                if not self.process.is_alive():
-                    return self._model_died()
-                continue
-            self.metrics.batch_size.observe(stats["size"])
-            self.metrics.batch_seconds.observe(stats["seconds"])
-            for wait in stats["waits"]:
-                self.metrics.queue_seconds.observe(wait)
-            for key, result in results:
-                loop, future = self.pending.pop(key, (None, None))
-                if future is not None:
-                    loop.call_soon_threadsafe(_settle, future, result)
-
-    def _model_died(self) -> None:
-        if self.process.exitcode == 0:  # ended by stop()
-            return
-        self.died = f"the model's process exited with {self.process.exitcode}; the server stops"
-        print(f"error: {self.died}", file=sys.stderr, flush=True)
-        for key in list(self.pending):
-            loop, future = self.pending.pop(key)
-            loop.call_soon_threadsafe(_settle, future, self.died)
-        if self.on_death is not None:
-            self.on_death()
-
-
-class DecodeBudget:
-    """Bytes of decoded images in memory at once, over all requests (``--decode-budget-mb``): a
-    request holds what its image's header says decoding it takes (``images.decoding_bytes``) while
-    it is decoded and encoded; others wait, first come first served (a large image is not passed
-    by a stream of small ones). One larger than the whole budget waits for all of it."""
-
-    def __init__(self, total: int):
-        self.total = self.free = total
-        self.waiting: collections.deque = collections.deque()  # (bytes, future), in arrival order
-
-    @contextlib.asynccontextmanager
-    async def hold(self, wanted: int):
-        wanted = min(wanted, self.total)
-        if self.waiting or self.free < wanted:
-            entry = (wanted, asyncio.get_running_loop().create_future())
-            self.waiting.append(entry)
-            try:
-                await entry[1]
-            except BaseException:  # cancelled (the server stops): its place, or what it was given, goes on
-                if entry[1].done() and not entry[1].cancelled():
-                    self.free += wanted
-                else:
-                    self.waiting.remove(entry)
-                self._grant()
-                raise
-        else:
-            self.free -= wanted
-        try:
-            yield
-        finally:
-            self.free += wanted
-            self._grant()
-
-    def _grant(self) -> None:
-        while self.waiting and self.waiting[0][0] <= self.free:
-            wanted, future = self.waiting.popleft()
-            self.free -= wanted
-            future.set_result(None)
-
-
-def _settle(future, result) -> None:
-    if future.done():
-        return
-    if isinstance(result, str):  # the model failed on this phrase's batch
-        future.set_exception(RuntimeError(result))
-    else:
-        future.set_result(result)
+    def decoding_bytes(self, data: bytes, param: str) -> int:
+        """The memory decoding ``data`` will hold, from its header alone (``image_frame``'s
+        refusals raised before anything is decoded)."""
+        return images.decoding_bytes(image_frame(data, self.limits, param))
 
 
 class Metrics:
@@ -1061,17 +665,16 @@ def _chat_settings(body: dict, model_name: str, max_new_tokens: int) -> int:
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          limits: Limits = Limits(), device: str = "auto", max_new_tokens: int | None = None) -> None:
+          limits: Limits = Limits(), device: str = InferSettings.device,
+          max_new_tokens: int = InferSettings.max_new_tokens) -> None:
     """Load ``model`` and serve it until interrupted."""
     try:
         import uvicorn
     except ImportError:
         raise MissingPackageError('groundtune serve needs FastAPI and uvicorn: pip install "groundtune[serve]"') from None
-    from groundtune import infer
-
     listening = _listen(host, port)  # before the model loads: a taken port is said at once
-    _decoding_process()
-    answering = Model(model, device, limits, max_new_tokens or infer.DEFAULT_MAX_NEW_TOKENS)
+    prepare_decoding()
+    answering = Model(model, device, limits, max_new_tokens, Encoder)
     try:
         app = create_app(answering, model, limits, api_key)
         if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
