@@ -12,12 +12,12 @@ import groundtune
 PACKAGE = Path(groundtune.__file__).parent
 # lowest first; a module may import its own layer and any layer before it
 LAYERS = [
-    {"errors", "files", "progress", "boxes"},
+    {"errors", "files", "progress", "boxes", "families"},
     {"config"},
     {"data"},
     {"models"},
     {"infer"},
-    {"evaluate", "export", "serve", "onnx_export", "onnx_predict"},  # the deploy half, beside evaluate on infer
+    {"evaluate", "export", "serve", "batching", "onnx_export", "onnx_predict"},  # deploy half, beside evaluate on infer
     {"train"},
     {"quickstart", "cli", "__main__", "__init__"},
 ]
@@ -59,3 +59,20 @@ def test_no_import_runs_back_up():
 def test_the_check_sees_imports_inside_functions():
     # cli.py imports its handlers' modules inside the handlers: the check must see them
     assert "groundtune.train.sft" in _imports(PACKAGE / "cli.py")
+
+
+def test_the_readmes_layout_lists_the_layers_in_order():
+    """README's Layout lists the package lowest layer first and says each imports only what is above
+    it: its order must be LAYERS' order, and it must name every module the layers hold."""
+    import re
+
+    readme = (PACKAGE.parent.parent / "README.md").read_text()
+    listing = re.search(r"^## Layout\n\n```\nsrc/groundtune/\n(.*?)```", readme, re.S | re.M).group(1)
+    named = [name.strip().removesuffix(".py").removesuffix("/")
+             for line in listing.splitlines() if re.match(r"  \S", line)
+             for name in line.split("  ")[1].split(",") if name.strip().endswith((".py", "/"))]
+    named = [n for n in named if n != "configs"]  # presets: YAML, no imports
+    ranks = [_layer(f"groundtune.{name}") for name in named]
+    assert ranks == sorted(ranks), list(zip(named, ranks))
+    layered = {name for layer in LAYERS for name in layer} - {"__main__", "__init__", "onnx_predict"}
+    assert layered <= set(named), layered - set(named)

@@ -18,7 +18,7 @@ of the image (``boxes.to_unit``), written out as xyxy.
 Why a map: an MLP regressing four numbers from the query state alone (hidden -> 512 -> GELU -> 4)
 learned slowly: on the quickstart's variant task it reached 0.31-0.43 Acc@0.5 after 500 steps,
 against the text head's 0.655. This head reaches 0.725-0.75 in the same steps and less time
-(BENCHMARKS.md, "A box head that looks at the image"). The map puts the box where the image is,
+(docs/benchmarks-history.md, "A box head that looks at the image"). The map puts the box where the image is,
 cell by cell, so the head need not learn coordinates from nothing.
 
 The head is a submodule of the model it reads (``model.box_head``): it trains, is checkpointed,

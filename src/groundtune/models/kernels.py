@@ -10,7 +10,7 @@ Always on, where they apply (``fuse_lora_layers``, ``pad_vision_mlp``):
   matmuls); zero-padded to 3,424 the arithmetic is the same (the four extra columns are 0 in, 0 out).
 
 Optional, as settings of ``groundtune train``; both cut the launches of a step that is otherwise
-bound by them (field-notes, "Speed"; BENCHMARKS.md):
+bound by them (field-notes, "Speed"; docs/benchmarks-history.md):
 
     kernels: none | liger | auto   # auto: liger-kernel when it is installed and the model is on a GPU
     compile: false | true          # torch.compile each decoder layer (the first steps are slower)
