@@ -244,22 +244,11 @@ def _resolves(page: Path, target: str) -> bool:
     return not anchor or (file.suffix == ".md" and anchor in _anchors(file))
 
 
-# Links to what others are making now (issue 30): a re-measured result. Take each out once it resolves.
-PENDING = {"bench/results/quickstart.json"}
-
-
 def test_every_relative_link_resolves():
     links = _links()
     assert len(links) > 40
-    broken = [f"{page.name}: {target}" for page, target in links
-              if target.removeprefix("../") not in PENDING and not _resolves(page, target)]
+    broken = [f"{page.name}: {target}" for page, target in links if not _resolves(page, target)]
     assert not broken
-
-
-def test_links_to_work_in_progress_resolve():
-    waiting = sorted({t for page, t in _links() if t.removeprefix("../") in PENDING and not _resolves(page, t)})
-    if waiting:
-        pytest.xfail("waiting for: " + ", ".join(waiting))
 
 
 def test_every_command_is_run_or_skipped():
