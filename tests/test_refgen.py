@@ -409,8 +409,8 @@ def test_filter_model_flags_and_keeps(tmp_path, capsys):
 # The README's command and picture
 
 
-def test_readme_refgen_commands_run(tmp_path, monkeypatch):
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_refgen_commands_run(tmp_path, monkeypatch):
+    readme = (ROOT / "docs" / "data.md").read_text()
     blocks = "\n".join(re.findall(r"```bash\n(.*?)```", readme, re.S)).replace("\\\n", " ")
     commands = [line.split("  #")[0].strip() for line in blocks.splitlines()
                 if line.strip().startswith(("groundtune data refgen", "groundtune data check --refs"))]
@@ -422,5 +422,5 @@ def test_readme_refgen_commands_run(tmp_path, monkeypatch):
     for command in commands:
         assert main(command.split()[1:]) == 0, command
     assert Path("refs.jsonl").exists()
-    picture = re.search(r"!\[[^\]]*\]\((docs/refgen[^)]+\.png)\)", readme)
-    assert picture and (ROOT / picture.group(1)).stat().st_size < 400_000
+    picture = re.search(r"!\[[^\]]*\]\((refgen[^)]+\.png)\)", readme)
+    assert picture and (ROOT / "docs" / picture.group(1)).stat().st_size < 400_000
