@@ -141,3 +141,19 @@ def test_positional_phrases_are_recognised():
         assert is_positional(phrase), phrase
     for phrase in ["the red circle", "the triangle", "the green shape", "the bright copyright sign"]:
         assert not is_positional(phrase), phrase
+
+
+def test_a_no_target_sample_stays_one_through_flip_and_crop():
+    """A phrase that names nothing in its image names nothing in a flip or a crop of it either:
+    the record keeps "bboxes": [], the crop may lie anywhere in the image."""
+    image = _canvas((120, 80), [((10, 10, 30, 30), RED)])
+    sample = {"id": "n", "phrase": "the dog on the left", "width": 120, "height": 80, "bboxes": []}
+    flipped, flipped_sample = hflip(image, sample)
+    assert flipped_sample["bboxes"] == [] and "bbox" not in flipped_sample
+    assert flipped_sample["phrase"] == "the dog on the right"
+    corners = set()
+    for seed in range(20):
+        cropped, cropped_sample = scale_crop(image, sample, random.Random(seed), min_scale=0.5, max_scale=0.5)
+        assert cropped.size == (120, 80) and cropped_sample["bboxes"] == []
+        corners.add(tuple(np.asarray(cropped)[0, 0]))
+    assert len(corners) > 1  # not always the same window

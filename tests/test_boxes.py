@@ -176,6 +176,32 @@ def test_target_several_boxes():
     assert [d["bbox_2d"] for d in json.loads(text)] == [[0, 0, 10, 10], [20, 20, 30, 30]]
 
 
+@pytest.mark.parametrize("family", boxes.FAMILIES)
+def test_several_boxes_are_written_in_reading_order_whatever_order_they_came_in(family):
+    """Top to bottom, then left to right, by centre: one target string for one set of boxes."""
+    lower_left, top_right, top_left, middle = [5, 60, 25, 80], [70, 5, 90, 25], [5, 5, 25, 25], [40, 30, 60, 50]
+    orders = [[lower_left, top_right, top_left, middle], [middle, top_left, lower_left, top_right]]
+    texts = {format_target(order, "dots", family, (100, 100), (100, 100)) for order in orders}
+    assert len(texts) == 1
+    parsed = parse_answer(texts.pop(), family, (100, 100), (100, 100))
+    assert parsed.boxes == [pytest.approx(b, abs=0.5) for b in (top_left, top_right, middle, lower_left)]
+    assert boxes.reading_order([lower_left, top_right, top_left]) == [top_left, top_right, lower_left]
+
+
+@pytest.mark.parametrize("family", boxes.FAMILIES)
+def test_no_target_is_the_empty_list_and_is_read_as_no_target_not_as_a_failure(family):
+    text = format_target([], "the dog", family, (100, 100), (100, 100))
+    assert text == boxes.NO_TARGET == "[]"
+    for answer in (text, "```json\n[]\n```", "There is none: []", " [ ] "):
+        parsed = parse_answer(answer, family, (100, 100), (100, 100))
+        assert parsed.no_target and parsed.ok and parsed.boxes == [] and parsed.error is None, answer
+    for not_an_answer in ("", "none", "[[]]", "[{}]", "[] and [1, 2]"):  # nothing read: a failure
+        parsed = parse_answer(not_an_answer, family, (100, 100), (100, 100))
+        assert not parsed.no_target and not parsed.ok and parsed.error, not_an_answer
+    boxed = parse_answer('[{"bbox_2d": [10, 10, 20, 20]}, []]', family, (100, 100), (100, 100))
+    assert boxed.boxes and not boxed.no_target  # a box anywhere is an answer with a box
+
+
 # ---------------------------------------------------------------------------- parsing
 # All cases: Qwen2.5-VL, original 200x100 shown to the model at 400x200 (so model coords / 2).
 ORIG, RES = (200, 100), (400, 200)

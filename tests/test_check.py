@@ -84,12 +84,14 @@ def _lines() -> list[str | dict | None]:
         _rec("clip-and-empty", phrase="", bbox=(0, 0, 66, 48)),  # 27: bbox_clipped + phrase_empty
         _rec("good-3", phrase="the red square on the left", split="val", source="mine"),  # 28
         _rec("folder", image="images"),  # 29: image_not_a_file (a folder: never opened)
-        None,  # 30: blank
+        _rec("no-target", phrase="the green triangle", bbox=None, bboxes=[]),  # 30: no target: usable as it is
+        None,  # 31: blank
     ]
 
 
 EXPECTED = {
-    "lines": 28,
+    "lines": 29,
+    "no_target": 1,
     "errors": {
         "invalid_json": [4],
         "missing_field": [5],
@@ -121,7 +123,7 @@ EXPECTED = {
         "image_mode": [21, 22, 23, 24],
     },
 }
-GOOD_IDS = ["good-1", "good-2", "good-3"]
+GOOD_IDS = ["good-1", "good-2", "good-3", "no-target"]
 WARNING_IDS = ["no-size", "exif", "clipped", "html", "control", "gray", "cmyk", "rgba", "deep", "multi-clip"]
 
 
@@ -147,7 +149,7 @@ def broken(tmp_path: Path) -> Path:
 def test_every_kind_on_its_exact_lines(broken: Path):
     report = check.check_file(broken)
     assert report.to_dict() == EXPECTED
-    assert list(report.to_dict()) == ["lines", "errors", "warnings", "fixed"]
+    assert list(report.to_dict()) == ["lines", "no_target", "errors", "warnings", "fixed"]
     assert list(report.to_dict()["errors"]) == [k for k in check.KINDS if k in EXPECTED["errors"]]
     json.dumps(report.to_dict(), allow_nan=False)  # plain JSON, whatever the input held
     # Every kind of the table is exercised by this fixture.
@@ -157,7 +159,7 @@ def test_every_kind_on_its_exact_lines(broken: Path):
 def test_good_lines_appear_nowhere(broken: Path):
     d = check.check_file(broken).to_dict()
     flagged = {n for group in ("errors", "warnings", "fixed") for lines in d[group].values() for n in lines}
-    assert flagged.isdisjoint({1, 2, 28})
+    assert flagged.isdisjoint({1, 2, 28, 30})
 
 
 def test_fix_out_holds_good_and_fixed_warning_records_only(broken: Path):
@@ -166,7 +168,8 @@ def test_fix_out_holds_good_and_fixed_warning_records_only(broken: Path):
     records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     by_id = {r["id"]: r for r in records}
     assert [r["id"] for r in records] == ["good-1", "good-2", "no-size", "exif", "clipped", "html", "control",
-                                          "gray", "cmyk", "rgba", "deep", "multi-clip", "good-3"]
+                                          "gray", "cmyk", "rgba", "deep", "multi-clip", "good-3", "no-target"]
+    assert by_id["no-target"]["bboxes"] == [] and "bbox" not in by_id["no-target"]  # kept as it is
     assert sorted(by_id) == sorted(GOOD_IDS + WARNING_IDS) and report.kept == len(records)
 
     # The fixes are applied ...
@@ -224,7 +227,7 @@ def test_cli_json_is_one_object_and_exit_code(broken: Path, tmp_path: Path, caps
 
     clean = _write(tmp_path / "clean.jsonl", [_rec("a"), None, _rec("b", bbox=(0, 0, W, H))])
     assert main(["data", "check", str(clean), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"lines": 2, "errors": {}, "warnings": {}, "fixed": {}}
+    assert json.loads(capsys.readouterr().out) == {"lines": 2, "no_target": 0, "errors": {}, "warnings": {}, "fixed": {}}
 
 
 def test_cli_fix_out_and_summary(broken: Path, capsys, monkeypatch):
@@ -263,7 +266,8 @@ def test_summary_of_a_clean_file(tmp_path: Path):
         (_rec("s", bbox=[[0, 0, 1, 1]]), {"bbox_nan"}),
         (_rec("s", bbox=[0, 0, 1e400, 10]), {"bbox_nan"}),  # inf
         (_rec("s", bbox=None, bboxes="nope"), {"bbox_nan"}),
-        (_rec("s", bbox=None, bboxes=[]), {"missing_field"}),
+        (_rec("s", bbox=None, bboxes=[]), set()),  # no target: usable as it is
+        (_rec("s", bbox=None), {"missing_field"}),  # neither bbox nor bboxes
         (_rec("s", bbox=(-2, -2, 10, 10)), {"bbox_clipped"}),
         (_rec("s", bbox=(-3, 0, 10, 10)), {"bbox_outside"}),
         (_rec("s", bbox=(-2, 0, -1, 10)), {"bbox_outside"}),  # a sliver wholly outside

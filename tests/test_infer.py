@@ -139,8 +139,8 @@ def test_answer_in_resized_pixels_maps_to_original(gm):
     assert pred.boxes == [pred.bbox]
     assert pred.label == "the red square"
     assert pred.error is None
-    assert pred.to_json() == {"bbox": [50.0, 25.0, 100.0, 50.0], "label": "the red square", "raw": text,
-                              "error": None}
+    assert pred.to_json() == {"bbox": [50.0, 25.0, 100.0, 50.0], "boxes": [[50.0, 25.0, 100.0, 50.0]],
+                              "no_target": False, "label": "the red square", "raw": text, "error": None}
 
 
 def test_qwen2_special_tokens_are_kept_for_the_parser(gm):
@@ -150,6 +150,12 @@ def test_qwen2_special_tokens_are_kept_for_the_parser(gm):
     assert pred.raw == text
     assert pred.bbox == pytest.approx([20.0, 20.0, 100.0, 80.0])  # 0-1000 of the 200 x 100 image
     assert pred.label == "the cat"
+
+
+def test_an_empty_answer_is_no_target(gm):
+    pred = infer.read_answer(_answer_ids(gm, "[]"), gm.processor, "qwen2.5-vl", ORIGINAL, (196, 112))
+    assert pred.no_target and pred.bbox is None and pred.boxes == [] and pred.error is None
+    assert pred.to_json() == {"bbox": None, "boxes": [], "no_target": True, "label": None, "raw": "[]", "error": None}
 
 
 def test_unparseable_answer_is_an_error_not_a_box(gm):
@@ -172,7 +178,7 @@ def test_predict_cli_prints_one_json_line(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1
     out = json.loads(lines[0])
-    assert set(out) == {"bbox", "label", "raw", "error"}
+    assert set(out) == {"bbox", "boxes", "no_target", "label", "raw", "error"}
     if out["bbox"] is None:
         assert out["error"]
     else:
@@ -198,7 +204,7 @@ def test_predict_cli_jsonl_writes_one_line_per_input(tmp_path):
     assert len(lines) == 3
     for record, line in zip(records, lines):
         assert {k: line[k] for k in record} == record  # input kept as it was, true bbox included
-        assert set(line["prediction"]) == {"bbox", "label", "raw", "error"}
+        assert set(line["prediction"]) == {"bbox", "boxes", "no_target", "label", "raw", "error"}
 
 
 def test_predict_cli_needs_image_and_phrase_or_jsonl(capsys):

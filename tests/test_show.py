@@ -69,3 +69,19 @@ def test_model_panel_box_is_the_resized_box(tmp_path):
     # the outline is drawn 2 px wide just outside the box edges
     assert (xs.min(), ys.min()) == (round(x1) - 2, oy + round(y1) - 2)
     assert (xs.max() + 1, ys.max() + 1) == (round(x2) + 2, oy + round(y2) + 2)
+
+
+def test_a_no_target_record_is_drawn_without_a_box_and_says_so(tmp_path, monkeypatch):
+    """A cell for "bboxes": [] shows its image with no outline and writes that nothing matches."""
+    path = synth.make_synthetic_set(tmp_path, n=1, seed=0, workers=1)
+    record = json.loads(path.read_text())
+    del record["bbox"]
+    path.write_text(json.dumps({**record, "bboxes": [], "phrase": "the purple star"}) + "\n")
+    said = []
+    real_text = ImageDraw.ImageDraw.text
+    monkeypatch.setattr(ImageDraw.ImageDraw, "text", lambda self, xy, text, *a, **k: said.append(text) or
+                        real_text(self, xy, text, *a, **k))
+    out = show.show_grid(path, tmp_path / "grid.png", RESIZE, n=1)
+    assert any("no target" in text for text in said)
+    cell = np.asarray(Image.open(out).convert("RGB"))
+    assert not (cell == np.array(show.BOX_COLOUR)).all(-1).any()  # no box outline anywhere

@@ -20,6 +20,12 @@ qwen3-vl       0-1000 of the image                  ``[{"bbox_2d": [x1, y1, x2, 
 Which family uses which coordinates and answer form is its record in groundtune/families.py (with
 its resize factor and the pixel budget Qwen ships); here a resize is a ResizeSpec, whatever family
 it came from.
+
+A phrase may name several boxes, or none. Several are written in one answer in READING ORDER (by
+their centres: top to bottom, then left to right), so a training target is one string, whatever
+order the data listed them in: one JSON list, or one ``<|box_start|>...<|box_end|>`` span after
+another. None is the empty list, ``[]``, in every family (Qwen2-VL has no form of its own for it),
+and the parser reads ``[]`` as "no target", never as a failure to answer.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from groundtune import families
 from groundtune.families import NORM_1000, SPECIAL_TOKENS
 
 Box = list[float]  # [x1, y1, x2, y2]
+NO_TARGET = "[]"  # every family's answer when the phrase names nothing in the image
 Size = tuple[int, int]  # (width, height): PIL's order. smart_resize alone keeps qwen-vl-utils' (h, w).
 
 MAX_RATIO = 200  # longer side / shorter side above which smart_resize refuses an image, as the reference does
@@ -274,15 +281,24 @@ def format_target(
     original_size: Size,
     resized_size: Size,
 ) -> str:
-    """The answer text a model of ``family`` should produce for these original-pixel boxes.
-    ``label=None`` leaves the phrase out of the answer (shorter answers, the same boxes)."""
-    coords = [to_model_coords(b, family, original_size, resized_size) for b in boxes]
+    """The answer text a model of ``family`` should produce for these original-pixel boxes, in
+    reading order (``reading_order``); ``[]`` for none. ``label=None`` leaves the phrase out of the
+    answer (shorter answers, the same boxes)."""
+    if not boxes:
+        return NO_TARGET
+    coords = [to_model_coords(b, family, original_size, resized_size) for b in reading_order(boxes)]
     if families.family(family).answer == SPECIAL_TOKENS:
         spans = "".join(f"<|box_start|>({c[0]},{c[1]}),({c[2]},{c[3]})<|box_end|>" for c in coords)
         ref = f"<|object_ref_start|>{label}<|object_ref_end|>" if label is not None else ""
         return ref + spans
     items = [{"bbox_2d": c, "label": label} if label is not None else {"bbox_2d": c} for c in coords]
     return json.dumps(items, ensure_ascii=False)
+
+
+def reading_order(boxes: Sequence[Sequence[float]]) -> list[Sequence[float]]:
+    """Boxes top to bottom, then left to right, by their centres: the one order every answer
+    lists them in."""
+    return sorted(boxes, key=lambda b: box_centre(b)[::-1])
 
 
 def answer_opening(family: str) -> str:
@@ -306,10 +322,12 @@ class ParsedAnswer:
     boxes: list[Box] = field(default_factory=list)
     labels: list[str | None] = field(default_factory=list)
     error: str | None = None
+    no_target: bool = False  # the answer was the empty list: "nothing here matches"
 
     @property
     def ok(self) -> bool:
-        return self.error is None and bool(self.boxes)
+        """An answer that was read: boxes, or a no-target answer."""
+        return self.error is None and (bool(self.boxes) or self.no_target)
 
     @property
     def box(self) -> Box | None:
@@ -390,6 +408,9 @@ def parse_answer(text: str, family: str, original_size: Size, resized_size: Size
     families.family(family)  # an unknown family is an error even when the answer holds no box
     raw = _raw_boxes(text or "")
     if not raw:
+        answers = _json_candidates(text or "")
+        if answers and all(a == [] for a in answers):  # "[]", in code fences or words: none is there
+            return ParsedAnswer(no_target=True)
         return ParsedAnswer(error="no box found in the answer")
     boxes, labels = [], []
     for coords, label in raw:

@@ -113,25 +113,25 @@ class Decoding:
 
 @dataclass
 class Prediction:
-    """One answer. ``bbox`` is the first box, xyxy in pixels of the ORIGINAL image, or None when
-    the answer held no usable box: then ``error`` says why. Boxes are never guessed."""
+    """One answer. ``boxes`` are every box of it and ``bbox`` the first, xyxy in pixels of the
+    ORIGINAL image. No box: ``no_target`` when the model answered that nothing matches (``[]``),
+    else ``error`` says why there is none. Boxes are never guessed."""
 
     bbox: list[float] | None
     boxes: list[list[float]]
     label: str | None
     raw: str
     error: str | None
+    no_target: bool = False
 
-    def to_json(self, all_boxes: bool = False) -> dict:
-        """The printed form: boxes rounded to 0.1 px (finer is noise), raw text kept whole; with
-        ``all_boxes`` every box of the answer too (the server's answer)."""
+    def to_json(self) -> dict:
+        """The printed form: boxes rounded to 0.1 px (finer is noise), raw text kept whole."""
         def rounded(box: list[float]) -> list[float]:
             return [round(v, 1) for v in box]
 
-        out = {"bbox": rounded(self.bbox) if self.bbox is not None else None}
-        if all_boxes:
-            out["boxes"] = [rounded(box) for box in self.boxes]
-        return {**out, "label": self.label, "raw": self.raw, "error": self.error}
+        return {"bbox": rounded(self.bbox) if self.bbox is not None else None,
+                "boxes": [rounded(box) for box in self.boxes], "no_target": self.no_target,
+                "label": self.label, "raw": self.raw, "error": self.error}
 
 
 def read_answer(
@@ -156,6 +156,7 @@ def read_answer(
         label=parsed.labels[0] if parsed.labels else None,
         raw=raw,
         error=parsed.error,
+        no_target=parsed.no_target,
     )
 
 

@@ -333,7 +333,7 @@ def create_app(model: Model, model_name: str, limits: Limits = Limits(), api_key
             "model": model_name,
             "width": answered.width,
             "height": answered.height,
-            "results": [{"phrase": phrase, **p.to_json(all_boxes=True)}
+            "results": [{"phrase": phrase, **p.to_json()}
                         for phrase, p in zip(phrases, answered.predictions)],
             # decode: the request read, its image decoded and prompts encoded; model: its batch's
             # wait and the batch
@@ -359,7 +359,7 @@ def create_app(model: Model, model_name: str, limits: Limits = Limits(), api_key
             "usage": {"prompt_tokens": answered.prompt_tokens[0], "completion_tokens": one.tokens,
                       "total_tokens": answered.prompt_tokens[0] + one.tokens},
             # the answer's boxes in the caller's pixels (its raw text is the message above)
-            "groundtune": {**{k: v for k, v in one.prediction.to_json(all_boxes=True).items() if k != "raw"},
+            "groundtune": {**{k: v for k, v in one.prediction.to_json().items() if k != "raw"},
                            "width": answered.width, "height": answered.height},
         }
 

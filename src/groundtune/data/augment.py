@@ -49,7 +49,7 @@ def is_positional(phrase: str) -> bool:
 def _with_boxes(sample: dict, boxes: list[Box], size: Size) -> dict:
     """A copy of sample with its target boxes replaced, in the field (bbox/bboxes) it used."""
     out = dict(sample)
-    if "bboxes" in sample:
+    if sample.get("bboxes") is not None:
         out["bboxes"] = boxes
     else:
         out["bbox"] = boxes[0]
@@ -106,12 +106,14 @@ def scale_crop(
     width, height = image.size
     out_size = tuple(out_size) if out_size is not None else (width, height)
     boxes = sample_boxes(sample)
-    # the smallest whole-pixel region holding every target box
-    ux1, uy1, ux2, uy2 = clip_box(
-        [min(b[0] for b in boxes), min(b[1] for b in boxes), max(b[2] for b in boxes), max(b[3] for b in boxes)],
-        (width, height),
-    )
-    ux1, uy1, ux2, uy2 = math.floor(ux1), math.floor(uy1), math.ceil(ux2), math.ceil(uy2)
+    if boxes:  # the smallest whole-pixel region holding every target box
+        ux1, uy1, ux2, uy2 = clip_box(
+            [min(b[0] for b in boxes), min(b[1] for b in boxes), max(b[2] for b in boxes), max(b[3] for b in boxes)],
+            (width, height),
+        )
+        ux1, uy1, ux2, uy2 = math.floor(ux1), math.floor(uy1), math.ceil(ux2), math.ceil(uy2)
+    else:  # no target: any window will do (a crop only removes objects, and names none)
+        ux1, uy1, ux2, uy2 = width, height, 0, 0
 
     scale = float(rng.uniform(min_scale, max_scale))
     scale = max(scale, (ux2 - ux1) / width, (uy2 - uy1) / height)  # never cut a target

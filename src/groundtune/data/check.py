@@ -9,8 +9,9 @@ and an error is listed under both ``warnings`` and ``errors`` but not under ``fi
 kind                   level    what it means and what to do
 =====================  =======  ===================================================================
 invalid_json           error    the line is not one JSON object; fix or delete the line
-missing_field          error    no id, image, phrase or box (``bbox``/``bboxes``, at least one box);
-                                add it, or re-run ``groundtune data convert``
+missing_field          error    no id, image, phrase or boxes (``bbox``, or ``bboxes``: a list of
+                                boxes, ``[]`` for a phrase with no target in the image); add it, or
+                                re-run ``groundtune data convert``
 missing_size           warning  width/height missing or not a positive integer; filled in from the
                                 stored pixels of the image
 image_missing          error    no file at the image path (relative to the JSONL file's folder);
@@ -77,7 +78,8 @@ ERROR, WARNING = "error", "warning"
 # kind -> (level, what the user should do). The order is the order of the report.
 KINDS: dict[str, tuple[str, str]] = {
     "invalid_json": (ERROR, "Make the line one JSON object, or delete it."),
-    "missing_field": (ERROR, "Add the missing id/image/phrase/bbox, or re-run `groundtune data convert`."),
+    "missing_field": (ERROR, "Add the missing id/image/phrase/bbox (bboxes: [] for no target), or re-run "
+                             "`groundtune data convert`."),
     "missing_size": (WARNING, "width/height are filled in from the image in --fix-out."),
     "image_missing": (ERROR, "Put the image at the path given (relative to the JSONL folder) or fix `image`."),
     "image_unreadable": (ERROR, "The file is corrupt, truncated or not an image: re-download or re-encode it."),
@@ -136,6 +138,7 @@ class CheckReport:
     warnings: dict[str, list[int]] = field(default_factory=dict)
     fixed: dict[str, list[int]] = field(default_factory=dict)
     kept: int = 0  # records written (or that would be written) to fix_out
+    no_target: int = 0  # usable records whose phrase names nothing in the image ("bboxes": [])
 
     @property
     def trainable(self) -> bool:
@@ -149,6 +152,7 @@ class CheckReport:
 
         return {
             "lines": self.lines,
+            "no_target": self.no_target,
             "errors": ordered(self.errors),
             "warnings": ordered(self.warnings),
             "fixed": ordered(self.fixed),
@@ -167,6 +171,7 @@ class CheckReport:
         head = (
             f"{self.path}: {self.lines} records, {len(error_lines)} with errors, "
             f"{len(warning_lines)} with warnings, {self.kept} usable"
+            + (f" ({self.no_target} with no target)" if self.no_target else "")
         )
         if not self.lines:
             return head + "\nThe file holds no records: there is nothing to train on (groundtune train refuses it)."
@@ -250,6 +255,7 @@ def check_records(path: str | Path, cache: "ProbeCache | None" = None) -> Checke
             bad.append({"line": line.number, "kinds": errors,
                         "message": " ".join(f"{k}: {KINDS[k][1]}" for k in errors)})
     report.kept = len(usable)
+    report.no_target = sum(record.get("bboxes") == [] for _, record in usable)
     return Checked(report, usable, bad)
 
 
@@ -428,9 +434,9 @@ def check_phrase(record: dict, image: ImageInfo | None) -> list[Finding]:
 
 
 def check_boxes(record: dict, image: ImageInfo | None) -> list[Finding]:
-    key = "bboxes" if "bboxes" in record else "bbox"
+    key = "bboxes" if record.get("bboxes") is not None else "bbox"
     value = record.get(key)
-    if value is None or value == []:  # already a missing_field
+    if value is None or value == []:  # a missing_field, or a record with no target: nothing to check
         return []
     if key == "bboxes" and not isinstance(value, list):
         return [("bbox_nan", None)]

@@ -7,7 +7,9 @@ One referring expression per line (design.md, "Canonical sample")::
      "split": "val", "source": "refcoco"}
 
 ``bbox`` is xyxy in absolute pixels of the original image; a phrase with several targets uses
-``bboxes``. ``image`` is relative to the JSONL file's folder, or absolute. Extra fields pass through.
+``bboxes``, and ``"bboxes": []`` is a phrase with no target in its image (explicit: a record with
+neither field is incomplete, never "no target"). ``image`` is relative to the JSONL file's folder,
+or absolute. Extra fields pass through.
 """
 
 from __future__ import annotations
@@ -89,14 +91,14 @@ def read_samples(path: str | Path) -> list[dict]:
 
 def missing_fields(record: dict, fields: Iterable[str] = REQUIRED_FIELDS) -> list[str]:
     """Which of ``fields`` a record lacks: absent or null; an image that is not a non-empty path; a
-    width/height that is not a positive whole number; ``bbox`` when it has neither a box nor a
-    non-empty ``bboxes``. The one rule of "has what it needs" for reading, checking and converting
-    (whether the values are right is ``groundtune data check``'s: data/check.py)."""
+    width/height that is not a positive whole number; ``bbox`` when it has neither a ``bbox`` nor a
+    ``bboxes`` (``"bboxes": []``, no target, has one). The one rule of "has what it needs" for
+    reading, checking and converting (whether the values are right is ``groundtune data check``'s:
+    data/check.py)."""
     missing = []
     for name in fields:
         if name == "bbox":
-            value = record.get("bboxes", record.get("bbox"))
-            absent = value is None or value == []
+            absent = record.get("bboxes") is None and record.get("bbox") is None
         elif name == "image":
             absent = not (isinstance(record.get("image"), str) and record["image"])
         elif name in ("width", "height"):
@@ -122,8 +124,9 @@ def _positive_int(value) -> int | None:
 
 
 def sample_boxes(sample: dict) -> list[list[float]]:
-    """The target boxes of a sample (``bbox`` or ``bboxes``), canonical xyxy original pixels."""
-    if "bboxes" in sample:
+    """The target boxes of a sample (``bbox`` or ``bboxes``), canonical xyxy original pixels; none
+    for a no-target record (``"bboxes": []``)."""
+    if sample.get("bboxes") is not None:
         return [list(map(float, b)) for b in sample["bboxes"]]
     return [list(map(float, sample["bbox"]))]
 

@@ -91,7 +91,8 @@ def _sample_cell(record: dict, jsonl_path: Path, resize: ResizeSpec, font) -> Im
     lines = textwrap.wrap(str(record.get("phrase", "")), width=64)[:2]
     lines += [""] * (2 - len(lines))
     lines.append(f"original {original[0]}x{original[1]}  ->  model {resized[0]}x{resized[1]}  ({record.get('id', '')})")
-    lines.append("model box: " + " ".join(_fmt(b) for b in model_boxes))
+    lines.append(("model boxes: " + " ".join(_fmt(b) for b in model_boxes)) if model_boxes
+                 else "no target: the phrase names nothing in this image")
     for i, text in enumerate(lines):
         draw.text((PAD, 2 * PAD + THUMB + i * LINE_H), text, fill="black", font=font)
     return cell
