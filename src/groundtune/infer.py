@@ -123,6 +123,7 @@ class Prediction:
     raw: str
     error: str | None
     no_target: bool = False
+    scores: list[float] | None = None  # one per box where the model gives one (a box head's objectness)
 
     def to_json(self) -> dict:
         """The printed form: boxes rounded to 0.1 px (finer is noise), raw text kept whole."""
