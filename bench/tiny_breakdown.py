@@ -26,7 +26,7 @@ def breakdown(model: str, n: int, seed: int, task: str) -> dict:
     predictions = predict(gm, images, phrases, batch_size=250)
     hits = collections.defaultdict(list)
     for p, scene in zip(predictions, scenes):
-        ok = p.bbox is not None and iou(p.bbox, scene.bbox) >= 0.5
+        ok = p.bbox is not None and iou(p.bbox, scene.boxes[0]) >= 0.5
         hits["all"].append(ok)
         hits[f"form={scene.query.form}"].append(ok)
         hits[f"shapes={len(scene.shapes)}"].append(ok)

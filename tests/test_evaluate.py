@@ -1,15 +1,19 @@
-"""Scoring on hand-made predictions with known IoUs, the gallery, and `groundtune eval` end to end
-on the real tiny model."""
+"""Scoring on hand-made predictions with known IoUs, the set metrics against a brute-force count,
+AP against pycocotools' COCOeval run directly, the gallery, and `groundtune eval` end to end on the
+real tiny model."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 
 import pytest
 from PIL import Image
 
 from groundtune import evaluate
 from groundtune.cli import main
+from groundtune.infer import Prediction
 
 # Hand-made rows: the predicted box is always [0, 0, 10, 10] (or nothing); the true box sets the IoU.
 #   id  true box(es)                         IoU      split  source
@@ -31,17 +35,31 @@ CASES = [
 IOUS = {"a": 1.0, "b": 5 / 6, "c": 0.625, "d": 1 / 3, "e": 0.0, "f": 5 / 6}
 
 
+def _prediction(pred_boxes: list | None, scores: list[float] | None = None) -> Prediction:
+    """An answer as infer makes it: its boxes, [] for "no target", None for one that was not read."""
+    if pred_boxes is None:
+        return Prediction(bbox=None, boxes=[], label=None, raw="no box <here>", error="no box found in the answer")
+    return Prediction(bbox=pred_boxes[0] if pred_boxes else None, boxes=pred_boxes, label=None,
+                      raw=json.dumps([{"bbox_2d": b} for b in pred_boxes]), error=None,
+                      no_target=not pred_boxes, scores=scores)
+
+
+def _row(id_, true, pred_boxes, split="val", source="s", scores=None, size=(64, 64)) -> dict:
+    pred = _prediction(pred_boxes, scores)
+    return {"id": id_, "phrase": f"<b>thing</b> & {id_}", "image": "img.png", "width": size[0], "height": size[1],
+            "true_boxes": true, **evaluate.score_answer(pred, true), "raw": pred.raw, "error": pred.error,
+            "split": split, "source": source}
+
+
 def _rows() -> list[dict]:
-    rows = []
-    for id_, true, pred, split, source in CASES:
-        rows.append({
-            "id": id_, "phrase": f"<b>thing</b> & {id_}", "image": "img.png", "width": 64, "height": 64,
-            "true_boxes": true, "pred_bbox": pred, **evaluate.score(pred, true),
-            "raw": "no box <here>" if pred is None else json.dumps([{"bbox_2d": pred}]),
-            "error": "no box found in the answer" if pred is None else None,
-            "split": split, "source": source,
-        })
-    return rows
+    return [_row(id_, true, [pred] if pred else None, split, source) for id_, true, pred, split, source in CASES]
+
+
+SINGLE_TARGET_KEYS = ["n", "acc@0.5", "acc@0.75", "acc@0.5:0.95", "miou", "parse_fail_rate"]
+
+
+def _single(metrics: dict) -> dict:
+    return {k: metrics[k] for k in SINGLE_TARGET_KEYS}
 
 
 def test_score_known_boxes():
@@ -72,16 +90,16 @@ def test_summary_numbers():
     val, test = s["by_split"]["val"], s["by_split"]["test"]
     assert set(s["by_split"]) == {"val", "test"}
     # val: 1, .833, .833 -> 3 hits at 0.5 ... 0.8 (7 thresholds), 1 at 0.85 ... 0.95 -> 24 of 30
-    assert val == pytest.approx({"n": 3, "acc@0.5": 1.0, "acc@0.75": 1.0, "acc@0.5:0.95": 24 / 30,
+    assert _single(val) == pytest.approx({"n": 3, "acc@0.5": 1.0, "acc@0.75": 1.0, "acc@0.5:0.95": 24 / 30,
                                  "miou": (1 + 5 / 6 + 5 / 6) / 3, "parse_fail_rate": 0.0})
     # test: .625, .333, 0 -> 1 hit at 0.5, 0.55, 0.6 -> 3 of 30
-    assert test == pytest.approx({"n": 3, "acc@0.5": 1 / 3, "acc@0.75": 0.0, "acc@0.5:0.95": 3 / 30,
+    assert _single(test) == pytest.approx({"n": 3, "acc@0.5": 1 / 3, "acc@0.75": 0.0, "acc@0.5:0.95": 3 / 30,
                                   "miou": (0.625 + 1 / 3) / 3, "parse_fail_rate": 1 / 3})
     # s1: 1, .625, .333 ; s2: .833, 0, .833
-    assert s["by_source"]["s1"] == pytest.approx({"n": 3, "acc@0.5": 2 / 3, "acc@0.75": 1 / 3,
+    assert _single(s["by_source"]["s1"]) == pytest.approx({"n": 3, "acc@0.5": 2 / 3, "acc@0.75": 1 / 3,
                                                   "acc@0.5:0.95": (3 * 2 + 7 * 1) / 30,
                                                   "miou": (1 + 0.625 + 1 / 3) / 3, "parse_fail_rate": 0.0})
-    assert s["by_source"]["s2"] == pytest.approx({"n": 3, "acc@0.5": 2 / 3, "acc@0.75": 2 / 3,
+    assert _single(s["by_source"]["s2"]) == pytest.approx({"n": 3, "acc@0.5": 2 / 3, "acc@0.75": 2 / 3,
                                                   "acc@0.5:0.95": (7 * 2 + 3 * 0) / 30,
                                                   "miou": (5 / 6 + 5 / 6) / 3, "parse_fail_rate": 1 / 3})
 
@@ -89,6 +107,180 @@ def test_summary_numbers():
 def test_summary_of_nothing():
     s = evaluate.summarise([])
     assert s["n"] == 0 and s["acc@0.5"] is None and s["by_split"] == {}
+
+
+def test_set_metrics_of_the_single_target_cases():
+    # a, b, c, f: the box matches (f: one of its two true boxes); d misses at IoU 1/3; e was not read.
+    # 5 boxes predicted, 7 true, 4 matched; answered exactly: a, b, c (f misses a true box).
+    s = evaluate.summarise(_rows())
+    assert (s["n_target"], s["n_no_target"]) == (6, 0)
+    assert (s["matched@0.5"], s["missed@0.5"], s["extra@0.5"]) == (4, 3, 1)
+    assert s["precision@0.5"] == pytest.approx(4 / 5) and s["recall@0.5"] == pytest.approx(4 / 7)
+    assert s["f1@0.5"] == pytest.approx(2 * (4 / 5) * (4 / 7) / (4 / 5 + 4 / 7))
+    assert s["set_acc@0.5"] == pytest.approx(3 / 6) and s["t_acc"] == pytest.approx(5 / 6)
+    assert s["n_acc"] is None  # no no-target sample to score
+    assert "ap@0.5" not in s and "ap@0.5:0.95" not in s  # a text model's boxes carry no scores
+
+
+def test_no_target_answers_are_read_and_counted_right():
+    base = evaluate.summarise(_rows())
+    no_target = [_row("n1", [], []),  # no target, answered none: right
+                 _row("n2", [], [[0, 0, 10, 10]]),  # no target, a box: wrong, one extra box
+                 _row("n3", [], None)]  # no target, not read: wrong (it did not say "none"), a parse failure
+    s = evaluate.summarise(_rows() + no_target)
+    assert (s["n"], s["n_target"], s["n_no_target"]) == (9, 6, 3)
+    # Acc@0.5, Acc@0.75, Acc@0.5:0.95 and mIoU are over the samples with a target: unchanged
+    assert {k: s[k] for k in ("acc@0.5", "acc@0.75", "acc@0.5:0.95", "miou")} == \
+        {k: base[k] for k in ("acc@0.5", "acc@0.75", "acc@0.5:0.95", "miou")}
+    assert s["parse_fail_rate"] == pytest.approx(2 / 9)  # e and n3; n1's [] was read
+    assert s["n_acc"] == pytest.approx(1 / 3) and s["t_acc"] == pytest.approx(5 / 6)
+    assert s["set_acc@0.5"] == pytest.approx(4 / 9)  # a, b, c and n1
+    assert s["precision@0.5"] == pytest.approx(4 / 6) and s["recall@0.5"] == pytest.approx(4 / 7)
+    assert s["by_split"]["val"]["n_acc"] == pytest.approx(1 / 3)
+
+    answered_none = _row("t", [[0, 0, 10, 10]], [])  # a target answered "none": read, wrong, one box missed
+    assert answered_none["read"] and not answered_none["set_hit"] and answered_none["missed"] == [0]
+    one = evaluate.summarise([answered_none])
+    assert one["parse_fail_rate"] == 0 and one["t_acc"] == 0 and one["acc@0.5"] == 0 and one["recall@0.5"] == 0
+    assert one["precision@0.5"] is None and one["f1@0.5"] == 0  # nothing predicted: no precision to speak of
+    only_none = evaluate.summarise([_row("n1", [], [])])
+    assert only_none["set_acc@0.5"] == 1 and only_none["n_acc"] == 1 and only_none["acc@0.5"] is None
+    assert only_none["f1@0.5"] is None and only_none["t_acc"] is None
+
+
+def _iou(a, b) -> float:
+    """IoU written out again, not boxes.iou: the check below must not share eval's code."""
+    w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - w * h
+    return w * h / union
+
+
+def _best_pairs(pred: list, true: list) -> tuple[int, float]:
+    """Brute force over every one-to-one assignment (each predicted box to a free true box or to
+    none): the most pairs at IoU >= 0.5, and the largest summed IoU among those."""
+    best = (0, 0.0)
+    for chosen in itertools.permutations(list(range(len(true))) + [None] * len(pred), len(pred)):
+        ious = [_iou(pred[i], true[j]) for i, j in enumerate(chosen) if j is not None]
+        if all(v >= 0.5 for v in ious):
+            best = max(best, (len(ious), sum(ious)))
+    return best
+
+
+def _random_rows(seed: int, n: int = 120, scored: bool = False) -> list[dict]:
+    """Samples of 0-4 true boxes crowded together (shifted copies of one box, so predicted boxes
+    compete for them), answered by jittered copies, strays, [] or an unread answer."""
+    rng = random.Random(seed)
+    rows = []
+    for k in range(n):
+        x, y, w, h = rng.uniform(0, 40), rng.uniform(0, 40), rng.uniform(10, 40), rng.uniform(10, 40)
+        true = [[x + dx, y, x + dx + w, y + h] for dx in (rng.uniform(0, w) for _ in range(rng.choice([0, 1, 1, 2, 3, 4])))]
+        pred = [[b[0] + rng.gauss(0, w / 4), b[1] + rng.gauss(0, h / 4), b[2] + rng.gauss(0, w / 4),
+                 b[3] + rng.gauss(0, h / 4)] for b in true if rng.random() < 0.8]
+        pred += [[x + rng.uniform(0, w), y, x + rng.uniform(w, 2 * w), y + h] for _ in range(rng.choice([0, 0, 1, 2]))]
+        pred = [[min(b[0], b[2]), min(b[1], b[3]), max(b[0], b[2]) + 0.5, max(b[1], b[3]) + 0.5] for b in pred]
+        rng.shuffle(pred)
+        answer = None if rng.random() < 0.08 else pred  # an unread answer now and then; [] says "none"
+        scores = [rng.random() for _ in pred] if scored and answer is not None else None
+        rows.append(_row(f"r{k}", true, answer, split=rng.choice(["val", "test"]), scores=scores, size=(120, 120)))
+    return rows
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_set_metrics_equal_a_brute_force_count(seed):
+    rows = _random_rows(seed)
+    matched = predicted = true = exact = 0
+    no_target = no_target_right = target = target_answered = 0
+    for r in rows:
+        m, iou_sum = _best_pairs(r["pred_boxes"], r["true_boxes"])
+        # the row's matching is one to one, at IoU >= 0.5, and as good as the best of every assignment
+        assert len({i for i, _, _ in r["matched"]}) == len({j for _, j, _ in r["matched"]}) == len(r["matched"]) == m
+        assert all(_iou(r["pred_boxes"][i], r["true_boxes"][j]) >= 0.5 for i, j, _ in r["matched"])
+        assert sum(v for _, _, v in r["matched"]) == pytest.approx(iou_sum)
+        read = r["raw"] != "no box <here>"
+        matched, predicted, true = matched + m, predicted + len(r["pred_boxes"]), true + len(r["true_boxes"])
+        exact += read and m == len(r["true_boxes"]) == len(r["pred_boxes"])
+        if r["true_boxes"]:
+            target, target_answered = target + 1, target_answered + bool(r["pred_boxes"])
+        else:
+            no_target, no_target_right = no_target + 1, no_target_right + (read and not r["pred_boxes"])
+    s = evaluate.summarise(rows)
+    assert no_target and target and 0 < matched < min(predicted, true)  # every case is there
+    assert s["precision@0.5"] == pytest.approx(matched / predicted)
+    assert s["recall@0.5"] == pytest.approx(matched / true)
+    assert s["f1@0.5"] == pytest.approx(2 * (matched / predicted) * (matched / true)
+                                        / (matched / predicted + matched / true))
+    assert s["set_acc@0.5"] == pytest.approx(exact / len(rows))
+    assert s["n_acc"] == pytest.approx(no_target_right / no_target)
+    assert s["t_acc"] == pytest.approx(target_answered / target)
+    assert (s["matched@0.5"], s["missed@0.5"], s["extra@0.5"]) == (matched, true - matched, predicted - matched)
+
+
+def test_matching_is_optimal_where_greedy_is_not():
+    # p1 overlaps both true boxes, best with t1; p2 only t1. Taking the best pair first (p1-t1)
+    # leaves p2 with nothing; the optimal matching pairs p1-t2 and p2-t1.
+    t1, t2 = [5, 0, 15, 10], [8, 0, 18, 10]
+    p1, p2 = [6, 0, 16, 10], [2, 0, 12, 10]
+    assert _iou(p1, t1) > _iou(p1, t2) >= 0.5 and _iou(p2, t1) >= 0.5 > _iou(p2, t2)
+    greedy, used = 0, set()
+    for v, i, j in sorted(((_iou(p, t), i, j) for i, p in enumerate([p1, p2]) for j, t in enumerate([t1, t2])),
+                          reverse=True):
+        if v >= 0.5 and i not in used and j not in used:
+            greedy, used = greedy + 1, used | {i, j}
+    assert greedy == 1
+    row = _row("g", [t1, t2], [p1, p2])
+    assert sorted((i, j) for i, j, _ in row["matched"]) == [(0, 1), (1, 0)] and row["set_hit"]
+    s = evaluate.summarise([row])
+    assert s["precision@0.5"] == s["recall@0.5"] == s["set_acc@0.5"] == 1.0
+
+
+def _cocoeval_direct(tmp_path, rows: list[dict]) -> tuple[float, float]:
+    """COCOeval run as pycocotools' own demo runs it: ground truth and results as JSON files."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    def xywh(b):
+        return [b[0], b[1], b[2] - b[0], b[3] - b[1]]
+
+    truth = {"images": [{"id": 10 + k, "width": r["width"], "height": r["height"]} for k, r in enumerate(rows)],
+             "categories": [{"id": 3, "name": "thing"}], "annotations": []}
+    results = []
+    for k, r in enumerate(rows):
+        for b in r["true_boxes"]:
+            truth["annotations"].append({"id": 100 + len(truth["annotations"]), "image_id": 10 + k, "category_id": 3,
+                                         "bbox": xywh(b), "area": xywh(b)[2] * xywh(b)[3], "iscrowd": 0})
+        results += [{"image_id": 10 + k, "category_id": 3, "bbox": xywh(b), "score": sc}
+                    for b, sc in zip(r["pred_boxes"], r["scores"] or [])]
+    (tmp_path / "truth.json").write_text(json.dumps(truth))
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    coco = COCO(str(tmp_path / "truth.json"))
+    run = COCOeval(coco, coco.loadRes(str(tmp_path / "results.json")), "bbox")
+    run.evaluate()
+    run.accumulate()
+    run.summarize()
+    return run.stats[0], run.stats[1]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ap_equals_cocoeval_run_directly(tmp_path, seed):
+    rows = _random_rows(seed, n=80, scored=True)
+    s = evaluate.summarise(rows)
+    ap, ap50 = _cocoeval_direct(tmp_path, rows)
+    assert 0 < ap < ap50 < 1
+    assert s["ap@0.5:0.95"] == pytest.approx(ap) and s["ap@0.5"] == pytest.approx(ap50)
+    val = [r for r in rows if r["split"] == "val"]
+    assert s["by_split"]["val"]["ap@0.5:0.95"] == pytest.approx(_cocoeval_direct(tmp_path, val)[0])
+
+
+def test_ap_of_exact_boxes_and_of_a_confident_stray():
+    exact = [_row("a", [[0, 0, 10, 10], [20, 20, 40, 30]], [[20, 20, 40, 30], [0, 0, 10, 10]], scores=[0.9, 0.8])]
+    assert evaluate.summarise(exact)["ap@0.5:0.95"] == pytest.approx(1.0)
+    # A box on a no-target sample, scored above the true one, is a false positive ranked first.
+    stray = exact + [_row("n", [], [[0, 0, 10, 10]], scores=[0.95]), _row("m", [], [], scores=[])]
+    assert evaluate.summarise(stray)["ap@0.5"] < 1.0
+    assert evaluate.summarise([_row("n", [], [], scores=[])])["ap@0.5"] is None  # no true box: no AP
+    unscored = exact + [_row("b", [[0, 0, 10, 10]], [[0, 0, 10, 10]])]  # one answer without scores: no AP
+    assert "ap@0.5" not in evaluate.summarise(unscored)
 
 
 def test_gallery_worst_first_escaped(tmp_path):
@@ -117,6 +309,35 @@ def test_draw_boxes_colours():
     assert drawn.getpixel((30 * s, 10 * s)) == evaluate.PRED_COLOUR
 
 
+def test_gallery_says_missed_extra_and_no_target(tmp_path):
+    Image.new("RGB", (64, 64), "white").save(tmp_path / "img.png")
+    rows = [_row("set", [[0, 0, 10, 10], [30, 30, 50, 50]], [[0, 0, 10, 11], [40, 2, 60, 20]]),
+            _row("right", [], []), _row("stray", [], [[5, 5, 20, 20]]), _row("said none", [[0, 0, 10, 10]], []),
+            _row("exact", [[0, 0, 10, 10]], [[0, 0, 10, 10]])]
+    page = evaluate.write_gallery(rows, tmp_path / "data.jsonl", tmp_path / "gallery", n_worst=4, n_best=2).read_text()
+    assert "IoU 0.909, 1 of 2 true box(es) found, 1 extra" in page
+    assert "no target, answered no target" in page and "no target, 1 extra box(es)" in page
+    assert "answered no target, 1 missed" in page
+    # worst first: nothing right (the lower IoU first: "said none" has no box), then half right ("set"),
+    # then the exact answers in their order; the best are drawn from the exact ones left
+    order = [page.index(f"&amp; {x}</b>") for x in ("said none", "stray", "set", "right")]
+    assert order == sorted(order) and order[-1] < page.index("Best") < page.index("&amp; exact</b>")
+
+
+def test_draw_answer_colours_found_missed_matched_extra():
+    image = Image.new("RGB", (64, 64), "white")
+    true, pred = [[4, 4, 20, 20], [40, 40, 60, 60]], [[4, 4, 20, 21], [30, 2, 50, 14]]
+    row = _row("x", true, pred)
+    drawn = evaluate.draw_answer(image, true, pred, row["matched"])
+    s = drawn.width // 64
+    assert drawn.getpixel((4 * s + 1, 10 * s)) == evaluate.PRED_COLOUR  # drawn over the true box it found
+    assert drawn.getpixel((12 * s, 4 * s + 1)) == evaluate.PRED_COLOUR
+    assert drawn.getpixel((12 * s, 21 * s)) == evaluate.PRED_COLOUR  # its bottom edge, below the true one's
+    assert drawn.getpixel((12 * s, 20 * s)) == evaluate.TRUE_COLOUR
+    assert drawn.getpixel((40 * s, 50 * s)) == evaluate.MISSED_COLOUR
+    assert drawn.getpixel((30 * s, 8 * s)) == evaluate.EXTRA_COLOUR
+
+
 # --------------------------------------------------------------------------------------------
 # The eval command on the real tiny model
 
@@ -142,7 +363,8 @@ def dataset(tmp_path):
 
 
 REPORT_KEYS = {"model", "data", "family", "resize", "prompt", "decoding", "n", "acc@0.5", "acc@0.75", "acc@0.5:0.95",
-               "miou", "parse_fail_rate", "by_split", "by_source"}
+               "miou", "parse_fail_rate", "by_split", "by_source", "n_target", "n_no_target", "precision@0.5",
+               "recall@0.5", "f1@0.5", "set_acc@0.5", "n_acc", "t_acc", "definitions"}
 
 
 def test_eval_cli_writes_report_and_gallery(dataset, tmp_path, capsys):
@@ -164,6 +386,8 @@ def test_eval_cli_writes_report_and_gallery(dataset, tmp_path, capsys):
     assert "&lt;square&gt;" in page and "<square>" not in page
     printed = capsys.readouterr().out
     assert "Acc@.5" in printed and "split=test" in printed
+    assert all(h in printed for h in ("F1@.5", "set acc", "missed", "extra", "no target"))
+    assert "ap@0.5" not in report and set(report["definitions"]) == set(evaluate.METRICS + evaluate.SET_METRICS)
 
 
 def test_eval_compare_and_pixel_override(dataset, tmp_path):

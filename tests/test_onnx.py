@@ -1,6 +1,7 @@
 """ONNX export of a box-head model (onnx_export.py) and its standalone runner (onnx_predict.py):
-the graph answers as groundtune's own box-head path does, ONNX Runtime as PyTorch does (within
-0.5 px), for any batch and phrase length, and the runner needs neither torch nor groundtune."""
+the graph answers as groundtune's own box-head path does, slot by slot, ONNX Runtime as PyTorch
+does (boxes within 0.5 px, the same scores, the same slots kept by the export's threshold), for
+any batch and phrase length, and the runner needs neither torch nor groundtune."""
 
 import json
 import re
@@ -36,20 +37,41 @@ def _images(size, n=2):
     return [Image.fromarray((rng.random((size[1], size[0], 3)) * 255).astype("uint8")) for _ in range(n)]
 
 
-def _torch_boxes(gm, image, phrases):
+def _torch_answers(gm, image, phrases) -> list[infer.Prediction]:
     """groundtune's own answers: the prompts packed or padded, one forward pass, in pixels."""
     start = infer.answer_start(gm)  # the box head's query: the prompt ends with the answer's opening
     encoded, sizes = zip(*(infer.encode_prompt(gm.processor, gm.resize, gm.prompt, image, p, "test", start)
                            for p in phrases))
-    return [p.bbox for p in infer.head_boxes(gm, list(encoded), list(sizes))]
+    return infer.head_boxes(gm, list(encoded), list(sizes))
+
+
+def _assert_same_answers(got: list[dict], expected: list[infer.Prediction], pixels: float = 0.5, score: float = 1e-4):
+    """A runner's answers (``{"boxes", "scores"}`` per phrase) against groundtune's: the same slots
+    kept, in the same order, boxes within ``pixels`` and scores within ``score``."""
+    assert [len(a["boxes"]) for a in got] == [len(p.boxes) for p in expected]
+    for a, p in zip(got, expected):
+        assert np.abs(np.array(a["boxes"]).reshape(-1, 4) - np.array(p.boxes).reshape(-1, 4)).max(initial=0) < pixels
+        assert a["scores"] == pytest.approx(p.scores, abs=score)
+
+
+def _threshold_between(scores: list[float]) -> float:
+    """A threshold in the widest gap between ``scores``: it keeps some and not others, and no score
+    sits near it."""
+    ranked = sorted(scores)
+    low, high = max(zip(ranked, ranked[1:]), key=lambda pair: pair[1] - pair[0])
+    assert high - low > 1e-3, ranked
+    return (low + high) / 2
 
 
 @pytest.fixture(scope="module")
 def onnx_export_folder(synth_single, tmp_path_factory):
-    """A tiny box-head run (a few steps) exported with --onnx for 112x84 images, through the CLI."""
+    """A tiny box-head run (a few steps, 3 slots) exported with --onnx for 112x84 images, through
+    the CLI. Threshold 0: every slot answers (a few steps leave every score near 0.5; the tests
+    choose thresholds between them)."""
     tmp = tmp_path_factory.mktemp("onnx")
     cfg = TrainConfig(model="tiny", train_data=str(synth_single / "train.jsonl"), eval_data="", out_dir=str(tmp / "run"),
-                      head="box", lr=3e-3, batch_size=4, max_steps=4, log_every=1, save_every=0, warmup_steps=0)
+                      head="box", head_slots=3, head_threshold=0.0, lr=3e-3, batch_size=4, max_steps=4, log_every=1,
+                      save_every=0, warmup_steps=0)
     run = train(cfg)
     assert main(["export", str(run), "--out", str(tmp / "export"), "--onnx", "--image-size", "112x84"]) == 0
     return run, tmp / "export"
@@ -60,14 +82,24 @@ def test_onnx_runtime_answers_as_pytorch_within_half_a_pixel(onnx_export_folder)
     run, folder = onnx_export_folder
     meta = json.loads((folder / "groundtune.json").read_text())
     assert meta["head"] == "box" and meta["onnx"]["image_size"] == [112, 84]
+    assert meta["onnx"]["slots"] == 3 and meta["onnx"]["threshold"] == 0.0
     assert (folder / "model.onnx").is_file() and (folder / "onnx_predict.py").is_file()
     gm = load_model(str(run), device="cpu", dtype="fp32")
     grounder = onnx_predict.Grounder(folder)
     for image in _images((112, 84)):
-        expected = _torch_boxes(gm, image, PHRASES + HOSTILE)
+        expected = _torch_answers(gm, image, PHRASES + HOSTILE)
         got = grounder.ground(image, PHRASES + HOSTILE)  # one batch of prompts of six lengths
-        assert np.abs(np.array(got) - np.array(expected)).max() < 0.5
-        assert grounder.ground(image, PHRASES[2:])[0] == pytest.approx(got[2], abs=1e-3)  # batch of one, same box
+        assert all(len(a["boxes"]) == 3 for a in got)  # threshold 0: every slot
+        _assert_same_answers(got, expected)
+        single = grounder.ground(image, PHRASES[2:3])[0]  # batch of one, same answer
+        assert np.array(single["boxes"]) == pytest.approx(np.array(got[2]["boxes"]), abs=1e-3)
+        # the export's threshold decides which slots answer, as the head's own does in groundtune
+        threshold = _threshold_between([s for p in expected for s in p.scores])
+        grounder.settings["threshold"] = head.head_of(gm.model).threshold = threshold
+        fewer = grounder.ground(image, PHRASES + HOSTILE)
+        _assert_same_answers(fewer, _torch_answers(gm, image, PHRASES + HOSTILE))
+        assert 0 < sum(len(a["boxes"]) for a in fewer) < 3 * len(fewer)  # some slots kept, some not: teeth
+        grounder.settings["threshold"] = head.head_of(gm.model).threshold = 0.0
 
 
 def test_the_runner_prepares_exactly_what_groundtune_feeds_the_model(onnx_export_folder):
@@ -104,9 +136,9 @@ def test_the_exported_runner_needs_no_torch_transformers_or_groundtune(onnx_expo
     assert done.returncode == 0, done.stderr
     answers = [json.loads(line) for line in done.stdout.splitlines()]
     gm = load_model(str(run), device="cpu", dtype="fp32")
-    expected = _torch_boxes(gm, Image.open(tmp_path / "photo.png"), PHRASES[:2] + HOSTILE[1:2])
+    expected = _torch_answers(gm, Image.open(tmp_path / "photo.png"), PHRASES[:2] + HOSTILE[1:2])
     assert [a["phrase"] for a in answers] == PHRASES[:2] + HOSTILE[1:2]
-    assert np.abs(np.array([a["bbox"] for a in answers]) - np.array(expected)).max() < 0.5
+    _assert_same_answers(answers, expected, score=1e-3)  # printed rounded to 4 places
 
 
 def test_the_cards_transformers_snippet_gives_the_heads_box(onnx_export_folder, tmp_path):
@@ -134,8 +166,8 @@ def test_the_cards_transformers_snippet_gives_the_heads_box(onnx_export_folder, 
     got = json.loads(done.stdout.strip().splitlines()[-1])
     gm = load_model(str(run), device="cpu", dtype="fp32")
     phrase = re.search(r'ground\(image, \[("[^"]*")\]\)', code).group(1)
-    expected = _torch_boxes(gm, image, [json.loads(phrase)])[0]
-    assert np.abs(np.array(got) - np.array(expected)).max() < 0.5  # the export's weights are bf16
+    expected = _torch_answers(gm, image, [json.loads(phrase)])
+    _assert_same_answers([got], expected, score=0.01)  # the export's weights are bf16
 
 
 @pytest.mark.parametrize("family", [name for name, facts in families.FAMILIES.items() if facts.onnx])
@@ -145,23 +177,27 @@ def test_the_graph_batches_images_as_the_model_takes_them_one_by_one(family, tmp
     name = "tiny" if family == "qwen2.5-vl" else str(build_family_folder(family, tmp_path))
     gm = load_model(name, device="cpu", dtype="fp32")
     torch.manual_seed(0)
-    box_head = head.attach(gm.model, hidden_size(base_model(gm.model)))
-    with torch.no_grad():  # a peaked map over the image and a correction: boxes that differ inside the image
+    box_head = head.attach(gm.model, hidden_size(base_model(gm.model)), slots=3, threshold=0.5)
+    with torch.no_grad():  # peaked maps over the image, a correction, scores that differ: boxes that differ
         box_head.query.weight.mul_(40)
+        box_head.slots.normal_(std=1.0)
         box_head.out.weight.normal_(std=0.01)
+        box_head.objectness.weight.normal_(std=0.5)
     images = _images((140, 112), 2)  # resized by the model's budget: windows that do not divide evenly
-    expected = [_torch_boxes(gm, image, PHRASES) for image in images]
+    expected = [p for image in images for p in _torch_answers(gm, image, PHRASES)]
     encoded = [infer.encode_prompt(gm.processor, gm.resize, gm.prompt, image, p, "test", infer.answer_start(gm))[0]
                for image in images for p in PHRASES]
     graph = onnx_export.BoxGraph(base_model(gm.model), box_head, encoded[0], gm.processor).eval()
     batch = qwen.collate(encoded, gm.processor.pad_token_id, "right")
     with torch.no_grad():
-        fractions = graph(batch["input_ids"], batch["attention_mask"], torch.stack([e["pixel_values"] for e in encoded]))
-    width, height = images[0].size
-    size = torch.tensor([width, height, width, height])
-    got = torch.minimum((fractions * size).clamp(min=0), size).view(2, len(PHRASES), 4)  # clipped, as groundtune does
-    assert got.numpy() == pytest.approx(np.array(expected), abs=1e-3)
-    assert len({tuple(np.round(box, 1)) for box in got.view(-1, 4).tolist()}) == len(images) * len(PHRASES)  # teeth
+        fractions, scores = graph(batch["input_ids"], batch["attention_mask"],
+                                  torch.stack([e["pixel_values"] for e in encoded]))
+    assert fractions.shape == (len(encoded), 3, 4) and scores.shape == (len(encoded), 3)
+    got = [infer.head_answer(f, s, box_head.threshold, images[0].size) for f, s in zip(fractions.tolist(), scores.tolist())]
+    _assert_same_answers([{"boxes": p.boxes, "scores": p.scores} for p in got], expected, pixels=1e-3, score=1e-5)
+    kept = [len(p.boxes) for p in expected]
+    assert 0 < sum(kept) < 3 * len(kept)  # the threshold keeps some slots and not others: teeth
+    assert len({tuple(np.round(box, 1)) for p in expected for box in p.boxes}) == sum(kept)  # boxes that differ
 
 
 def test_the_runner_refuses_an_export_that_wrote_the_phrase_into_the_prompts_text(tmp_path):
@@ -171,6 +207,16 @@ def test_the_runner_refuses_an_export_that_wrote_the_phrase_into_the_prompts_tex
     (tmp_path / "groundtune.json").write_text(json.dumps({"onnx": settings}))
     with pytest.raises(ValueError, match="older groundtune"):
         onnx_predict.Grounder(tmp_path)
+
+
+def test_the_runner_refuses_an_export_of_the_single_box_head_in_one_line(tmp_path):
+    """An export of before sets: its graph gives one box and no scores. Its own onnx_predict.py
+    still runs it; this one says so in one line instead of failing inside ONNX Runtime."""
+    settings = {"file": "model.onnx", "prompt": [{"ids": [1]}], "image_size": [112, 84]}
+    (tmp_path / "groundtune.json").write_text(json.dumps({"onnx": settings}))
+    with pytest.raises(ValueError, match=r"one box and no scores; use that export's own onnx_predict.py, or export") as e:
+        onnx_predict.Grounder(tmp_path)
+    assert "\n" not in str(e.value)
 
 
 def test_onnx_export_refusals_name_the_flag(tmp_path, capsys):

@@ -2,8 +2,9 @@
 
 The fixture (tests/fixtures/refgen/instances_val.json) is a COCO-style file with duplicated
 categories: three cups (two of them red) beside a laptop, a bottle and a table; a big and a small
-dog beside a crowd of people; two cars too close to tell apart. What each phrase must name is
-worked out here from those boxes by hand, not read from a stored output.
+dog beside a crowd of people; two cars too close to tell apart. What each phrase must name (one
+box, a set of boxes, or nothing) is worked out here from those boxes by hand, not read from a
+stored output.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import random
 import re
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -40,7 +42,13 @@ def run_refgen(tmp_path: Path, *flags: str, out: str = "refs.jsonl") -> Path:
 
 
 def phrases_of(records: list[dict], image_id: int, target: int) -> set[str]:
-    return {r["phrase"] for r in records if r["image_id"] == image_id and r["target"] == target}
+    """The one-box phrases of box ``target`` of an image."""
+    return {r["phrase"] for r in records if r["image_id"] == image_id and r.get("target") == target}
+
+
+def sets_of(records: list[dict], image_id: int, kind: str) -> dict[str, list[int]]:
+    """phrase -> its set (indices into objects), for the records of one kind of an image."""
+    return {r["phrase"]: r["targets"] for r in records if r["image_id"] == image_id and r["kind"] == kind}
 
 
 # --------------------------------------------------------------------------------------------
@@ -62,7 +70,10 @@ def test_fixture_every_phrase_picks_exactly_its_box(tmp_path, capsys):
 
     for r in records:
         assert r["source"] == "refgen" and r["split"] == "val" and r["kind"] in refgen.KINDS
-        assert r["bbox"] == r["objects"][r["target"]]["bbox"]
+        if r["kind"] in refgen.BOX_KINDS:
+            assert r["bbox"] == r["objects"][r["target"]]["bbox"] and "bboxes" not in r
+        else:  # a set, possibly empty
+            assert r["bboxes"] == [r["objects"][i]["bbox"] for i in r["targets"]] and "bbox" not in r
         assert len(r["objects"]) == {1: 7, 2: 5, 3: 3}[r["image_id"]]  # every box of the image, tiny and crowd too
     cups = {t: phrases_of(records, 1, t) for t in (2, 3, 4)}  # left (red), middle (white, smallest), right (red, biggest)
     every_cup_phrase = set().union(*cups.values())
@@ -80,6 +91,42 @@ def test_fixture_every_phrase_picks_exactly_its_box(tmp_path, capsys):
     assert "the bus" in phrases_of(records, 3, 2)
 
 
+def test_fixture_sets_and_nothing(tmp_path):
+    """The set and none phrases of the fixture, each set worked out from the boxes by hand."""
+    records = read(run_refgen(tmp_path, "--per-box", "100"))
+    kitchen = {**sets_of(records, 1, "set"), **sets_of(records, 1, "set_attribute"),
+               **sets_of(records, 1, "set_relation")}
+    # objects: 0 table, 1 laptop, 2 red cup (left), 3 white cup, 4 red cup (right), 5 spoon, 6 bottle
+    cups = {n: [2, 3, 4] for n in ("every cup", "every mug", "all the cups", "all the mugs", "all cups", "all mugs")}
+    red = {f"{q} red {n}": [2, 4] for q, n in (("every", "cup"), ("every", "mug"), ("all the", "cups"),
+                                               ("all the", "mugs"))}
+    left_of_laptop = {f"{q}the {n} {w} the laptop": [2, 3] for q in ("", "all ") for n in ("cups", "mugs")
+                      for w in ("left of", "to the left of")}
+    assert kitchen.keys() & cups and kitchen.keys() & red and kitchen.keys() & left_of_laptop
+    for phrase, targets in kitchen.items():
+        assert {**cups, **red, **left_of_laptop}.get(phrase, targets) == targets, phrase
+    assert not [p for p in kitchen if "right of the laptop" in p]  # one cup there: a set needs two
+    assert set(map(tuple, sets_of(records, 2, "set").values())) == {(0, 1)}  # the dogs; the people have a crowd
+    assert set(map(tuple, sets_of(records, 3, "set").values())) == {(0, 1)}  # the two cars: a set, though not apart
+    # nothing: one phrase per image, a category of the file absent from the image
+    none = [r for r in records if r["kind"] == "none"]
+    assert sorted(r["image_id"] for r in none) == [1, 2, 3]  # the empty image has no boxes: no record at all
+    categories = {c["name"] for c in json.loads(FIXTURE.read_text())["categories"]}
+    for r in none:
+        assert r["bboxes"] == [] and r["targets"] == [] and r["phrase"] == f"the {r['label']}"
+        assert r["label"] in categories and r["label"] not in {o["label"] for o in r["objects"]}
+
+
+def test_no_none_phrase_without_a_label_set_or_beside_a_namesake(tmp_path):
+    hot_dog = refgen.Detections("1", "a.png", 200, 100, "train", [refgen.Obj((10.0, 10.0, 60.0, 40.0), "hot dog")],
+                                label_set=("hot dog", "dog", "bear", "cup"))
+    said = {r["label"] for seed in range(20)
+            for r in refgen.generate([hot_dog], refgen.RefgenSettings(kinds={"none": 1.0}, seed=seed), progress=False)}
+    assert said == {"bear", "cup"}  # never "the dog" beside a hot dog
+    no_set = refgen.Detections("1", "a.png", 200, 100, "train", hot_dog.objects)
+    assert not list(refgen.generate([no_set], refgen.RefgenSettings(kinds={"none": 1.0}), progress=False))
+
+
 def test_same_seed_same_bytes_other_seed_other_choice(tmp_path):
     a = run_refgen(tmp_path, "--seed", "3", "--per-box", "1", out="a.jsonl").read_bytes()
     b = run_refgen(tmp_path, "--seed", "3", "--per-box", "1", out="b.jsonl").read_bytes()
@@ -93,10 +140,12 @@ def test_kinds_mix_and_per_box(tmp_path):
     only = read(run_refgen(tmp_path, "--kinds", "size,ordinal", "--per-box", "100", out="only.jsonl"))
     assert only and {r["kind"] for r in only} == {"size", "ordinal"}
     capped = read(run_refgen(tmp_path, "--per-box", "1", out="one.jsonl"))
-    per_box = {}
-    for r in capped:
-        per_box[(r["image_id"], r["target"])] = per_box.get((r["image_id"], r["target"]), 0) + 1
+    per_box = Counter((r["image_id"], r["target"]) for r in capped if "target" in r)
     assert set(per_box.values()) == {1} and len(per_box) == 10  # 10 boxes can be named
+    # a category's set gets --per-box phrases too (cups, dogs, cars), and an image one none phrase
+    per_set = Counter((r["image_id"], r["label"]) for r in capped if r["kind"] in refgen.SET_KINDS)
+    assert per_set == {(1, "cup"): 1, (2, "dog"): 1, (3, "car"): 1}
+    assert Counter(r["image_id"] for r in capped if r["kind"] == "none") == {1: 1, 2: 1, 3: 1}
     # the mix: relation weighted 50x against extreme, over boxes that have both
     mixed = read(run_refgen(tmp_path, "--kinds", "relation=50,extreme=1", "--per-box", "1", out="mix.jsonl"))
     assert sum(r["kind"] == "relation" for r in mixed) > sum(r["kind"] == "extreme" for r in mixed)
@@ -105,8 +154,9 @@ def test_kinds_mix_and_per_box(tmp_path):
 def test_min_size_skips_small_boxes_as_targets(tmp_path):
     records = read(run_refgen(tmp_path, "--min-size", "60", "--per-box", "100"))
     for r in records:
-        x1, y1, x2, y2 = r["bbox"]
-        assert ((x2 - x1) * (y2 - y1)) ** 0.5 >= 60
+        for x1, y1, x2, y2 in r["bboxes"] if "bboxes" in r else [r["bbox"]]:
+            assert ((x2 - x1) * (y2 - y1)) ** 0.5 >= 60
+    assert not [r for r in records if r["label"] == "cup" and r["kind"] in refgen.SET_KINDS]  # the cups: under 60
     assert refcheck.check_refs(tmp_path / "refs.jsonl").failed == 0
 
 
@@ -142,8 +192,9 @@ def test_from_jsonl_both_forms_match_coco(tmp_path):
         assert main(["data", "refgen", "--from", "jsonl", "--path", str(source), "--out", str(out), "--per-box", "100"]) == 0
         got = read(out)
         assert refcheck.check_refs(out).failed == 0
-        key = lambda r: (r["image_id"], r["target"], r["kind"], r["phrase"])  # noqa: E731
-        assert sorted(map(key, got)) == sorted(map(key, coco))
+        key = lambda r: (r["image_id"], str(r.get("target", r.get("targets"))), r["kind"], r["phrase"])  # noqa: E731
+        # a JSONL has no category list: no none phrases; the rest is the same
+        assert sorted(map(key, got)) == sorted(key(r) for r in coco if r["kind"] != "none")
 
 
 def test_bad_input_is_one_line_naming_file_line_or_flag(tmp_path, capsys):
@@ -170,8 +221,9 @@ def test_bad_input_is_one_line_naming_file_line_or_flag(tmp_path, capsys):
 # The checker: agrees with the generator on random layouts, catches wrong phrases
 
 
-# names that collide: "table" is also a dining table's name, "teddy" + "bear" spells "teddy bear"
-LABELS = ["cup", "laptop", "dining table", "table", "teddy bear", "bear", "shelf"]
+# names that collide: "table" is also a dining table's name, "teddy" + "bear" spells "teddy bear"; a
+# "dog" (in the label set only: never a box) shares a word with "hot dog"
+LABELS = ["cup", "laptop", "dining table", "table", "teddy bear", "bear", "shelf", "hot dog"]
 
 
 @st.composite
@@ -186,7 +238,7 @@ def layouts(draw):
         objects.append(refgen.Obj((float(x), float(y), float(x + w), float(y + h)), draw(st.sampled_from(LABELS)),
                                   None if words is None else tuple(words), draw(st.booleans()) and draw(st.booleans())
                                   and draw(st.booleans())))
-    return refgen.Detections("img", "img.png", width, height, "train", objects)
+    return refgen.Detections("img", "img.png", width, height, "train", objects, label_set=(*LABELS, "dog"))
 
 
 @settings(max_examples=300, deadline=None)
@@ -195,7 +247,7 @@ def test_checker_agrees_with_generator_on_random_layouts(layout, seed):
     records = list(refgen.generate([layout], refgen.RefgenSettings(per_box=100, seed=seed), progress=False))
     for r in records:
         verdict = refcheck.check_record(r)
-        assert verdict.ok, (r["phrase"], verdict, r["objects"], r["target"])
+        assert verdict.ok, (r["phrase"], verdict, r["objects"], r.get("target", r.get("targets")))
         # and after the training-time horizontal flip, which swaps the left/right words
         image = Image.new("RGB", (layout.width, layout.height))
         _, flipped = hflip(image, r)
@@ -211,9 +263,12 @@ def test_checker_agrees_on_many_synthetic_scenes():
     for i in range(500):
         scene = synth.make_scene(5, i, width=168, height=168, task="multi")
         scenes.append(refgen.Detections(str(i), f"{i}.png", 168, 168, "train", [
-            refgen.Obj(tuple(map(float, s.box)), s.kind, (s.colour,)) for s in scene.shapes]))
+            refgen.Obj(tuple(map(float, s.box)), s.kind, (s.colour,)) for s in scene.shapes],
+            label_set=synth.DEFAULT_PALETTE.shapes))
     records = list(refgen.generate(scenes, progress=False))
-    assert len(records) > 1000 and len({r["kind"] for r in records}) == 6
+    # every kind but set_attribute: a multi scene's shapes differ in colour or kind, so no two
+    # shapes of a kind share a colour
+    assert len(records) > 1000 and {r["kind"] for r in records} == set(refgen.KINDS) - {"set_attribute"}
     assert all(refcheck.check_record(r).ok for r in records)
 
 
@@ -237,7 +292,7 @@ def test_checker_catches_wrong_phrases(tmp_path):
             assert not verdict.ok and verdict.verdict in ("wrong_box", "second_box"), (r["phrase"], wrong)
             caught += 1
     assert caught > 20
-    kitchen = next(r for r in records if r["image_id"] == 1 and r["target"] == 2)
+    kitchen = next(r for r in records if r["image_id"] == 1 and r.get("target") == 2)
     table = {
         "the cup": "second_box",  # three cups
         "the red cup": "second_box",  # two red ones
@@ -256,6 +311,45 @@ def test_checker_catches_wrong_phrases(tmp_path):
                      "objects": [{k: v for k, v in o.items() if k != "attributes"} if i == 3 else o
                                  for i, o in enumerate(kitchen["objects"])]}
     assert refcheck.check_record(unknown_words).verdict == "second_box"  # the white cup's words unknown: may be red
+
+
+def test_checker_refuses_wrong_sets_written_by_hand(tmp_path, capsys):
+    """Set and none records typed by hand over the fixture's boxes, each with the verdict a reader
+    would give; through `data check --refs`."""
+    records = read(run_refgen(tmp_path, "--per-box", "100"))
+    capsys.readouterr()
+    kitchen = next(r for r in records if r["image_id"] == 1)  # objects 2, 4: red cups; 3: the white cup
+    park = next(r for r in records if r["image_id"] == 2)  # objects 0, 1: the dogs; 2: a crowd of people; 3: a person
+    crowd_only = {**park, "objects": park["objects"][:3] + park["objects"][4:]}
+    hot_dog = {**kitchen, "objects": kitchen["objects"] + [{"bbox": [100.0, 100.0, 140.0, 120.0], "label": "hot dog"}]}
+    lines = [  # (image, phrase, targets, verdict)
+        (kitchen, "every cup", [2, 3, 4], "ok"),
+        (kitchen, "every cup", [2, 3], "second_box"),  # a set missing one box
+        (kitchen, "all the red mugs", [2, 4], "ok"),
+        (kitchen, "all the red cups", [2, 3, 4], "wrong_box"),  # one extra: the white cup
+        (kitchen, "the cups left of the laptop", [2, 3], "ok"),
+        (kitchen, "the cups left of the laptop", [2, 3, 4], "wrong_box"),  # one extra: the cup right of it
+        (kitchen, "the cups left of the laptop", [2], "second_box"),  # one missing
+        (kitchen, "the cup", [2, 3, 4], "wrong_box"),  # said of one box, for a set of three
+        (kitchen, "the dog", [], "ok"),
+        (park, "the dog", [], "wrong_box"),  # a dog is there (two)
+        (park, "the person", [], "wrong_box"),  # a person
+        (crowd_only, "the person", [], "second_box"),  # no person box but a crowd of them: maybe
+        (hot_dog, "the dog", [], "second_box"),  # no dog, but a hot dog a reader may settle on
+    ]
+    refs = tmp_path / "by_hand.jsonl"
+    refs.write_text("".join(json.dumps({
+        "id": str(n), "image": "x.png", "width": image["width"], "height": image["height"], "phrase": phrase,
+        "bboxes": [image["objects"][i]["bbox"] for i in targets], "label": phrase.split()[-1], "targets": targets,
+        "objects": image["objects"]}) + "\n" for n, (image, phrase, targets, _) in enumerate(lines)))
+    assert main(["data", "check", "--refs", str(refs), "--json"]) == 1
+    refused = {p["line"]: p["verdict"] for p in json.loads(capsys.readouterr().out)["problems"]}
+    for number, (_, phrase, targets, verdict) in enumerate(lines, start=1):
+        assert refused.get(number, "ok") == verdict, (phrase, targets)
+    # a set record whose bboxes are not its targets' boxes is no record of refgen's
+    record = json.loads(refs.read_text().splitlines()[0])
+    assert refcheck.check_record({**record, "bboxes": record["bboxes"][:2]}).verdict == "bad_record"
+    assert refcheck.check_record({**record, "targets": [2, 2, 3]}).verdict == "bad_record"
 
 
 def test_data_check_refs_command(tmp_path, capsys):
@@ -310,7 +404,7 @@ def test_refgen_writes_no_position_phrase_a_reader_calls_wrong(tmp_path):
     records = read(out)
     said = {}
     for r in records:
-        said.setdefault((r["image_id"], r["target"]), set()).add(r["phrase"])
+        said.setdefault((r["image_id"], r.get("target")), set()).add(r["phrase"])
     for key, wrong in WRONG_BY_EYE.items():
         assert not said.get(key, set()) & set(wrong), key
 
@@ -392,9 +486,13 @@ def test_filter_model_flags_and_keeps(tmp_path, capsys):
     assert main(["data", "refgen", "--from", "coco", "--instances", str(instances), "--images", str(tmp_path / "images"),
                  "--out", str(out), "--attribute-field", "colour", "--per-box", "2", "--filter-model", "tiny",
                  "--filter-mode", "flag", "--filter-iou", "0.5"]) == 0
-    flagged = read(out)
+    written = read(out)
+    flagged = [r for r in written if "target" in r]
     agree = [r for r in flagged if r["model_agrees"]]
-    assert f"boxed back {len(agree)} of {len(flagged)} phrases" in capsys.readouterr().out
+    assert f"boxed back {len(agree)} of {len(flagged)} one-box phrases" in capsys.readouterr().out
+    # set and none phrases pass the filter untouched: it asks for one box back
+    passed = [r for r in written if "target" not in r]
+    assert {r["kind"] for r in passed} >= {"set", "none"} and not [r for r in passed if "model_iou" in r]
     assert all((r["model_iou"] >= 0.5) == r["model_agrees"] for r in flagged)
     # the tiny model reads most of these (its own kind of scene), and not all of them
     assert len(flagged) / 2 < len(agree) < len(flagged)

@@ -6,13 +6,16 @@ import json
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
+from groundtune import boxes
 from groundtune.config import ConfigError, RLConfig, TrainConfig, load_config
 from groundtune.data import synth
 from groundtune.infer import Decoding, encode_prompts, generate, predict
 from groundtune.models.loading import load_model
 from groundtune.train import checkpoint as ckpt
-from groundtune.train.rewards import RewardWeights, reward
+from groundtune.train.rewards import RewardWeights, box_reward, format_reward, reward
 from groundtune.train.rl import advantages, mark_finished_groups, next_prompts, policy_loss, rl
 from groundtune.train.sft import train
 
@@ -21,16 +24,77 @@ W = RewardWeights(box=1.0, format=0.1)
 
 def test_reward_is_iou_plus_format_and_zero_without_a_box():
     truth = [[10.0, 10.0, 30.0, 30.0]]
-    assert reward([10, 10, 30, 30], truth, (100, 100), W) == {"reward": 1.1, "iou": 1.0, "format": 1.0}
-    half = reward([10, 10, 30, 20], truth, (100, 100), W)
+    assert reward([[10, 10, 30, 30]], truth, (100, 100), W) == {"reward": 1.1, "iou": 1.0, "format": 1.0}
+    half = reward([[10, 10, 30, 20]], truth, (100, 100), W)
     assert half["iou"] == pytest.approx(0.5) and half["reward"] == pytest.approx(0.6)
     assert reward(None, truth, (100, 100), W) == {"reward": 0.0, "iou": 0.0, "format": 0.0}
-    outside = reward([90, 90, 130, 130], truth, (100, 100), W)  # runs off the image: no format credit
+    outside = reward([[90, 90, 130, 130]], truth, (100, 100), W)  # runs off the image: no format credit
     assert outside == {"reward": 0.0, "iou": 0.0, "format": 0.0}
     # GIoU ranks two misses by their distance, IoU cannot
-    near = reward([32, 10, 52, 30], truth, (100, 100), RewardWeights(format=0.0, giou=True))["reward"]
-    far = reward([70, 70, 90, 90], truth, (100, 100), RewardWeights(format=0.0, giou=True))["reward"]
+    near = reward([[32, 10, 52, 30]], truth, (100, 100), RewardWeights(format=0.0, giou=True))["reward"]
+    far = reward([[70, 70, 90, 90]], truth, (100, 100), RewardWeights(format=0.0, giou=True))["reward"]
     assert 0 > near > far
+
+
+def _todays_reward(pred_box, true_box, size, weights):
+    """The single-box reward as it was before sets (written out here): IoU (or GIoU) of the one
+    predicted box with the true box, plus the format weight when the box lies inside the image."""
+    w, h = size
+    inside = -1 <= pred_box[0] < pred_box[2] <= w + 1 and -1 <= pred_box[1] < pred_box[3] <= h + 1
+    overlap = boxes.giou(pred_box, true_box) if weights.giou else boxes.iou(pred_box, true_box)
+    return weights.box * overlap + weights.format * inside
+
+
+_coord = st.floats(0, 120, allow_nan=False)
+
+
+@st.composite
+def _box(draw):
+    x1, x2, y1, y2 = draw(_coord), draw(_coord), draw(_coord), draw(_coord)
+    return [min(x1, x2), min(y1, y2), max(x1, x2) + 0.5, max(y1, y2) + 0.5]
+
+
+@given(_box(), _box(), st.booleans())
+def test_the_single_box_reward_is_the_set_rewards_special_case(pred, true, giou):
+    weights = RewardWeights(box=1.0, format=0.1, giou=giou)
+    got = reward([pred], [true], (100, 100), weights)
+    assert got["reward"] == pytest.approx(_todays_reward(pred, true, (100, 100), weights), abs=1e-12)
+    assert got["iou"] == pytest.approx(boxes.iou(pred, true), abs=1e-12)
+
+
+def test_set_reward_is_the_matched_iou_over_the_larger_side():
+    a, b = [0, 0, 10, 10], [20, 0, 30, 10]
+    half_a = [0, 0, 10, 5]  # IoU 0.5 with a
+    # the matching pairs half_a with a and b with b, whatever order the answer lists them in
+    assert box_reward([b, half_a], [a, b]) == pytest.approx((0.5 + 1) / 2)
+    assert box_reward([half_a], [a, b]) == pytest.approx(0.5 / 2)  # a true box missed
+    assert box_reward([a, b, [50, 50, 60, 60]], [a, b]) == pytest.approx(2 / 3)  # one box extra
+    assert box_reward([a, a], [a]) == pytest.approx(1 / 2)  # a box repeated counts once
+    assert box_reward([], [a, b]) == 0 and box_reward(None, [a, b]) == 0
+    # the optimal matching, not the greedy one: greedy pairs p1 with t1 (its best) and p2 with t2
+    t1, t2, p1, p2 = [5, 0, 15, 10], [8, 0, 18, 10], [6, 0, 16, 10], [2, 0, 12, 10]
+    optimal = boxes.iou(p1, t2) + boxes.iou(p2, t1)
+    assert optimal > boxes.iou(p1, t1) + boxes.iou(p2, t2)
+    assert box_reward([p1, p2], [t1, t2]) == pytest.approx(optimal / 2)
+    # GIoU: each box missed or extra counts as GIoU's floor, -1, so an extra box never lifts a bad answer
+    far = [80, 80, 90, 90]
+    assert box_reward([far], [a], use_giou=True) == pytest.approx(boxes.giou(far, a))
+    assert box_reward([far, [60, 60, 70, 70]], [a], use_giou=True) < box_reward([far], [a], use_giou=True)
+    assert box_reward([far, a], [a, b], use_giou=True) == pytest.approx((1 + boxes.giou(far, b)) / 2)
+    assert box_reward([a], [a, b], use_giou=True) == pytest.approx((1 - 1) / 2)
+    assert box_reward(None, [a], use_giou=True) == -1  # unread: the floor
+
+
+def test_no_target_reward_and_format():
+    a = [0, 0, 10, 10]
+    assert reward([], [], (100, 100), W) == {"reward": pytest.approx(1.1), "iou": 1.0, "format": 1.0}
+    assert reward([a], [], (100, 100), W) == {"reward": pytest.approx(0.1), "iou": 0.0, "format": 1.0}
+    assert reward([a, a], [], (100, 100), W)["iou"] == 0.0
+    assert reward(None, [], (100, 100), W) == {"reward": 0.0, "iou": 0.0, "format": 0.0}  # unread: not "none"
+    assert reward([], [a], (100, 100), W) == {"reward": pytest.approx(0.1), "iou": 0.0, "format": 1.0}
+    assert box_reward([], [], use_giou=True) == 1 and box_reward([a], [], use_giou=True) == -1
+    # format: read (boxes, or []), and every box inside the image
+    assert format_reward([a, [90, 90, 130, 130]], (100, 100)) == 0 and format_reward([a, a], (100, 100)) == 1
 
 
 def test_grpo_advantages_normalise_each_group_and_ignore_equal_groups():

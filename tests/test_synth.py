@@ -171,7 +171,7 @@ def test_layout_bounds_sizes_overlap_and_tight_boxes(size):
         pixels = np.asarray(image)
         shapes = scene.shapes
         counts.add(len(shapes))
-        assert record["bbox"] == scene.bbox == [float(v) for v in shapes[scene.target].box]
+        assert [record["bbox"]] == scene.boxes == [[float(v) for v in shapes[t].box] for t in scene.targets]
         assert record["phrase"] == scene.phrase
         assert len({(s.colour, s.kind) for s in shapes}) == len(shapes), "a (colour, shape) pair repeats"
         for s in shapes:
@@ -190,7 +190,7 @@ def test_every_phrase_names_exactly_its_target():
     forms = {}
     for i in range(600):
         scene = synth.make_scene(2, i)
-        assert independent_resolve(scene.phrase, scene.shapes) == [scene.target], (i, scene.phrase, scene.shapes)
+        assert independent_resolve(scene.phrase, scene.shapes) == scene.targets, (i, scene.phrase, scene.shapes)
         forms[scene.query.form] = forms.get(scene.query.form, 0) + 1
     # relational forms are really used, not only the plain "the red circle"
     assert set(forms) == {"attribute", "relation", "extreme", "attribute+position"}
@@ -200,7 +200,7 @@ def test_every_phrase_names_exactly_its_target():
 def test_single_task_is_one_shape_named_by_colour_and_shape():
     for i in range(200):
         scene = synth.make_scene(0, i, task="single")
-        assert len(scene.shapes) == 1 and scene.target == 0
+        assert len(scene.shapes) == 1 and scene.targets == [0]
         s = scene.shapes[0]
         assert scene.phrase == f"the {s.colour} {s.kind}"
     _, record = synth.make_sample(0, 0, task="single")
@@ -213,7 +213,7 @@ def test_curriculum_tasks_always_leave_a_choice(task):
     for i in range(300):
         scene = synth.make_scene(3, i, task=task)
         assert len(scene.shapes) in (2, 3)  # never a lone shape: position alone is not the answer
-        assert independent_resolve(scene.phrase, scene.shapes) == [scene.target], (i, scene.phrase)
+        assert independent_resolve(scene.phrase, scene.shapes) == scene.targets, (i, scene.phrase)
         forms.add(scene.query.form)
     if task == "attribute":  # named by colour and/or kind, never by where it is
         assert forms == {"attribute"}
@@ -230,7 +230,7 @@ def test_palette_variant_is_one_argument():
         for s in scene.shapes:
             assert s.colour in pal.colours and s.kind in pal.shapes
             _check_tight(np.asarray(image), s, pal.colours[s.colour])
-        assert independent_resolve(scene.phrase, scene.shapes, pal) == [scene.target]
+        assert independent_resolve(scene.phrase, scene.shapes, pal) == scene.targets
 
 
 def test_bad_arguments_are_refused():
@@ -240,3 +240,48 @@ def test_bad_arguments_are_refused():
         synth.Palette(colours={"white": (250, 250, 250)})
     with pytest.raises(ValueError, match="task"):
         synth.make_sample(0, 0, task="double")
+
+
+# --------------------------------------------------------------------------------------------
+# The every task: a phrase names a set, possibly empty
+
+
+def independent_set(phrase: str, shapes: list[synth.Shape], palette=PAL) -> list[int]:
+    """The shapes a set phrase names, read with a grammar of its own: "every red circle", "all the
+    red circles", "the red circles", "every red shape", "all the squares" ..."""
+    c, k = "|".join(palette.colours), "|".join(palette.shapes)
+    m = (re.fullmatch(rf"every (?:(?P<c>{c}) )?(?P<k>{k}|shape)", phrase)
+         or re.fullmatch(rf"(?:all the|the) (?:(?P<c>{c}) )?(?P<k>(?:{k})e?s|shapes)", phrase))
+    assert m, f"not a set phrase: {phrase!r}"
+    colour = m.group("c")
+    kind = m.group("k")
+    kind = None if kind.startswith("shape") else next(s for s in palette.shapes if kind in (s, s + "s", s + "es"))
+    assert colour or kind, phrase
+    return [i for i, s in enumerate(shapes) if (colour is None or s.colour == colour) and (kind is None or s.kind == kind)]
+
+
+def test_every_task_names_sets_and_sometimes_nothing():
+    sizes, repeated = [], 0
+    for i in range(600):
+        scene = synth.make_scene(seed=4, index=i, task="every")
+        assert 1 <= len(scene.shapes) <= 6
+        assert independent_set(scene.phrase, scene.shapes) == scene.targets, (i, scene.phrase)
+        sizes.append(len(scene.targets))
+        pairs = [(s.colour, s.kind) for s in scene.shapes]
+        repeated += len(set(pairs)) < len(pairs)
+    assert sizes.count(0) / len(sizes) >= 0.20  # at least a fifth name nothing in the image
+    assert sum(n >= 2 for n in sizes) / len(sizes) >= 0.10 and repeated >= 30  # real sets, repeated pairs
+    image, record = synth.make_sample(seed=4, index=0, task="every")
+    assert "bbox" not in record and isinstance(record["bboxes"], list)
+
+
+def test_every_task_files_are_canonical_sets_and_reproducible(tmp_path):
+    a = synth.make_synthetic_set(tmp_path / "a", n=40, seed=5, task="every", workers=1)
+    b = synth.make_synthetic_set(tmp_path / "b", n=40, seed=5, task="every", workers=2)
+    assert a.read_bytes() == b.read_bytes()
+    records = read_samples(a)
+    assert any(r["bboxes"] == [] for r in records) and any(len(r["bboxes"]) >= 2 for r in records)
+    from groundtune.data import check
+
+    report = check.check_file(a)
+    assert report.trainable and report.no_target == sum(r["bboxes"] == [] for r in records)

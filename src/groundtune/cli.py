@@ -43,22 +43,43 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 
 
 def _data_convert(args: argparse.Namespace) -> int:
+    from collections import Counter
+
     from groundtune.data import sources
 
     not_an_input(args.out, "--out", {"--refs": args.refs, "--instances": args.instances, "--path": args.path})
+    if args.source != "coco" and (args.negatives or args.one_per_box):
+        flag = "--negatives" if args.negatives else "--one-per-box"
+        raise UsageError(f"groundtune data convert: {flag} is for --from coco, not --from {args.source}")
+    counts = Counter()
     if args.source == "refcoco":
         _require(args, "refs", "instances", "images")
         n = sources.convert_refcoco(args.refs, args.instances, args.images, args.out, split=args.split)
+    elif args.source == "grefcoco":
+        _require(args, "refs", "instances", "images")
+        n = sources.convert_grefcoco(args.refs, args.instances, args.images, args.out, split=args.split,
+                                     counts=counts)
     elif args.source == "parquet":
         _require(args, "path", "images_out")
         n = sources.convert_parquet(args.path, args.images_out, args.out, split=args.split)
     elif args.source == "coco":
         _require(args, "instances", "images")
-        n = sources.convert_coco(args.instances, args.images, args.out, split=args.split)
+        n = sources.convert_coco(args.instances, args.images, args.out, split=args.split, negatives=args.negatives,
+                                 seed=args.seed, one_per_box=args.one_per_box, counts=counts)
     else:
         _require(args, "path")
         n = sources.convert_jsonl(args.path, args.out)
     print(f"wrote {n} samples to {args.out}")
+    if args.source in ("coco", "grefcoco"):
+        crowd = ("crowd boxes" if args.one_per_box else "(image, category) pairs with a crowd box"
+                 if args.source == "coco" else "sentences of refs naming a crowd box")
+        empty = f", {counts['empty_sentence']} empty sentences" if counts["empty_sentence"] else ""
+        print(f"  {counts['with_boxes']} with boxes, {counts['no_target']} with no target; "
+              f"left out: {counts['crowd']} {crowd}{empty}")
+    if args.one_per_box:
+        print(f"warning: --one-per-box: {counts['repeated']} of {n} lines name a category that repeats in their image; "
+              "there the phrase names every box of it and the line only one, which teaches a model to pick one "
+              "at random. Without --one-per-box each line holds every box of its category", file=sys.stderr)
     return 0
 
 
@@ -137,20 +158,28 @@ def _data_refgen(args: argparse.Namespace) -> int:
     stats = refgen.Stats()
     records = list(refgen.generate(images, settings, stats))
     agreed, min_iou = None, refgen.MODEL_FILTER_IOU if args.filter_iou is None else args.filter_iou
+    # the filter asks for one box back: set and none phrases pass it untouched (data check --refs
+    # is what verifies them)
+    boxed = [r for r in records if "target" in r]
     if args.filter_model is not None:
         from groundtune import evaluate, infer
 
         gm = infer.load(args.filter_model, device=args.device, who="refgen --filter-model")
-        records, agreed = evaluate.filter_by_model(gm, records, args.out, min_iou=min_iou,
-                                                   flag_only=args.filter_mode == "flag", batch_size=args.batch_size)
+        filtered, agreed = evaluate.filter_by_model(gm, boxed, args.out, min_iou=min_iou,
+                                                    flag_only=args.filter_mode == "flag", batch_size=args.batch_size)
+        kept = {r["id"]: r for r in filtered}
+        records = [kept.get(r["id"], r) for r in records if "target" not in r or r["id"] in kept]
     n = write_samples(args.out, records)
     if args.stats:
         print(refgen.format_stats(stats))
     if agreed is not None:
         what = "flagged the rest" if args.filter_mode == "flag" else "kept those"
-        print(f"--filter-model {args.filter_model}: boxed back {agreed} of {stats.total()} phrases at IoU >= "
-              f"{min_iou}; {what}")
-    print(f"wrote {n} expressions for {stats.targets} of {stats.boxes} boxes to {args.out}")
+        print(f"--filter-model {args.filter_model}: boxed back {agreed} of {len(boxed)} one-box phrases at IoU >= "
+              f"{min_iou}; {what}; set and none phrases are not filtered")
+    one_box = sum("target" in r for r in records)
+    sets = sum(stats.expressions[k] for k in refgen.SET_KINDS)
+    print(f"wrote {n} expressions to {args.out}: {one_box} naming one box ({stats.targets} of {stats.boxes} boxes "
+          f"have one), {sets} naming sets, {stats.expressions['none']} naming nothing")
     return 0
 
 
@@ -194,26 +223,44 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
 
     p = dsub.add_parser(
         "convert",
-        help="turn RefCOCO/COCO/parquet/JSONL into canonical JSONL",
-        description="Convert a dataset to canonical JSONL (boxes as xyxy in original pixels).\n\n"
+        help="turn RefCOCO/gRefCOCO/COCO/parquet/JSONL into canonical JSONL",
+        description="Convert a dataset to canonical JSONL (boxes as xyxy in original pixels). A phrase names a\n"
+        "SET of boxes: bbox for one, bboxes for several, \"bboxes\": [] for a phrase with no target.\n\n"
         "examples:\n"
         "  groundtune data convert --from refcoco --refs refcoco/refs(unc).p \\\n"
         "      --instances refcoco/instances.json --images coco/train2014 --split val --out val.jsonl\n"
+        "  groundtune data convert --from grefcoco --refs grefcoco/grefs(unc).json \\\n"
+        "      --instances grefcoco/instances.json --images coco/train2014 --split val --out gval.jsonl\n"
         "  groundtune data convert --from parquet --path RefCOCO/data --images-out images --out all.jsonl\n"
         "  groundtune data convert --from coco --instances instances_val2017.json --images val2017 --out coco.jsonl\n"
-        "  groundtune data convert --from jsonl --path mine.jsonl --out clean.jsonl",
+        "  groundtune data convert --from coco --instances instances_val2017.json --images val2017 \\\n"
+        "      --negatives 2 --out coco-neg.jsonl\n"
+        "  groundtune data convert --from jsonl --path mine.jsonl --out clean.jsonl\n\n"
+        "--from coco writes one line per (image, category) with every box of the category (\"cup\" names\n"
+        "every cup); a category with a crowd box in the image is left out (how many it holds is\n"
+        "unknown) and counted. --from grefcoco writes one line per sentence, its ref's boxes or [].",
         formatter_class=_Formatter,
     )
-    p.add_argument("--from", dest="source", required=True, choices=["refcoco", "parquet", "coco", "jsonl"],
+    p.add_argument("--from", dest="source", required=True, choices=["refcoco", "grefcoco", "parquet", "coco", "jsonl"],
                    help="source format")
     p.add_argument("--out", required=True, help="canonical JSONL file to write")
-    p.add_argument("--refs", help="refcoco: the refer toolkit pickle, refs(unc).p / refs(umd).p / refs(google).p")
-    p.add_argument("--instances", help="refcoco/coco: COCO instances.json with images and annotations")
-    p.add_argument("--images", help="refcoco/coco: folder holding the COCO images")
-    p.add_argument("--split", help="refcoco: keep only this split (train, val, testA, ...); "
+    p.add_argument("--refs", help="refcoco: the refer toolkit pickle, refs(unc).p / refs(umd).p / refs(google).p; "
+                   "grefcoco: grefs(unc).json")
+    p.add_argument("--instances", help="refcoco/grefcoco/coco: COCO instances.json with images and annotations")
+    p.add_argument("--images", help="refcoco/grefcoco/coco: folder holding the COCO images")
+    p.add_argument("--split", help="refcoco/grefcoco: keep only this split (train, val, testA, ...); "
                    "parquet/coco: split name to record")
     p.add_argument("--path", help="parquet: a .parquet file or a folder of them; jsonl: the input file")
     p.add_argument("--images-out", help="parquet: folder to write the embedded images to (once each)")
+    p.add_argument("--negatives", type=_count, default=0, metavar="N",
+                   help="coco: add up to N lines per image with no target (\"bboxes\": []) for categories of the file "
+                   "with no annotation in the image, the category name as the phrase. This assumes the file labels "
+                   "every one of its categories in every image, as COCO does for its 80: a category with no box is "
+                   "absent. For a data set that does not label exhaustively this is wrong: leave it at 0")
+    p.add_argument("--seed", type=int, default=0, help="coco: which categories --negatives draws (same seed, same bytes)")
+    p.add_argument("--one-per-box", action="store_true",
+                   help="coco: the old form, one line per non-crowd box (bbox). Ambiguous where a category repeats "
+                   "in an image (\"cup\" names both cups, the line one); prints a warning saying how often")
     p.set_defaults(handler=_data_convert)
 
     p = dsub.add_parser(
@@ -282,16 +329,23 @@ def _add_data_refgen(dsub: argparse._SubParsersAction) -> None:
     d = RefgenSettings()
     p = dsub.add_parser(
         "refgen",
-        help="turn detection boxes into referring expressions that pick exactly one box",
+        help="turn detection boxes into referring expressions that pick exactly their boxes",
         description="Turn detection boxes (COCO instances.json, or JSONL) into canonical JSONL of referring\n"
-        "expressions, each written only when it picks exactly ONE box of its image with a margin:\n"
+        "expressions, each written only when it names exactly its box, its set of boxes, or nothing, with\n"
+        "a margin. One box (bbox, target):\n"
         "  category   'the laptop' (the only one)       attribute  'the red cup' (from --attribute-field)\n"
         "  extreme    'the leftmost cup', 'the top cup'  ordinal    'the second cup from the left'\n"
         "  size       'the biggest cup', 'the small cup' relation   'the cup left of the laptop',\n"
         "                                                           'the cup next to the laptop'\n"
-        "Each record keeps its kind, the box's label, and every box of the image (objects, target) so\n"
-        "`groundtune data check --refs` can re-derive that the phrase picks its box. Crowd boxes and\n"
-        "boxes under --min-size are never targets. The same seed writes the same bytes.\n"
+        "A set of 2+ boxes of a category (bboxes, targets):\n"
+        "  set        'every cup', 'all the cups'        set_attribute  'all the red cups'\n"
+        "  set_relation  'the cups left of the laptop'\n"
+        "Nothing (\"bboxes\": [], targets []): none  'the dog' where no box is a dog, for categories of\n"
+        "the COCO file's category list only (--from coco: COCO labels all of them in every image), at\n"
+        "most one per image.\n"
+        "Each record keeps its kind, the label, and every box of the image (objects) so `groundtune\n"
+        "data check --refs` can re-derive that the phrase names exactly its set. Crowd boxes and boxes\n"
+        "under --min-size are never targets. The same seed writes the same bytes.\n"
         "Positions need visible separation: both edges a margin (4% of the shorter side) past every\n"
         "other box's on that side, and at most half of the smaller box shared; 'next to' only side by\n"
         "side in one band (never one standing on or inside the other). Boxes under 16 px (or\n"
@@ -304,7 +358,8 @@ def _add_data_refgen(dsub: argparse._SubParsersAction) -> None:
         "  groundtune data refgen --from coco --instances inst.json --images imgs --out refs.jsonl \\\n"
         "      --filter-model runs/sft --filter-iou 0.5\n\n"
         "--from jsonl: each line holds an image's boxes as bboxes + labels (lists; optional attribute\n"
-        "and crowd lists beside them), or one box as bbox + label; lines naming one image are grouped.",
+        "and crowd lists beside them), or one box as bbox + label; lines naming one image are grouped.\n"
+        "It writes no none phrases: a JSONL has no list of the categories labelled in every image.",
         formatter_class=_Formatter,
     )
     p.add_argument("--from", dest="source", required=True, choices=["coco", "jsonl"], help="detections' format")
@@ -316,9 +371,10 @@ def _add_data_refgen(dsub: argparse._SubParsersAction) -> None:
     p.add_argument("--attribute-field", default="attributes",
                    help="the annotation's/record's field holding attribute words of a box (a word or a list)")
     p.add_argument("--kinds", default=",".join(d.kinds),
-                   help="kinds to emit, each with an optional weight in the mix (kind=weight): any of "
-                   + ", ".join(KINDS))
-    p.add_argument("--per-box", type=_positive_int, default=d.per_box, help="at most this many expressions per box")
+                   help="kinds to emit, each with an optional weight (kind=weight): any of " + ", ".join(KINDS)
+                   + ". A weight chooses among the kinds one box (or one category's set) can have")
+    p.add_argument("--per-box", type=_positive_int, default=d.per_box,
+                   help="at most this many expressions per box, and per category's set of boxes")
     p.add_argument("--min-size", type=float, default=d.min_size,
                    help="boxes whose sqrt(area) is under this many pixels are never targets or anchors, and (like "
                    "any box under 16 px) are not counted for extremes and ordinals")

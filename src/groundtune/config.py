@@ -109,12 +109,18 @@ class _Method(_Settings):
                                     "fractions of the image)")
     head_text_loss_weight: float = setting(0.0, "head=box: > 0 also trains the text answer (joint mode): its token "
                                            "loss times this is added")
+    head_slots: int = setting(8, "head=box: query slots, each a box and an objectness score, matched to the true boxes "
+                              "(Hungarian): the most boxes one phrase can get")
+    head_threshold: float = setting(0.5, "head=box: an answer keeps the slots whose objectness is at least this (0: "
+                                    "all of them); saved with the head")
 
     def check(self) -> None:
         if self.head not in HEADS:
             raise ConfigError(f"head={self.head!r}: expected one of {', '.join(HEADS)}")
         if self.head_l1_weight < 0 or self.head_text_loss_weight < 0:
             raise ConfigError("head_l1_weight and head_text_loss_weight must be >= 0")
+        _positive(self, "head_slots")
+        _fraction(self, "head_threshold")
         if self.method not in ("lora", "qlora", "full"):
             raise ConfigError(f"method={self.method!r}: expected lora, qlora or full")
         if self.method == "qlora" and getattr(self, "distributed", "ddp") in ("fsdp2", "zero3"):

@@ -1,18 +1,32 @@
-"""Grounding evaluation: Acc@0.5, Acc@0.75, Acc@0.5:0.95, mIoU and parse-failure rate, overall and
-per split and source, plus an HTML gallery of the worst and a sample of the best answers.
+"""Grounding evaluation: a phrase names a SET of boxes (one, several or none), and eval scores both
+the single-box answer RefCOCO's papers quote and the set, overall and per split and source, plus an
+HTML gallery of the worst and a sample of the best answers.
 
     groundtune eval --model runs/sft --data data/synth/val.jsonl --out report.json --gallery gallery/
     groundtune eval --model runs/rl --compare runs/sft --data val.jsonl
 
-A sample counts as a hit when the IoU of the model's FIRST box with any of the true boxes reaches
-the threshold (RefCOCO's Acc@0.5 uses >= 0.5). An answer without a usable box is a parse failure
-and scores IoU 0: it is never replaced by a guessed box. A box-head model (``head: box``) answers
-each phrase with exactly one box; the report counts the samples that have several true boxes.
+Single-target metrics (Acc@0.5, Acc@0.75, Acc@0.5:0.95, mIoU), RefCOCO's meaning: the IoU of the
+model's FIRST box with the best-matching true box, over the samples that HAVE a target (a no-target
+sample has no box to hit; it is scored by the set metrics below). An answer without a usable box
+scores IoU 0 there: it is never replaced by a guessed box.
+
+Set metrics: predicted and true boxes are matched one to one at IoU >= 0.5 (``boxes.match_boxes``,
+optimal, the same function RL's reward uses). Micro over boxes: precision = matched / predicted,
+recall = matched / true, F1 = 2 matched / (predicted + true). ``set_acc@0.5`` (gRefCOCO's
+Pr@(F1=1, IoU>=0.5)): the share of samples answered exactly, every true box matched and no box
+extra; a no-target sample is right when answered with no box (``[]``). ``n_acc``: no-target samples
+answered with no box; ``t_acc``: target samples answered with at least one box. AP (COCO's, by
+pycocotools) when the model scores its boxes (a box head's objectness).
+
+A no-target answer (``[]``) was read: it is never a parse failure. ``parse_fail_rate`` counts the
+answers that could not be read at all, over every sample; such an answer is wrong on every metric.
 """
 
 from __future__ import annotations
 
+import contextlib
 import html
+import io
 import json
 import random
 import sys
@@ -26,12 +40,38 @@ from groundtune.data.images import load_image
 from groundtune.data.records import atomic_write, image_path, read_samples, sample_boxes
 from groundtune.data.refgen import MODEL_FILTER_IOU
 
+MATCH_IOU = 0.5  # a predicted box counts for a true box at IoU >= 0.5, as in RefCOCO and gRefCOCO
 THRESHOLDS = [round(0.5 + 0.05 * i, 2) for i in range(10)]  # 0.5, 0.55, ..., 0.95 (COCO's)
 METRICS = ["acc@0.5", "acc@0.75", "acc@0.5:0.95", "miou", "parse_fail_rate"]
+SET_METRICS = ["precision@0.5", "recall@0.5", "f1@0.5", "set_acc@0.5", "n_acc", "t_acc"]
+AP_METRICS = ["ap@0.5:0.95", "ap@0.5"]
 HEADERS = {"acc@0.5": "Acc@.5", "acc@0.75": "Acc@.75", "acc@0.5:0.95": "Acc@.5:.95", "miou": "mIoU",
-           "parse_fail_rate": "parse fail"}
-TRUE_COLOUR = (0, 200, 0)
-PRED_COLOUR = (230, 0, 0)
+           "parse_fail_rate": "parse fail", "precision@0.5": "P@.5", "recall@0.5": "R@.5", "f1@0.5": "F1@.5",
+           "set_acc@0.5": "set acc", "n_acc": "N-acc", "t_acc": "T-acc", "ap@0.5:0.95": "AP", "ap@0.5": "AP@.5"}
+DEFINITIONS = {
+    "acc@0.5": "single-target: share of samples with a target whose FIRST predicted box has IoU >= 0.5 with "
+               "the best-matching true box (no-target samples are left out; see n_acc)",
+    "acc@0.75": "as acc@0.5, at IoU >= 0.75",
+    "acc@0.5:0.95": "as acc@0.5, averaged over IoU thresholds 0.5, 0.55, ..., 0.95",
+    "miou": "single-target: mean IoU of the first predicted box with the best-matching true box, over samples "
+            "with a target (0 without a box)",
+    "parse_fail_rate": "share of all samples whose answer could not be read (a no-target answer [] was read)",
+    "precision@0.5": "matched predicted boxes / predicted boxes, over all samples; boxes matched one to one at "
+                     "IoU >= 0.5, optimally (most pairs, then most IoU)",
+    "recall@0.5": "matched true boxes / true boxes, over all samples",
+    "f1@0.5": "2 matched / (predicted + true boxes)",
+    "set_acc@0.5": "share of samples answered exactly: every true box matched, no predicted box extra; a "
+                   "no-target sample answered [] counts as right (gRefCOCO's Pr@(F1=1, IoU>=0.5))",
+    "n_acc": "share of no-target samples answered [] (null when there are none)",
+    "t_acc": "share of samples with a target answered with at least one box",
+    "ap@0.5:0.95": "COCO AP averaged over IoU 0.5:0.95 (pycocotools' COCOeval, one category, 100 boxes per "
+                   "sample), from the boxes' scores; present only when every answer's boxes are scored",
+    "ap@0.5": "COCO AP at IoU 0.5, as ap@0.5:0.95",
+}
+TRUE_COLOUR = (0, 200, 0)  # a true box, found
+PRED_COLOUR = (230, 0, 0)  # a predicted box that matched a true box
+MISSED_COLOUR = (0, 110, 255)  # a true box no predicted box matched
+EXTRA_COLOUR = (210, 0, 210)  # a predicted box that matched no true box
 
 
 def score(pred_box: list[float] | None, true_boxes: list[list[float]]) -> dict:
@@ -40,20 +80,108 @@ def score(pred_box: list[float] | None, true_boxes: list[list[float]]) -> dict:
     return {"iou": best, "hit@0.5": best >= 0.5, "hit@0.75": best >= 0.75}
 
 
+def score_answer(pred: infer.Prediction, true_boxes: list[list[float]]) -> dict:
+    """Everything eval reads off one answer: the single-target score of its first box (``iou`` None
+    on a no-target sample) and its set score: ``matched`` [pred index, true index, IoU] pairs at IoU
+    >= 0.5, the ``missed`` true and ``extra`` predicted boxes' indices, and ``set_hit`` (exact)."""
+    read = bool(pred.boxes) or pred.no_target
+    matched = boxes.match_boxes(pred.boxes, true_boxes, boxes.iou, MATCH_IOU)
+    single = score(pred.bbox, true_boxes) if true_boxes else {"iou": None, "hit@0.5": False, "hit@0.75": False}
+    return {
+        "pred_bbox": pred.bbox,
+        "pred_boxes": pred.boxes,
+        "no_target": pred.no_target,
+        "scores": pred.scores,
+        "read": read,
+        **single,
+        "matched": [list(m) for m in matched],
+        "missed": sorted(set(range(len(true_boxes))) - {j for _, j, _ in matched}),
+        "extra": sorted(set(range(len(pred.boxes))) - {i for i, _, _ in matched}),
+        # A no-target sample is right only when the answer was read as []: a parse failure has no box
+        # either, but it did not say "none".
+        "set_hit": read and len(matched) == len(true_boxes) == len(pred.boxes),
+    }
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
 def _metrics(rows: list[dict]) -> dict:
     n = len(rows)
     if n == 0:
-        return {"n": 0, **{m: None for m in METRICS}}
-    ious = [r["iou"] for r in rows]
-    acc = {t: sum(i >= t for i in ious) / n for t in THRESHOLDS}
-    return {
+        return {"n": 0, "n_target": 0, "n_no_target": 0, **{m: None for m in METRICS + SET_METRICS},
+                "matched@0.5": 0, "missed@0.5": 0, "extra@0.5": 0}
+    target = [r for r in rows if r["true_boxes"]]
+    no_target = [r for r in rows if not r["true_boxes"]]
+    ious = [r["iou"] for r in target]
+    acc = {t: _ratio(sum(i >= t for i in ious), len(target)) for t in THRESHOLDS}
+    matched = sum(len(r["matched"]) for r in rows)
+    predicted = sum(len(r["pred_boxes"]) for r in rows)
+    true = sum(len(r["true_boxes"]) for r in rows)
+    out = {
         "n": n,
+        "n_target": len(target),
+        "n_no_target": len(no_target),
         "acc@0.5": acc[0.5],
         "acc@0.75": acc[0.75],
-        "acc@0.5:0.95": sum(acc.values()) / len(THRESHOLDS),
-        "miou": sum(ious) / n,
-        "parse_fail_rate": sum(r["pred_bbox"] is None for r in rows) / n,
+        "acc@0.5:0.95": sum(acc.values()) / len(THRESHOLDS) if target else None,
+        "miou": _ratio(sum(ious), len(target)),
+        "parse_fail_rate": sum(not r["read"] for r in rows) / n,
+        "precision@0.5": _ratio(matched, predicted),
+        "recall@0.5": _ratio(matched, true),
+        "f1@0.5": _ratio(2 * matched, predicted + true),
+        "set_acc@0.5": sum(r["set_hit"] for r in rows) / n,
+        "n_acc": _ratio(sum(r["no_target"] for r in no_target), len(no_target)),
+        "t_acc": _ratio(sum(bool(r["pred_boxes"]) for r in target), len(target)),
+        "matched@0.5": matched,
+        "missed@0.5": true - matched,
+        "extra@0.5": predicted - matched,
     }
+    if _scored(rows):
+        out.update(average_precision(rows))
+    return out
+
+
+def _scored(rows: list[dict]) -> bool:
+    """Whether AP can be computed: every answer that holds boxes scores each of them, and some
+    answer carries scores (a text model's never do)."""
+    for r in rows:
+        if r["pred_boxes"] and (r["scores"] is None or len(r["scores"]) != len(r["pred_boxes"])):
+            return False
+    return any(r["scores"] is not None for r in rows)
+
+
+def average_precision(rows: list[dict]) -> dict:
+    """COCO's AP@[.5:.95] and AP@0.5 of scored answers, by pycocotools' own COCOeval: every sample
+    an image of one category, its true boxes the ground truth (a no-target sample has none, so any
+    box there is a false positive), its predicted boxes the detections with their scores. None when
+    there is no true box at all (AP has no recall to average over)."""
+    from pycocotools.coco import COCO  # imported here: only scored answers need it
+    from pycocotools.cocoeval import COCOeval
+
+    images, truths, detections = [], [], []
+    for k, r in enumerate(rows, start=1):  # COCO ids start at 1: COCOeval reads id 0 as "unmatched"
+        images.append({"id": k, "width": r["width"], "height": r["height"]})
+        for box in r["true_boxes"]:
+            x, y, w, h = boxes.xyxy_to_xywh(box)
+            truths.append({"id": len(truths) + 1, "image_id": k, "category_id": 1, "bbox": [x, y, w, h],
+                           "area": w * h, "iscrowd": 0})
+        for box, s in zip(r["pred_boxes"], r["scores"] or []):
+            detections.append({"image_id": k, "category_id": 1, "bbox": boxes.xyxy_to_xywh(box), "score": float(s)})
+    if not truths:
+        return {"ap@0.5:0.95": None, "ap@0.5": None}
+    if not detections:  # loadRes cannot take an empty list; nothing found is AP 0
+        return {"ap@0.5:0.95": 0.0, "ap@0.5": 0.0}
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress and summary
+        truth = COCO()
+        truth.dataset = {"images": images, "annotations": truths, "categories": [{"id": 1, "name": "target"}]}
+        truth.createIndex()
+        run = COCOeval(truth, truth.loadRes(detections), "bbox")
+        run.evaluate()
+        run.accumulate()
+        run.summarize()
+    return {"ap@0.5:0.95": float(run.stats[0]), "ap@0.5": float(run.stats[1])}
 
 
 def _group(rows: list[dict], key: str) -> dict[str, list[dict]]:
@@ -64,7 +192,8 @@ def _group(rows: list[dict], key: str) -> dict[str, list[dict]]:
 
 
 def summarise(rows: list[dict]) -> dict:
-    """Metrics over scored rows (each needs ``iou`` and ``pred_bbox``), overall and per split/source."""
+    """Metrics over scored rows (each holds ``true_boxes``, ``width``, ``height`` and
+    ``score_answer``'s fields), overall and per split/source."""
     return {
         **_metrics(rows),
         "by_split": {k: _metrics(g) for k, g in _group(rows, "split").items()},
@@ -97,14 +226,14 @@ def evaluate(gm, samples: list[dict], data_path, batch_size: int = InferSettings
             "width": int(sample["width"]),
             "height": int(sample["height"]),
             "true_boxes": true,
-            "pred_bbox": pred.bbox,
-            **score(pred.bbox, true),
+            **score_answer(pred, true),
             "raw": pred.raw,
             "error": pred.error,
             "split": sample.get("split"),
             "source": sample.get("source"),
         })
     box_head = gm.metadata()["head"] == "box"
+    summary = summarise(rows)
     report = {
         "model": gm.source,
         "data": str(data_path),
@@ -112,10 +241,11 @@ def evaluate(gm, samples: list[dict], data_path, batch_size: int = InferSettings
         "resize": gm.resize.to_dict(),
         "prompt": gm.prompt,
         "head": "box" if box_head else "text",
-        "decoding": ({"box_head": "one forward pass, one box per phrase"} if box_head
+        "decoding": ({"box_head": "one forward pass, no token decoding"} if box_head
                      else infer.Decoding.greedy(max_new_tokens).to_dict()),
         "several_true_boxes": sum(len(r["true_boxes"]) > 1 for r in rows),
-        **summarise(rows),
+        **summary,
+        "definitions": {k: v for k, v in DEFINITIONS.items() if k in summary},  # the report says what it measured
     }
     return report, rows
 
@@ -148,27 +278,48 @@ def filter_by_model(gm, records: list[dict], data_path, min_iou: float = MODEL_F
 
 
 def draw_boxes(image: Image.Image, true_boxes: list[list[float]], pred_box: list[float] | None) -> Image.Image:
-    """A copy of the original image with the true boxes in green and the predicted box in red.
-    Small images are enlarged (nearest neighbour) so a 2 px outline does not hide the object."""
+    """A copy of the original image with the true boxes in green and the predicted box in red."""
+    return _draw(image, [(b, TRUE_COLOUR) for b in true_boxes] + ([(pred_box, PRED_COLOUR)] if pred_box else []))
+
+
+def draw_answer(image: Image.Image, true_boxes: list[list[float]], pred_boxes: list[list[float]],
+                matched: list) -> Image.Image:
+    """A copy of the original image with a set answer drawn against the truth: true boxes found in
+    green, missed in blue; predicted boxes that matched in red, extra ones in magenta (``matched``:
+    ``score_answer``'s pairs)."""
+    found_true, found_pred = {j for _, j, _ in matched}, {i for i, _, _ in matched}
+    return _draw(image, [(b, TRUE_COLOUR if j in found_true else MISSED_COLOUR) for j, b in enumerate(true_boxes)]
+                 + [(b, PRED_COLOUR if i in found_pred else EXTRA_COLOUR) for i, b in enumerate(pred_boxes)])
+
+
+def _draw(image: Image.Image, outlined: list[tuple[list[float], tuple]]) -> Image.Image:
+    """Small images are enlarged (nearest neighbour) so a 2 px outline does not hide the object."""
     scale = max(1, 320 // max(image.size))
     out = image.convert("RGB").resize((image.width * scale, image.height * scale), Image.Resampling.NEAREST)
     draw = ImageDraw.Draw(out)
     width = max(2, max(out.size) // 200)
-    for box, colour in [(b, TRUE_COLOUR) for b in true_boxes] + ([(pred_box, PRED_COLOUR)] if pred_box else []):
+    for box, colour in outlined:
         draw.rectangle([v * scale for v in box], outline=colour, width=width)
     return out
 
 
+def _badness(row: dict) -> tuple:
+    """Sort key, worst first: unread answers, then wrong sets (fewest boxes right), then low IoU."""
+    right = 2 * len(row["matched"])
+    total = len(row["pred_boxes"]) + len(row["true_boxes"])
+    return (row["read"], row["set_hit"], right / total if total else 1.0, row["iou"] if row["iou"] is not None else 1.0)
+
+
 def write_gallery(rows: list[dict], data_path, out_dir, n_worst: int = 24, n_best: int = 12, seed: int = 0) -> Path:
-    """Draw the worst answers (parse failures first, then lowest IoU) and a random sample of the
-    hits at IoU >= 0.5, and write ``index.html`` listing them; returns the index path."""
+    """Draw the worst answers (parse failures first, then wrong sets, then lowest IoU) and a random
+    sample of the exact ones (``set_hit``), and write ``index.html`` listing them; returns its path."""
     out_dir = Path(out_dir)
-    ranked = sorted(range(len(rows)), key=lambda i: (rows[i]["pred_bbox"] is not None, rows[i]["iou"]))
+    ranked = sorted(range(len(rows)), key=lambda i: _badness(rows[i]))
     worst = ranked[:n_worst]
-    hits = [i for i in ranked[n_worst:] if rows[i]["hit@0.5"]]
+    hits = [i for i in ranked[n_worst:] if rows[i]["set_hit"]]
     best = random.Random(seed).sample(hits, min(n_best, len(hits)))
     sections = []
-    for title, name, chosen in [("Worst", "worst", worst), ("Best (random sample of hits)", "best", best)]:
+    for title, name, chosen in [("Worst", "worst", worst), ("Best (random sample of exact answers)", "best", best)]:
         cards = [_card(rows[i], data_path, out_dir, f"{name}_{k:03d}.png") for k, i in enumerate(chosen)]
         sections.append(f"<h2>{title}: {len(chosen)}</h2>\n<div class=grid>\n" + "\n".join(cards) + "\n</div>")
     index = out_dir / "index.html"
@@ -177,15 +328,30 @@ def write_gallery(rows: list[dict], data_path, out_dir, n_worst: int = 24, n_bes
     return index
 
 
+def verdict(row: dict) -> str:
+    """One line on an answer: its first box's IoU, the true boxes found and missed, the extra ones,
+    and "no target" where the sample or the answer names none."""
+    n_true, n_found, n_extra = len(row["true_boxes"]), len(row["matched"]), len(row["extra"])
+    if not row["read"]:
+        return f"parse failure: {row['error']}"
+    if not n_true:
+        return "no target, answered no target" if row["no_target"] else f"no target, {n_extra} extra box(es)"
+    if row["no_target"]:
+        return f"answered no target, {n_true} missed"
+    parts = [f"IoU {row['iou']:.3f}", f"{n_found} of {n_true} true box(es) found"]
+    if n_extra:
+        parts.append(f"{n_extra} extra")
+    return ", ".join(parts)
+
+
 def _card(row: dict, data_path, out_dir: Path, png_name: str) -> str:
     image = load_image(image_path(row, data_path), (row["width"], row["height"]))
     with atomic_write(out_dir / png_name, "wb") as f:
-        draw_boxes(image, row["true_boxes"], row["pred_bbox"]).save(f, format="PNG")
-    verdict = f"IoU {row['iou']:.3f}" if row["pred_bbox"] is not None else f"parse failure: {row['error']}"
+        draw_answer(image, row["true_boxes"], row["pred_boxes"], row["matched"]).save(f, format="PNG")
     e = html.escape
     return (
         f'<div class=card><img src="{e(png_name)}"><p><b>{e(str(row["phrase"]))}</b></p>'
-        f"<p>{e(verdict)} &middot; {e(str(row['id']))}</p><pre>{e(row['raw'])}</pre></div>"
+        f"<p>{e(verdict(row))} &middot; {e(str(row['id']))}</p><pre>{e(row['raw'])}</pre></div>"
     )
 
 
@@ -198,7 +364,9 @@ body {{ font-family: sans-serif; margin: 1em; }}
 .card img {{ max-width: 320px; image-rendering: pixelated; }}
 pre {{ white-space: pre-wrap; word-break: break-all; background: #f4f4f4; font-size: 11px; }}
 </style></head><body>
-<h1>{n} samples: <span style="color:#00c800">true box</span>, <span style="color:#e60000">predicted box</span></h1>
+<h1>{n} samples: <span style="color:#00c800">true box found</span>,
+<span style="color:#006eff">true box missed</span>, <span style="color:#e60000">predicted box matched</span>,
+<span style="color:#d200d2">predicted box extra</span> (matched one to one at IoU &ge; 0.5)</h1>
 {body}
 </body></html>
 """
@@ -239,17 +407,34 @@ def run_eval(model: str, data, limit: int | None = None, out=None, gallery=None,
 
 
 def print_table(reports: list[dict]) -> None:
-    """One row per group (overall, each split, each source) and model, one column per metric."""
+    """Two tables, one row per group (overall, each split, each source) and model: the single-target
+    metrics (over the samples with a target), then the set metrics with the boxes missed and extra
+    and the no-target samples (AP columns when the answers were scored)."""
     from rich.console import Console
+
+    # Logs and pipes get a wide table instead of rich's 80 columns, so long model names stay whole.
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    single = [("n target", "n_target", "{}")] + [(HEADERS[m], m, "{:.3f}") for m in METRICS]
+    console.print(_table(reports, f"grounding eval on {reports[0]['data']}: first box vs the best true box, "
+                                  "samples with a target", single))
+    sets = ([("n", "n", "{}"), ("no target", "n_no_target", "{}")]
+            + [(HEADERS[m], m, "{:.3f}") for m in SET_METRICS]
+            + [("missed", "missed@0.5", "{}"), ("extra", "extra@0.5", "{}")]
+            + [(HEADERS[m], m, "{:.3f}") for m in AP_METRICS if any(m in r for r in reports)])
+    console.print(_table(reports, "sets: boxes matched one to one at IoU >= 0.5 (missed: true boxes unmatched, "
+                                  "extra: predicted boxes unmatched)", sets))
+
+
+def _table(reports: list[dict], title: str, columns: list[tuple[str, str, str]]):
+    """A rich table of ``columns`` (header, report key, format) per group and model."""
     from rich.table import Table
 
-    table = Table(title=f"grounding eval on {reports[0]['data']}")
+    table = Table(title=title)
     table.add_column("group")
     if len(reports) > 1:
         table.add_column("model")
-    table.add_column("n", justify="right")
-    for m in METRICS:
-        table.add_column(HEADERS[m], justify="right")
+    for header, _, _ in columns:
+        table.add_column(header, justify="right")
     groups = [("overall", lambda r: r)]
     for key in ("by_split", "by_source"):
         for value in reports[0][key]:
@@ -258,12 +443,7 @@ def print_table(reports: list[dict]) -> None:
         for report in reports:
             metrics = pick(report)
             cells = [label] + ([report["model"]] if len(reports) > 1 else [])
-            cells.append(str(metrics["n"]) if metrics else "-")
-            cells += [f"{metrics[m]:.3f}" if metrics and metrics[m] is not None else "-" for m in METRICS]
+            cells += [fmt.format(metrics[key]) if metrics and metrics.get(key) is not None else "-"
+                      for _, key, fmt in columns]
             table.add_row(*cells)
-    # Logs and pipes get a wide table instead of rich's 80 columns, so long model names stay whole.
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
-    for report in reports:
-        if report.get("head") == "box" and report.get("several_true_boxes"):
-            print(f"{report['model']}: a box head gives one box per phrase; {report['several_true_boxes']} samples "
-                  "have several true boxes, and its box is a hit when it matches any of them")
+    return table

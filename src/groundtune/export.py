@@ -341,8 +341,9 @@ def _box_head_card(meta: dict, name: str, example_phrase: str, eval_line: str) -
 
 `model.onnx`{f" (its weights in `{onnx['weights_file']}` beside it)" if onnx.get('weights_file') else ""} holds the vision tower, the language model and the head in one fp32 graph for
 {onnx['image_size'][0]}x{onnx['image_size'][1]} images (exported for {onnx['exported_for'][0]}x{onnx['exported_for'][1]}: other sizes are stretched
-to it), any batch and phrase length. `onnx_predict.py` prepares its inputs with numpy, Pillow and
-`tokenizer.json`, and maps the boxes back to the caller's pixels:
+to it), any batch and phrase length; it gives every slot's box and score. `onnx_predict.py`
+prepares its inputs with numpy, Pillow and `tokenizer.json`, keeps the slots whose score reaches
+the threshold (`onnx` in `groundtune.json`), and maps their boxes back to the caller's pixels:
 
 ```bash
 pip install onnxruntime numpy pillow tokenizers
@@ -360,9 +361,11 @@ A {meta['family']} model fine-tuned for visual grounding (image + phrase -> boun
 groundtune, exported from `{meta['exported_from']}` (base: `{meta['base_model']}`), weights in
 {meta['dtype']}. It answers with a **box head** (`box_head.safetensors`): the language model's
 hidden state at the last token of the prompt, which ends with the opening of a text answer
-(`{meta['prompt_end']}`, `prompt_end` in `groundtune.json`), attends over the image's tokens, and the box is
-read off that attention map over the image's cells, as fractions of the image, in one forward
-pass, without generating text. One box per phrase.
+(`{meta['prompt_end']}`, `prompt_end` in `groundtune.json`), is the query of K slots, each of which
+attends over the image's tokens and reads a box off its attention map over the image's cells, as
+fractions of the image, and an objectness score, in one forward pass, without generating text.
+A phrase's answer is the boxes of the slots whose score reaches the threshold saved with the head
+(the file's metadata): 0 to K boxes.
 
 ## Evaluation
 
@@ -379,11 +382,12 @@ folder, unchanged.
 `box_head.py` in this folder is the head's own code, as groundtune trained it, and a runner that
 needs torch, transformers, safetensors and Pillow, no groundtune: it builds the prompt from
 `groundtune.json` (the run's prompt, then `prompt_end`), lets this folder's processor resize the
-image, runs the model once and the head on the last token's state and the image's tokens, and maps
-the box from fractions of the image to its pixels. From Python:
+image, runs the model once and the head on the last token's state and the image's tokens, keeps the
+slots whose score reaches the threshold, and maps their boxes from fractions of the image to its
+pixels. From Python:
 
 ```python
-import sys
+import json, sys
 from PIL import Image, ImageOps
 
 sys.path.insert(0, "{name}")  # where box_head.py is
@@ -391,8 +395,8 @@ from box_head import Grounder
 
 grounder = Grounder("{name}")  # device="cuda" for a GPU
 image = ImageOps.exif_transpose(Image.open("photo.jpg")).convert("RGB")  # upright, as groundtune reads it
-box, = grounder.ground(image, [{json.dumps(example_phrase)}])  # one box per phrase
-print(box)  # x1, y1, x2, y2 in pixels of photo.jpg
+answer, = grounder.ground(image, [{json.dumps(example_phrase)}])  # one answer per phrase
+print(json.dumps(answer))  # {{"boxes": [[x1, y1, x2, y2], ...] in pixels of photo.jpg, "scores": [...]}}
 ```
 
 or from a shell, one JSON line per phrase:

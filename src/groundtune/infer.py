@@ -424,7 +424,7 @@ def generate(gm, encoded: list[dict], sizes: list[tuple], decoding: Decoding, nu
         raise ValueError(f"{num_samples} answers per prompt need sampling: greedy gives the same one each time")
     if head.head_of(gm.model) is not None:
         if num_samples > 1:
-            raise ValueError("a box head answers each prompt with one box: there is nothing to sample")
+            raise ValueError("a box head answers each prompt in one forward pass: there is nothing to sample")
         return [([], prediction) for prediction in head_boxes(gm, encoded, sizes)]
     with evaluating(gm.model):
         if engine is not None:
@@ -440,9 +440,9 @@ def generate(gm, encoded: list[dict], sizes: list[tuple], decoding: Decoding, nu
 
 
 def head_boxes(gm, encoded: list[dict], sizes: list[tuple]) -> list[Prediction]:
-    """A box-head model's answers (models/head.py): the prompts in one forward pass, the head on
-    each prompt's last hidden state and its image's tokens, its box mapped to the original image
-    and clipped to it.
+    """A box-head model's answers (models/head.py): the prompts in one forward pass, the head's K
+    slots on each prompt's last hidden state and its image's tokens, the slots whose objectness
+    reaches the head's threshold kept (``head_answer``).
 
     The phrases asked of one image (an eval set's, ordered by image; a server request's) share
     their prompts' beginning, the image's hundreds of tokens included: with our attention they run
@@ -465,14 +465,26 @@ def head_boxes(gm, encoded: list[dict], sizes: list[tuple]) -> list[Prediction]:
         query = head.query_positions(batch)
     batch = {k: v.to(gm.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     tokens = head.image_tokens(batch, core.config, image_of_sample)
+    box_head = head.head_of(gm.model)
     with evaluating(gm.model), torch.inference_mode(), layout:
         hidden = core.model(**batch, use_cache=False).last_hidden_state
-        units = head.read(head.head_of(gm.model), hidden, query, tokens).float().cpu().tolist()
-    predictions = []
-    for unit, (original, _) in zip(units, sizes):
-        box = boxes.clip_box(boxes.from_unit(unit, original), original)
-        predictions.append(Prediction(bbox=box, boxes=[box], label=None, raw=json.dumps({"bbox": box}), error=None))
-    return predictions
+        units, logits = head.read(box_head, hidden, query, tokens)
+    scores = torch.sigmoid(logits.float()).cpu().tolist()
+    return [head_answer(unit, score, box_head.threshold, original)
+            for unit, score, (original, _) in zip(units.float().cpu().tolist(), scores, sizes)]
+
+
+def head_answer(units: list[list[float]], scores: list[float], threshold: float, size: boxes.Size) -> Prediction:
+    """One prompt's slots -> its Prediction: the boxes of the slots whose score is at least
+    ``threshold``, mapped to the original image (``size``) and clipped to it, in reading order,
+    each with its score; none kept is a no-target answer."""
+    kept = [[*boxes.clip_box(boxes.from_unit(unit, size), size), score]
+            for unit, score in zip(units, scores) if score >= threshold]
+    kept = boxes.reading_order(kept)  # by each box's centre: the score rides along as a fifth number
+    found, found_scores = [k[:4] for k in kept], [k[4] for k in kept]
+    return Prediction(bbox=found[0] if found else None, boxes=found, label=None,
+                      raw=json.dumps({"boxes": found, "scores": found_scores}), error=None,
+                      no_target=not found, scores=found_scores)
 
 
 def plain_generate(gm, encoded: list[dict], decoding: Decoding, num_samples: int = 1) -> list[list[int]]:

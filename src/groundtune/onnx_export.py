@@ -4,10 +4,12 @@
     inputs   input_ids       (batch, length) int64  prompts, right-padded (any phrase length)
              attention_mask  (batch, length) int64  1 on each prompt's tokens
              pixel_values    (batch, patches, patch_dim) float32  images at the export's size
-    output   boxes           (batch, 4) float32  xyxy as fractions of the image
+    outputs  boxes           (batch, K, 4) float32  each slot's box, xyxy as fractions of the image
+             scores          (batch, K) float32     each slot's objectness (sigmoid)
 
 ``onnx_predict.py`` (copied into the export) builds these inputs with numpy, Pillow and the
-tokenizer file alone, and maps the fractions back to the caller's pixels.
+tokenizer file alone, keeps the slots whose score reaches the head's threshold (``groundtune.json``'s
+``onnx`` section holds it), and maps their fractions back to the caller's pixels.
 
 Why not trace transformers' forward as it is: its vision tower derives the window order of the
 patches, each layer's attention spans and the rotary tables from ``image_grid_thw`` with Python
@@ -20,7 +22,8 @@ per-image mask (a window layer's mask keeps each patch in its window). The langu
 transformers' own, given the image features in place of the image tokens and the M-RoPE
 positions computed in the graph; with right padding its causal attention alone keeps each
 prompt's states clear of the padding. The head reads each prompt's last state and its image's
-tokens, which every prompt holds at the same place (models/head.py).
+tokens, which every prompt holds at the same place (models/head.py). The threshold stays out of
+the graph: every slot's score comes out, and the runner chooses.
 tests/test_onnx.py checks the graph against groundtune's own box-head path and ONNX Runtime
 against PyTorch.
 """
@@ -88,7 +91,7 @@ def export_onnx(model, box_head, processor: qwen.Processor, family: str, resize:
     with torch.no_grad(), _exporter_quiet():
         torch.onnx.export(
             graph, inputs, str(folder / ONNX_FILE), dynamo=True, verbose=False,
-            input_names=["input_ids", "attention_mask", "pixel_values"], output_names=["boxes"],
+            input_names=["input_ids", "attention_mask", "pixel_values"], output_names=["boxes", "scores"],
             dynamic_shapes={"input_ids": {0: batch, 1: length}, "attention_mask": {0: batch, 1: length},
                             "pixel_values": {0: batch}},
             external_data=external,
@@ -98,6 +101,8 @@ def export_onnx(model, box_head, processor: qwen.Processor, family: str, resize:
         "file": ONNX_FILE,
         **({"weights_file": ONNX_FILE + ".data"} if external else {}),  # beside it: ONNX Runtime finds it
         "image_size": list(resized),  # every image is resized to this (width, height)
+        "slots": len(box_head.slots),
+        "threshold": box_head.threshold,  # an answer keeps the slots whose score is at least this
         "exported_for": list(image_size),
         "patches": graph.patches,
         "prompt": prompt_pieces(processor, qwen.prompt_text(processor, PROBE_PHRASE, prompt, query),
@@ -187,7 +192,8 @@ class BoxGraph(torch.nn.Module):
         embeds = torch.where(is_image.unsqueeze(-1), placed.to(embeds.dtype), embeds)
         hidden = self.language_model(inputs_embeds=embeds, position_ids=self.positions(is_image, nth),
                                      use_cache=False).last_hidden_state
-        return head.read(self.head, hidden, self.query(attention_mask), self.tokens(is_image))
+        boxes, logits = head.read(self.head, hidden, self.query(attention_mask), self.tokens(is_image))
+        return boxes, torch.sigmoid(logits)
 
     def query(self, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Where the head's query is: each prompt's last token."""

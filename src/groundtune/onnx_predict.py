@@ -4,18 +4,21 @@ onnxruntime, numpy, Pillow and tokenizers alone: no torch, no transformers, no g
     pip install onnxruntime numpy pillow tokenizers
     python DIR/onnx_predict.py DIR --image photo.jpg --phrase "the red mug" --phrase "the laptop"
 
-It prints one JSON line per phrase, ``{"phrase": ..., "bbox": [x1, y1, x2, y2]}``, in pixels of
-the image as given (after its EXIF orientation). From Python:
+It prints one JSON line per phrase, ``{"phrase": ..., "boxes": [[x1, y1, x2, y2], ...], "scores":
+[...]}``: the boxes of the slots whose objectness reaches the export's threshold (none: nothing
+matches), in pixels of the image as given (after its EXIF orientation), in reading order. From
+Python:
 
     from onnx_predict import Grounder
-    boxes = Grounder("DIR").ground(Image.open("photo.jpg"), ["the red mug"])
+    answers = Grounder("DIR").ground(Image.open("photo.jpg"), ["the red mug"])
 
 This file is copied into every ONNX export and is also ``groundtune.onnx_predict``. It repeats, in
 numpy, the few steps groundtune's own path takes with torch (the image resized with Pillow's
 bicubic filter as training resized it, scaled, normalised and cut into the processor's patches;
-the prompt's pieces put together around the phrase, which is always text; a box from fractions of
-the image to its pixels), because it must run where groundtune cannot be installed.
-tests/test_onnx.py checks each step against groundtune's and the boxes against the PyTorch model's.
+the prompt's pieces put together around the phrase, which is always text; the slots kept by the
+threshold, their boxes from fractions of the image to its pixels, in reading order), because it
+must run where groundtune cannot be installed. tests/test_onnx.py checks each step against
+groundtune's and the boxes and scores against the PyTorch model's.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from PIL import Image, ImageOps
 
 
 class Grounder:
-    """An ONNX export, loaded: ``ground(image, phrases)`` -> one box per phrase."""
+    """An ONNX export, loaded: ``ground(image, phrases)`` -> one answer per phrase,
+    ``{"boxes": [...], "scores": [...]}``."""
 
     def __init__(self, folder: str | Path, threads: int = 0):
         import onnxruntime
@@ -41,6 +45,9 @@ class Grounder:
         if "prompt" not in self.settings:
             raise ValueError(f"{folder}: exported by an older groundtune, which wrote the phrase into the prompt's "
                              "text; use that export's own onnx_predict.py, or export the run again")
+        if "threshold" not in self.settings:
+            raise ValueError(f"{folder}: exported by an older groundtune, whose graph gives one box and no scores; "
+                             "use that export's own onnx_predict.py, or export the run again")
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         # it tokenizes only the prompt's text pieces, where a phrase is text: a special token's
         # spelling in it (<|im_end|>, <|image_pad|>) is read as text, as groundtune reads it
@@ -50,8 +57,9 @@ class Grounder:
         self.session = onnxruntime.InferenceSession(str(folder / self.settings["file"]), options,
                                                     providers=["CPUExecutionProvider"])
 
-    def ground(self, image: Image.Image, phrases: list[str]) -> list[list[float]]:
-        """Boxes [x1, y1, x2, y2] in pixels of ``image``, one per phrase, in one run of the graph."""
+    def ground(self, image: Image.Image, phrases: list[str]) -> list[dict]:
+        """Each phrase's answer (``answer``: boxes [x1, y1, x2, y2] in pixels of ``image`` and their
+        scores; none when nothing matches), all in one run of the graph."""
         image = _rgb(image)
         pixels = self.pixel_values(image)
         prompts = [self.input_ids(phrase) for phrase in phrases]
@@ -61,10 +69,11 @@ class Grounder:
         for row, ids in enumerate(prompts):  # right-padded: each prompt's last token is read
             input_ids[row, : len(ids)] = ids
             attention_mask[row, : len(ids)] = 1
-        fractions = self.session.run(["boxes"], {
+        fractions, scores = self.session.run(["boxes", "scores"], {
             "input_ids": input_ids, "attention_mask": attention_mask,
-            "pixel_values": np.repeat(pixels[None], len(prompts), axis=0)})[0]
-        return [to_pixels(box, image.size) for box in fractions.tolist()]
+            "pixel_values": np.repeat(pixels[None], len(prompts), axis=0)})
+        return [answer(slots, slot_scores, self.settings["threshold"], image.size)
+                for slots, slot_scores in zip(fractions.tolist(), scores.tolist())]
 
     def input_ids(self, phrase: str) -> list[int]:
         """The prompt's token ids: the template's control tokens as exported, and each piece of text
@@ -94,6 +103,15 @@ class Grounder:
         frames = frames.reshape(t, 3, grid_h // m, m, p, grid_w // m, m, p)
         frames = frames.transpose(2, 5, 3, 6, 1, 0, 4, 7)
         return np.ascontiguousarray(frames.reshape(grid_h * grid_w, 3 * t * p * p), dtype=np.float32)
+
+
+def answer(fractions: list[list[float]], scores: list[float], threshold: float, size: tuple[int, int]) -> dict:
+    """One phrase's slots -> its answer: the boxes of the slots whose score is at least
+    ``threshold``, in pixels of an image of ``size`` (``to_pixels``), in reading order (by centre,
+    top to bottom then left to right: ``groundtune.boxes.reading_order``), with their scores."""
+    kept = [(to_pixels(box, size), score) for box, score in zip(fractions, scores) if score >= threshold]
+    kept.sort(key=lambda pair: ((pair[0][1] + pair[0][3]) / 2, (pair[0][0] + pair[0][2]) / 2))
+    return {"boxes": [box for box, _ in kept], "scores": [score for _, score in kept]}
 
 
 def to_pixels(fractions: list[float], size: tuple[int, int]) -> list[float]:
@@ -132,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"{args.image}: cannot read the image ({e})", file=sys.stderr)
         return 2
-    for phrase, box in zip(args.phrase, Grounder(folder).ground(image, args.phrase)):
-        print(json.dumps({"phrase": phrase, "bbox": [round(v, 2) for v in box]}))
+    for phrase, found in zip(args.phrase, Grounder(folder).ground(image, args.phrase)):
+        print(json.dumps({"phrase": phrase, "boxes": [[round(v, 2) for v in box] for box in found["boxes"]],
+                          "scores": [round(s, 4) for s in found["scores"]]}))
     return 0
 
 

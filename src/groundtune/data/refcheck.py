@@ -12,7 +12,8 @@ What makes two boxes clearly apart it measures its own way (MAX_IOU, EDGE_SHARE 
 disagreement; the generator's bounds lie inside these, so its phrases never sit on their edge.
 
 A reading gives the boxes the phrase surely names and those it may name (a reader could take it
-so). The phrase is right when both are exactly its box. With m = max(1 px, MARGIN_FRAC x the
+so). The phrase is right when both are exactly its set: the record's ``target`` (one box), or its
+``targets`` (a set, written with ``bboxes``; ``[]`` for a phrase naming nothing). With m = max(1 px, MARGIN_FRAC x the
 shorter image side), s = the shorter side, a cup's "group" = every box its name can mean (a crowd
 box of that category may always be meant: it holds an unknown number of them), and cup A "clearly
 left of" cup B = A's centre >= m left of B's, A's left edge >= EDGE_SHARE x m left of B's left edge
@@ -39,15 +40,25 @@ the cup left of the laptop           wholly left (x2 <= laptop x1) and    centre
 the cup next to / beside the laptop  a horizontal gap of 0..NEAR_FRAC x   edge gap <= FAR_FRAC x s
                                      s, and the shorter box's middle
                                      (y) within the taller's height
+every cup / all (the) cups           as "the cup"                         as "the cup"
+every red cup / all (the) red cups   as "the red cup"                     as "the red cup"
+(all) the cups left of the laptop    as "the cup left of the laptop"      as "the cup left of ..."
+the dog, with no dog in the image    nothing                              a box whose name shares a
+                                                                          word ("the hot dog")
 ===================================  ===================================  ===========================
+
+The forms of the first part ("the cup ...") are said of one box: a record whose set has two or
+more boxes is refused for them, whatever they name (``wrong_box``).
 
 A "counted" cup is one of at least MIN_SIZE_PX (sqrt of its area): a smaller one a reader may or may
 not count, so an extreme or an ordinal names its box surely only when it is the same either way.
 
-The anchor ("the laptop", "the red laptop") must itself be surely and only one box. Verdicts:
-``ok``; ``wrong_box`` (the phrase does not clearly name its box); ``second_box`` (it names its
-box and, possibly, another); ``unparsed`` (outside the grammar); ``bad_record`` (no usable
-``objects``/``target``, or ``bbox`` is not the target's box).
+The anchor ("the laptop", "the red laptop") must itself be surely and only one box. The
+vocabulary is the categories of the image's boxes and the record's ``label`` (a none record's
+category has no box). Verdicts: ``ok``; ``wrong_box`` (the phrase does not clearly name every box
+of its set, or surely names a box where the record says none); ``second_box`` (it names its set
+and, possibly or surely, another box); ``unparsed`` (outside the grammar); ``bad_record`` (no
+usable ``objects`` and ``target``/``targets``, or ``bbox``/``bboxes`` not those objects' boxes).
 """
 
 from __future__ import annotations
@@ -137,43 +148,56 @@ _REL = {"left of": "left of", "to the left of": "left of", "right of": "right of
         "next to": "next to", "beside": "next to"}
 
 
-def _grammar(names: set[str], plurals: set[str], words: set[str]) -> list[tuple[str, re.Pattern]]:
+def _grammar(names: set[str], plurals: set[str], words: set[str]) -> list[tuple[str, bool, re.Pattern]]:
+    """(form, said of one box?, pattern). The set forms ("every cup", "all the red cups", "the cups
+    left of the laptop") are read as the category, attribute and relation forms are, but of any
+    number of boxes; the others name one box."""
     n = f"(?P<n>{_alternation(names)})"
+    ns = f"(?P<ns>{_alternation(plurals)})"
     anchor = (f"(?:(?P<aa>{_alternation(words)}) )?" if words else "") + f"(?P<an>{_alternation(names)})"
+    rel = rf"(?P<rel>{_alternation(_REL)}) the {anchor}"
     forms = [
-        ("category", rf"the {n}"),
-        ("extreme", rf"the (?P<side>leftmost|rightmost|top|bottom) {n}"),
-        ("extreme", rf"the {n} (?P<side>on the left|on the right|at the top|at the bottom)"),
-        ("ordinal", rf"the (?P<ord>second|third|fourth|fifth) {n} from the (?P<from>left|right|top|bottom)"),
-        ("size", rf"the (?P<size>biggest|largest|smallest) {n}"),
-        ("size_of_two", rf"the (?P<size>big|large|small) {n}"),
-        ("size_of_two", rf"the (?P<size>bigger|smaller) of the two (?P<ns>{_alternation(plurals)})"),
-        ("relation", rf"the {n} (?P<rel>{_alternation(_REL)}) the {anchor}"),
+        ("category", True, rf"the {n}"),
+        ("extreme", True, rf"the (?P<side>leftmost|rightmost|top|bottom) {n}"),
+        ("extreme", True, rf"the {n} (?P<side>on the left|on the right|at the top|at the bottom)"),
+        ("ordinal", True, rf"the (?P<ord>second|third|fourth|fifth) {n} from the (?P<from>left|right|top|bottom)"),
+        ("size", True, rf"the (?P<size>biggest|largest|smallest) {n}"),
+        ("size_of_two", True, rf"the (?P<size>big|large|small) {n}"),
+        ("size_of_two", True, rf"the (?P<size>bigger|smaller) of the two {ns}"),
+        ("relation", True, rf"the {n} {rel}"),
+        ("category", False, rf"every {n}"),
+        ("category", False, rf"all (?:the )?{ns}"),
+        ("relation", False, rf"(?:all )?the {ns} {rel}"),
+        ("relation", False, rf"every {n} {rel}"),
     ]
     if words:
-        forms.append(("attribute", rf"the (?P<a>{_alternation(words)}) {n}"))
-    return [(kind, re.compile(pattern)) for kind, pattern in forms]
+        a = f"(?P<a>{_alternation(words)})"
+        forms += [("attribute", True, rf"the {a} {n}"), ("attribute", False, rf"every {a} {n}"),
+                  ("attribute", False, rf"all (?:the )?{a} {ns}")]
+    return [(form, one, re.compile(pattern)) for form, one, pattern in forms]
 
 
-def parse(phrase: str, boxes: list[_Box]) -> list[dict]:
-    """Every reading of the phrase in this image's vocabulary: [{"form", "labels", ...}]. More than
-    one when the words allow it ("top" is also an attribute word here)."""
+def parse(phrase: str, boxes: list[_Box], also: str | None = None) -> list[dict]:
+    """Every reading of the phrase in this image's vocabulary (its boxes' categories, and ``also``:
+    the category a no-target record says it names): [{"form", "one", "labels", ...}], ``one`` when
+    the form is said of one box. More than one reading when the words allow it ("top" is also an
+    attribute word here)."""
     text = " ".join(phrase.lower().split())
     meaning: dict[str, set[str]] = {}  # a spoken name -> the categories it can mean
     plural_of: dict[str, set[str]] = {}
-    for label in {b.label for b in boxes}:
+    for label in {b.label for b in boxes} | ({also} if also else set()):
         for name in _spoken(label):
             meaning.setdefault(name, set()).add(label)
             for p in _plurals(name):
                 plural_of.setdefault(p, set()).add(label)
     words = {w for b in boxes if b.words for w in b.words}
     readings = []
-    for form, pattern in _grammar(set(meaning), set(plural_of), words):
+    for form, one, pattern in _grammar(set(meaning), set(plural_of), words):
         m = pattern.fullmatch(text)
         if not m:
             continue
         g = m.groupdict()
-        reading = {"form": form, "labels": meaning[g["n"]] if g.get("n") else plural_of[g["ns"]]}
+        reading = {"form": form, "one": one, "labels": meaning[g["n"]] if g.get("n") else plural_of[g["ns"]]}
         if form == "attribute":
             reading["word"] = g["a"]
         elif form == "extreme":
@@ -250,6 +274,12 @@ def evaluate(reading: dict, boxes: list[_Box], width: float, height: float) -> t
     s = min(width, height)
     form = reading["form"]
     group = [i for i, b in enumerate(boxes) if b.label in reading["labels"]]
+    if not group:
+        # Nothing of that name here: the phrase names nothing, though a reader looking for it may
+        # settle on a thing whose name shares a word with it ("the dog": the hot dog).
+        words = {w for label in reading["labels"] for name in _spoken(label) for w in name.split()}
+        similar = {i for i, b in enumerate(boxes) if words & {w for name in _spoken(b.label) for w in name.split()}}
+        return set(), similar, "nothing of that name here, but something named alike" if similar else ""
     crowds = {i for i in group if boxes[i].crowd}
     people = [i for i in group if not boxes[i].crowd]
     if form in ("category", "attribute"):
@@ -339,16 +369,42 @@ def _boxes(record: dict) -> list[_Box] | None:
     return out
 
 
+def _targets(record: dict, boxes: list[_Box]) -> list[int] | str:
+    """The record's set as indices into its objects (``targets`` with ``bboxes``, or ``target``
+    with ``bbox``), or why the record gives none."""
+    def box(i: int) -> list[float]:
+        b = boxes[i]
+        return [b.x1, b.y1, b.x2, b.y2]
+
+    def index(i) -> bool:
+        return isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(boxes)
+
+    if "targets" in record:
+        targets, bboxes = record["targets"], record.get("bboxes")
+        if not isinstance(targets, list) or not all(map(index, targets)) or len(set(targets)) != len(targets):
+            return "targets is not a list of distinct indices into objects"
+        if not isinstance(bboxes, list) or [as_box(b) for b in bboxes] != [box(i) for i in targets]:
+            return "bboxes are not objects[targets]'s boxes"
+        return targets
+    if not index(record.get("target")):
+        return "no objects list with a target (or targets) index into it: not written by `data refgen`?"
+    if as_box(record.get("bbox")) != box(record["target"]):
+        return "bbox is not objects[target]'s box"
+    return [record["target"]]
+
+
 def check_record(record: dict) -> Verdict:
     """The verdict on one record of ``data refgen``'s output."""
     boxes = _boxes(record)
-    target = record.get("target")
-    if boxes is None or not isinstance(target, int) or not 0 <= target < len(boxes):
-        return Verdict("bad_record", "no objects list with a target index into it: not written by `data refgen`?")
-    t = boxes[target]
-    if as_box(record.get("bbox")) != [t.x1, t.y1, t.x2, t.y2]:
-        return Verdict("bad_record", "bbox is not objects[target]'s box")
-    readings = parse(str(record.get("phrase", "")), boxes)
+    if boxes is None:
+        return Verdict("bad_record", "no objects list with a target (or targets) index into it: not written by "
+                       "`data refgen`?")
+    targets = _targets(record, boxes)
+    if isinstance(targets, str):
+        return Verdict("bad_record", targets)
+    label = record.get("label")
+    readings = parse(str(record.get("phrase", "")), boxes, " ".join(label.lower().split()) if isinstance(label, str)
+                     else None)
     if not readings:
         return Verdict("unparsed", "outside the grammar of refgen's phrases")
     sure, maybe, why = set(), set(), []
@@ -358,10 +414,13 @@ def check_record(record: dict) -> Verdict:
         maybe |= m | s
         why += [w] if w else []
     found = dict(sure=tuple(sorted(sure)), maybe=tuple(sorted(maybe)))
-    if sure == {target} and maybe == {target}:
+    want = set(targets)
+    if len(want) > 1 and any(r["one"] for r in readings):
+        return Verdict("wrong_box", f"a phrase said of one box, for a set of {len(want)}", **found)
+    if sure == want and maybe == want:
         return Verdict("ok", **found)
-    if target not in sure:
-        return Verdict("wrong_box", "; ".join(why) or "it does not clearly name its box", **found)
+    if not want <= sure or (not want and sure):
+        return Verdict("wrong_box", "; ".join(why) or "it does not clearly name its set", **found)
     return Verdict("second_box", "; ".join(why) or "another box may be meant too", **found)
 
 

@@ -1,8 +1,8 @@
 """Referring expressions from detection boxes: ``groundtune data refgen``.
 
 Most data sets have detections (a box and a category per object), not referring expressions.
-``data convert --from coco`` names each box by its category, which is ambiguous as soon as an
-image holds two cups. This module writes phrases that pick exactly one box of their image:
+``data convert --from coco`` names each category's boxes together ("cup": every cup). This
+module writes phrases that pick exactly one box of their image:
 
 ==========  ============================================================  ==============================
 kind        phrases                                                       emitted when
@@ -24,6 +24,30 @@ relation    "the cup left of the laptop", "the cup above the table",      the an
             "the cup next to the laptop"                                  its category (or of its
                                                                           attribute); see below
 ==========  ============================================================  ==============================
+
+... phrases that name exactly a set of 2+ boxes of one category (SET_KINDS; a record with
+``bboxes`` and ``targets``), each of its boxes at least ``min_size``, no crowd box of the category:
+
+=============  =========================================  ===========================================
+kind           phrases                                    emitted when
+=============  =========================================  ===========================================
+set            "every cup", "all the cups"                2+ cups
+set_attribute  "every red cup", "all the red cups"        2+ cups with the word, every cup's words
+                                                          known
+set_relation   "the cups left of the laptop",             2+ cups each clearly so (as a one-box
+               "all the cups beside the laptop"           relation's target must be), every other
+                                                          cup clearly not (the relation rules below)
+=============  =========================================  ===========================================
+
+... and phrases that name nothing (kind ``none``, ``"bboxes": []``, ``"targets": []``): "the dog"
+for a category of the label set (the COCO file's category list, which COCO labels in every image)
+with no box at all in the image, none of whose names shares a word with a name of anything there
+(no "the dog" beside a hot dog). At most NONE_PER_IMAGE per image. Without a label set (``--from
+jsonl``) there are none: a category with no box may just be unlabelled there.
+
+Each box gets up to ``per_box`` phrases, each category's set up to ``per_box``; a kind's weight
+chooses among the kinds that one box (or one set) can have, so the set kinds never crowd out a
+box's phrases, and their amount is bounded by the categories that repeat.
 
 A cup is "clearly beyond" another towards a side when both of its edges on that axis lie at least
 ``margin`` further that way than the other's (so a box holding another is never beyond it, at the
@@ -58,7 +82,8 @@ Left/right words are exactly those ``augment.hflip`` swaps (left, right, leftmos
 a flipped sample's phrase stays true. ``refcheck.py`` re-derives, with its own parser and
 geometry, whether each written phrase picks exactly its box (a reading of "clearly" of its own
 whose bounds this module's rules stay inside); the records keep every box of the image
-(``objects``, and ``target``: the index of the phrase's box) for it.
+(``objects``, and ``target``: the index of the phrase's box, or ``targets``: the indices of its
+set) for it.
 
     groundtune data refgen --from coco --instances instances_val2017.json --images val2017 --out refs.jsonl
     groundtune data refgen --from jsonl --path shelves.jsonl --out refs.jsonl --kinds relation=2,extreme,size
@@ -81,7 +106,17 @@ from .images import header_size
 from .records import DataError, image_path, iter_jsonl, jsonl_file, record_size
 from .sources import image_ref, load_instances
 
-KINDS = ("category", "attribute", "extreme", "ordinal", "size", "relation")
+# Kinds of a phrase naming one box (a record with "bbox" and "target") ...
+BOX_KINDS = ("category", "attribute", "extreme", "ordinal", "size", "relation")
+# ... naming every box of a category (all of it, all with a word, all on one side of an anchor) ...
+SET_KINDS = ("set", "set_attribute", "set_relation")
+# ... and naming nothing in the image (a record with "bboxes": [] and "targets": [])
+KINDS = BOX_KINDS + SET_KINDS + ("none",)
+# An image gets at most this many no-target phrases. With the boxes' and sets' phrases that is about
+# a tenth of what refgen writes (9% on the synthetic scenes of bench/refgen_proof.py --check), near
+# gRefCOCO's own share (32k no-target expressions of 278k): enough to teach "[]", too few to teach
+# a model that "[]" is a safe answer.
+NONE_PER_IMAGE = 1
 
 # What "clearly" means, as fractions of the image's shorter side so a phrase means the same at any
 # resolution. refcheck.py reads these same numbers (the definition of the language), not this code.
@@ -146,13 +181,22 @@ _ORDINAL_WORDS = {2: "second", 3: "third", 4: "fourth", 5: "fifth"}
 # counts them; _without_ambiguous_words).
 RESERVED_WORDS = frozenset({"left", "right", "leftmost", "rightmost", "top", "bottom", "big", "large", "small",
                             "bigger", "smaller", "biggest", "largest", "smallest", *_ORDINAL_WORDS.values()})
-_RELATION_TEXTS = {
-    "left of": ("the {n} left of {a}", "the {n} to the left of {a}"),
-    "right of": ("the {n} right of {a}", "the {n} to the right of {a}"),
-    "above": ("the {n} above {a}",),
-    "below": ("the {n} below {a}", "the {n} under {a}"),
-    "next to": ("the {n} next to {a}", "the {n} beside {a}"),
+_RELATION_WORDS = {
+    "left of": ("left of", "to the left of"),
+    "right of": ("right of", "to the right of"),
+    "above": ("above",),
+    "below": ("below", "under"),
+    "next to": ("next to", "beside"),
 }
+_RELATION_TEXTS = {rel: tuple(f"the {{n}} {w} {{a}}" for w in words) for rel, words in _RELATION_WORDS.items()}
+# Sets: "every cup", "all the red cups", "the cups left of the laptop". "{ns}" is the plural; a
+# template starting "the {ns}" is not used for a name whose plural is itself ("the sheep left of the
+# laptop" would also read as one sheep).
+_SET_TEXTS = ("every {n}", "all the {ns}", "all {ns}")
+_SET_ATTRIBUTE_TEXTS = ("every {w} {{n}}", "all the {w} {{ns}}")
+_SET_RELATION_TEXTS = {rel: tuple(f"the {{ns}} {w} {{a}}" for w in words) + tuple(f"all the {{ns}} {w} {{a}}"
+                                                                                  for w in words)
+                       for rel, words in _RELATION_WORDS.items()}
 
 
 def plural(name: str) -> str:
@@ -248,6 +292,9 @@ class Detections:
     split: str
     objects: list[Obj]
     extras: dict = field(default_factory=dict)  # passed into every record (image_id, ...)
+    # The categories the source labels in EVERY image (a COCO file's category list): one of them with
+    # no box here is absent, which a none phrase says. None: not known, so no none phrases.
+    label_set: tuple[str, ...] | None = None
 
 
 def _attributes(value, where: str) -> tuple[str, ...] | None:
@@ -270,7 +317,9 @@ def _label(value, where: str) -> str:
 def from_coco(instances: str | Path, images: str | Path, out: str | Path, split: str | None = None,
               attribute_field: str = "attributes") -> list[Detections]:
     """COCO instances.json -> one Detections per image that has annotations, in the file's image
-    order. An annotation may carry ``attribute_field`` (a word or a list of words)."""
+    order. An annotation may carry ``attribute_field`` (a word or a list of words). The file's
+    category list is the label set (COCO labels all its categories in every image): a category of
+    it with no box in an image is absent there."""
     data, image_by_id = load_instances(instances)
     names = {c["id"]: c["name"] for c in data.get("categories", [])}
     split = split or Path(instances).stem.removeprefix("instances_")
@@ -286,9 +335,10 @@ def from_coco(instances: str | Path, images: str | Path, out: str | Path, split:
         by_image[ann["image_id"]].append(Obj(
             tuple(xywh_to_xyxy(box)), _label(names[ann["category_id"]], where),
             _attributes(ann.get(attribute_field), where), bool(ann.get("iscrowd")), ann.get("id")))
+    label_set = tuple(dict.fromkeys(_label(name, f"{instances}: categories") for name in names.values()))
     return [
         Detections(str(im["id"]), image_ref(Path(images) / im["file_name"], out), im["width"], im["height"],
-                   split, by_image[im["id"]], {"image_id": im["id"]})
+                   split, by_image[im["id"]], {"image_id": im["id"]}, label_set)
         for im in data["images"] if by_image.get(im["id"])
     ]
 
@@ -375,6 +425,7 @@ class Candidate:
     kind: str
     meaning: tuple
     texts: tuple[str, ...]
+    targets: tuple[int, ...] = ()  # a set phrase's boxes (indices into the image's objects)
 
 
 @dataclass
@@ -531,59 +582,127 @@ def candidates(i: int, d: Detections, settings: RefgenSettings) -> list[Candidat
     return out
 
 
-def _relations(i: int, d: Detections, settings: RefgenSettings, m: float) -> list[Candidate]:
-    t = d.objects[i]
-    others = [p for j, p in enumerate(d.objects) if j != i and p.label == t.label]
-    crowded = {o.label for o in d.objects if o.crowd}
-    present = {o.label for o in d.objects}
+def _relation_rules(d: Detections, m: float) -> tuple[dict, dict]:
+    """(holds, clearly_not): per relation, whether a box o is clearly so of the anchor a, and
+    whether it is clearly not so, not even nearly (every box of the category the phrase leaves out
+    must be)."""
     scale = min(d.width, d.height)
-    holds = {  # the target is clearly so
+    holds = {
         "left of": lambda o, a: o.box[2] <= a.box[0] and o.cx + m <= a.cx,
         "right of": lambda o, a: o.box[0] >= a.box[2] and a.cx + m <= o.cx,
         "above": lambda o, a: o.box[3] <= a.box[1] and o.cy + m <= a.cy,
         "below": lambda o, a: o.box[1] >= a.box[3] and a.cy + m <= o.cy,
         "next to": lambda o, a: _side_by_side(o, a, scale),
     }
-    clearly_not = {  # ... and every other box of its category clearly not, not even nearly
+    clearly_not = {
         "left of": lambda o, a: a.cx + m <= o.cx,
         "right of": lambda o, a: o.cx + m <= a.cx,
         "above": lambda o, a: a.cy + m <= o.cy,
         "below": lambda o, a: o.cy + m <= a.cy,
         "next to": lambda o, a: _gap(o, a) > FAR_FRAC * scale,
     }
-    out = []
+    return holds, clearly_not
+
+
+def _anchors(label: str, d: Detections, settings: RefgenSettings) -> Iterator[tuple[int, tuple]]:
+    """(j, how) for each box j that can anchor a relation of a ``label`` box, and each way to name
+    it alone: another category's box, no crowd box nor of a crowded category, not under --min-size."""
+    crowded = {o.label for o in d.objects if o.crowd}
+    present = {o.label for o in d.objects}
     for j, a in enumerate(d.objects):
-        if (a.label == t.label or a.crowd or a.label in crowded or _too_small(a, settings)
+        if (a.label == label or a.crowd or a.label in crowded or _too_small(a, settings)
                 or not _names(a.label, present)):
             continue
         for how in _describe_unique(j, d):
-            for rel, ok in holds.items():
-                if ok(t, a) and all(clearly_not[rel](p, a) for p in others):
-                    out.append(Candidate("relation", ("relation", rel, j, *how), _RELATION_TEXTS[rel]))
+            yield j, how
+
+
+def _relations(i: int, d: Detections, settings: RefgenSettings, m: float) -> list[Candidate]:
+    t = d.objects[i]
+    others = [p for j, p in enumerate(d.objects) if j != i and p.label == t.label]
+    holds, clearly_not = _relation_rules(d, m)
+    out = []
+    for j, how in _anchors(t.label, d, settings):
+        a = d.objects[j]
+        for rel, ok in holds.items():
+            if ok(t, a) and all(clearly_not[rel](p, a) for p in others):
+                out.append(Candidate("relation", ("relation", rel, j, *how), _RELATION_TEXTS[rel]))
     return out
 
 
-def _say(c: Candidate, i: int, d: Detections, rng: random.Random) -> str:
+def set_candidates(label: str, d: Detections, settings: RefgenSettings) -> list[Candidate]:
+    """Every phrase that names exactly a set of 2+ boxes of ``label``, each of them at least
+    --min-size: every one ("every cup"), every one with a word ("all the red cups": every box's
+    words known), every one clearly on one side of an anchor with every other clearly not ("the
+    cups left of the laptop", by the relation rules). None when the category has a crowd box (how
+    many it holds is unknown) or cannot be named in this image."""
+    group = [i for i, o in enumerate(d.objects) if o.label == label]
+    if any(d.objects[i].crowd for i in group) or not _names(label, {o.label for o in d.objects}):
+        return []
+
+    def nameable(members) -> bool:
+        return len(members) >= 2 and not any(_too_small(d.objects[i], settings) for i in members)
+
+    out = [Candidate("set", ("set",), _SET_TEXTS, tuple(group))] if nameable(group) else []
+    if all(d.objects[i].attributes is not None for i in group):
+        for word in dict.fromkeys(w for i in group for w in d.objects[i].attributes):
+            members = tuple(i for i in group if word in d.objects[i].attributes)
+            if nameable(members):
+                texts = tuple(t.format(w=word) for t in _SET_ATTRIBUTE_TEXTS)
+                out.append(Candidate("set_attribute", ("set_attribute", word), texts, members))
+    holds, clearly_not = _relation_rules(d, _margin(d))
+    for j, how in _anchors(label, d, settings):
+        a = d.objects[j]
+        for rel in holds:
+            members = tuple(i for i in group if holds[rel](d.objects[i], a))
+            if nameable(members) and all(clearly_not[rel](d.objects[i], a) for i in group if i not in members):
+                out.append(Candidate("set_relation", ("set_relation", rel, j, *how), _SET_RELATION_TEXTS[rel],
+                                     members))
+    return out
+
+
+def _words(label: str) -> set[str]:
+    return {w for name in (label, *SYNONYMS.get(label, ())) for w in name.split()}
+
+
+def none_candidates(d: Detections) -> list[Candidate]:
+    """"the dog" where there is surely none: a category of the label set with no box in the image
+    (not even a crowd or a tiny one), none of whose names shares a word with a name of anything in
+    the image (no "the dog" beside a hot dog, no "the bear" beside a teddy bear). None without a
+    label set: a category with no box may then just be unlabelled."""
+    if d.label_set is None:
+        return []
     present = {o.label for o in d.objects}
-    name = rng.choice(_names(d.objects[i].label, present))
-    text = rng.choice(c.texts)
+    words = {w for label in present for w in _words(label)}
+    return [Candidate("none", ("none", label), ("the {n}",)) for label in d.label_set
+            if label not in present and not _words(label) & words]
+
+
+def _say(c: Candidate, label: str, d: Detections, rng: random.Random) -> str:
+    """The phrase of candidate ``c`` for a box (or the boxes) of ``label``."""
+    present = {o.label for o in d.objects}
+    name = rng.choice(_names(label, present))
+    texts = c.texts
+    if plural(name) == name:  # "the sheep left of the laptop" would also read as one sheep
+        texts = tuple(t for t in texts if not t.startswith("the {ns}")) or texts
+    text = rng.choice(texts)
     anchor = ""
-    if c.kind == "relation":
+    if c.kind in ("relation", "set_relation"):
         j, how = c.meaning[2], c.meaning[3:]
         anchor_name = rng.choice(_names(d.objects[j].label, present))
         anchor = f"the {anchor_name}" if how[0] == "category" else f"the {how[1]} {anchor_name}"
     return text.format(n=name, ns=plural(name), a=anchor)
 
 
-def _choose(cands: list[Candidate], settings: RefgenSettings, rng: random.Random) -> list[Candidate]:
-    """Up to ``per_box`` candidates: a kind drawn by its weight among the kinds that have one
-    left, then one of that kind's candidates; never the same meaning twice."""
+def _choose(cands: list[Candidate], settings: RefgenSettings, rng: random.Random, limit: int) -> list[Candidate]:
+    """Up to ``limit`` candidates: a kind drawn by its weight among the kinds that have one left,
+    then one of that kind's candidates; never the same meaning twice."""
     by_kind: dict[str, list[Candidate]] = defaultdict(list)
     for c in cands:
         if c.kind in settings.kinds:
             by_kind[c.kind].append(c)
     chosen = []
-    while by_kind and len(chosen) < settings.per_box:
+    while by_kind and len(chosen) < limit:
         kinds = sorted(by_kind)  # sorted: the draw must not depend on the order candidates came in
         kind = rng.choices(kinds, weights=[settings.kinds[k] for k in kinds])[0]
         pool = by_kind[kind]
@@ -621,9 +740,11 @@ def _without_ambiguous_words(d: Detections, stats: Stats) -> Detections:
 
 def generate(images: Iterable[Detections], settings: RefgenSettings = RefgenSettings(),
              stats: Stats | None = None, progress: bool = True) -> Iterator[dict]:
-    """Canonical records (``source: refgen``), image by image, box by box. Each image draws from
-    its own random stream (the seed and the image's key), so the output is a function of the seed
-    and the input alone."""
+    """Canonical records (``source: refgen``), image by image: each box's phrases (up to
+    ``per_box``, a ``bbox`` and its ``target`` index), then each category's set phrases (up to
+    ``per_box`` per category, ``bboxes`` and their ``targets`` indices), then up to NONE_PER_IMAGE
+    none phrases (``"bboxes": []``, ``"targets": []``). Each image draws from its own random stream
+    (the seed and the image's key), so the output is a function of the seed and the input alone."""
     stats = stats if stats is not None else Stats()
     images = list(images)
     for d in track(images, "refgen images") if progress else images:
@@ -631,32 +752,50 @@ def generate(images: Iterable[Detections], settings: RefgenSettings = RefgenSett
         d = _without_ambiguous_words(d, stats)
         rng = random.Random(f"{settings.seed}:{d.key}")  # a str seed is hashed with SHA-512: the same in every process
         objects = [o.to_json() for o in d.objects]
+        base = {"image": d.image, "width": d.width, "height": d.height}
+
+        def box_id(i: int):
+            return d.objects[i].ann_id if d.objects[i].ann_id is not None else i
+
+        def set_record(id: str, c: Candidate, label: str) -> dict:
+            stats.expressions[c.kind] += 1
+            ann_ids = [d.objects[i].ann_id for i in c.targets]
+            return {"id": id, **base, "phrase": _say(c, label, d, rng), "bboxes": [list(d.objects[i].box) for i in c.targets],
+                    "split": d.split, "source": "refgen", "kind": c.kind, "label": label, **d.extras,
+                    **({"ann_ids": ann_ids} if c.targets and None not in ann_ids else {}),
+                    "targets": list(c.targets), "objects": objects}
+
         for i, o in enumerate(d.objects):
             stats.boxes += 1
             reason = _skip_reason(o, d, settings)
-            chosen = [] if reason else _choose(candidates(i, d, settings), settings, rng)
+            chosen = [] if reason else _choose(candidates(i, d, settings), settings, rng, settings.per_box)
             if not chosen:
                 stats.skipped[reason or "no_unique_phrase"] += 1
                 continue
             stats.targets += 1
             for k, c in enumerate(chosen):
                 stats.expressions[c.kind] += 1
-                box_id = o.ann_id if o.ann_id is not None else i
                 yield {
-                    "id": f"refgen-{d.split}-{d.key}-{box_id}-{k}",
-                    "image": d.image, "width": d.width, "height": d.height,
-                    "phrase": _say(c, i, d, rng), "bbox": list(o.box),
+                    "id": f"refgen-{d.split}-{d.key}-{box_id(i)}-{k}", **base,
+                    "phrase": _say(c, o.label, d, rng), "bbox": list(o.box),
                     "split": d.split, "source": "refgen", "kind": c.kind, "label": o.label,
                     **d.extras, **({"ann_id": o.ann_id} if o.ann_id is not None else {}),
                     "target": i, "objects": objects,
                 }
+        if any(k in settings.kinds for k in SET_KINDS):
+            for label in dict.fromkeys(o.label for o in d.objects):  # categories in the order of their first box
+                first = next(i for i, o in enumerate(d.objects) if o.label == label)
+                for k, c in enumerate(_choose(set_candidates(label, d, settings), settings, rng, settings.per_box)):
+                    yield set_record(f"refgen-{d.split}-{d.key}-set-{box_id(first)}-{k}", c, label)
+        for k, c in enumerate(_choose(none_candidates(d), settings, rng, NONE_PER_IMAGE)):
+            yield set_record(f"refgen-{d.split}-{d.key}-none-{k}", c, c.meaning[1])
 
 
 def format_stats(stats: Stats) -> str:
     """The ``--stats`` table: expressions per kind, boxes skipped per reason."""
     lines = [f"{stats.images} images, {stats.boxes} boxes, {stats.targets} with an expression, "
              f"{stats.total()} expressions"]
-    lines += [f"  {kind:<12} {stats.expressions.get(kind, 0):>8}" for kind in KINDS]
+    lines += [f"  {kind:<13} {stats.expressions.get(kind, 0):>8}" for kind in KINDS]
     if stats.skipped:
         lines.append("boxes skipped:")
         lines += [f"  {reason:<17} {n:>8}  {SKIP_REASONS.get(reason, '')}" for reason, n in sorted(stats.skipped.items())]

@@ -2,13 +2,16 @@
 
 One function per source, each called by ``groundtune data convert --from SOURCE``:
 
-==============  ============================================================================
-convert_refcoco the refer toolkit's ``refs(unc).p`` / ``refs(umd).p`` / ``refs(google).p`` +
-                its ``instances.json`` (RefCOCO, RefCOCO+, RefCOCOg)
-convert_parquet lmms-lab/RefCOCO-style parquet with the images embedded
-convert_coco    COCO ``instances_*.json``: one sample per object, phrase = category name
-convert_jsonl   canonical JSONL in, validated and normalised JSONL out
-==============  ============================================================================
+================  ==========================================================================
+convert_refcoco   the refer toolkit's ``refs(unc).p`` / ``refs(umd).p`` / ``refs(google).p`` +
+                  its ``instances.json`` (RefCOCO, RefCOCO+, RefCOCOg)
+convert_grefcoco  gRefCOCO's ``grefs(unc).json`` + its ``instances.json``: one sample per
+                  sentence, naming a set of boxes (possibly none)
+convert_parquet   lmms-lab/RefCOCO-style parquet with the images embedded
+convert_coco      COCO ``instances_*.json``: one sample per (image, category) holding every box
+                  of the category, phrase = category name; optionally no-target samples
+convert_jsonl     canonical JSONL in, validated and normalised JSONL out
+================  ==========================================================================
 
 Every function writes through ``records.write_samples`` (a crash leaves no half-written file),
 shows a progress bar, and returns the number of samples written. Every box written is xyxy in
@@ -26,6 +29,8 @@ import io
 import json
 import os
 import pickle
+import random
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Iterator, NoReturn
 
@@ -41,15 +46,16 @@ from .records import (DataError, atomic_write, image_path, iter_jsonl, jsonl_fil
                       write_samples)
 
 
-def _sample(id, image, width, height, phrase, bbox, split, source, **extras) -> dict:
-    """A canonical record with its keys in the documented order, extras last."""
+def _sample(id, image, width, height, phrase, bbox, split, source, box_key="bbox", **extras) -> dict:
+    """A canonical record with its keys in the documented order, extras last. ``box_key`` "bboxes"
+    writes a list of boxes (a set; ``[]``: no target) in bbox's place."""
     return {
         "id": id,
         "image": image,
         "width": width,
         "height": height,
         "phrase": phrase,
-        "bbox": bbox,
+        box_key: bbox,
         "split": split,
         "source": source,
         **extras,
@@ -165,6 +171,125 @@ def convert_refcoco(
 
 
 # --------------------------------------------------------------------------------------------
+# gRefCOCO (GRES, Liu et al. 2023): an expression names any number of objects, or none
+
+# What every ref of grefs(unc).json holds (beside category_id, file_name, sent_ids, no_target).
+GREF_KEYS = ("ref_id", "image_id", "ann_id", "split", "sentences")
+
+
+def _gref_ann_ids(ref: dict, where: str) -> list[int]:
+    """The ref's annotation ids; [] for a no-target ref. gRefCOCO lists them (``[-1]``: no
+    target, with ``no_target: true``); a single id is read as a list of one, as grefer.py does."""
+    value = ref["ann_id"]
+    ids = value if isinstance(value, list) else [value]
+    if not ids or not all(isinstance(a, int) and not isinstance(a, bool) for a in ids) or (-1 in ids and len(ids) > 1):
+        raise DataError(f"{where}: ann_id {value!r} is not a list of annotation ids ([-1] for no target)")
+    no_target = ids == [-1]
+    flag = ref.get("no_target")
+    if flag is not None and flag is not no_target:
+        raise DataError(f"{where}: no_target is {flag!r} but ann_id is {value!r}; they disagree")
+    return [] if no_target else ids
+
+
+def _load_grefs(path: str | Path) -> list[dict]:
+    """grefs(unc).json as a list of refs, each checked for the keys and types the converter reads;
+    anything else is a DataError naming the file (and the ref's index)."""
+    path = regular_file(path, "grefs file")
+    with open(path, "rb") as f:
+        if f.read(1) == b"\x80":  # how every pickle of protocol 2 or later begins
+            raise DataError(f"{path}: a pickle (the refer toolkit's refs(unc).p?), not gRefCOCO's grefs(unc).json; "
+                            "pass grefs(unc).json, or convert RefCOCO's pickles with --from refcoco")
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            refs = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: not valid JSON ({e}); expected gRefCOCO's grefs(unc).json, a list of refs") from None
+    if not isinstance(refs, list):
+        raise DataError(f"{path}: a JSON {type(refs).__name__}, not a list of refs; expected gRefCOCO's grefs(unc).json")
+    for i, ref in enumerate(refs):
+        where = f"{path}: ref #{i}"
+        if not isinstance(ref, dict):
+            raise DataError(f"{where} is a JSON {type(ref).__name__}, not a ref object")
+        missing = [k for k in GREF_KEYS if k not in ref]
+        if missing:
+            raise DataError(f"{where} has no {', '.join(missing)}; is this gRefCOCO's grefs(unc).json?")
+        _gref_ann_ids(ref, where)
+        sentences = ref["sentences"]
+        if not isinstance(sentences, list) or not all(
+                isinstance(s, dict) and isinstance(s.get("sent_id"), int)
+                and isinstance(s.get("raw") or s.get("sent"), str) for s in sentences):
+            raise DataError(f"{where}: sentences must be a list of {{sent_id, raw, sent}} objects")
+    return refs
+
+
+def convert_grefcoco(
+    grefs: str | Path,
+    instances: str | Path,
+    images: str | Path,
+    out: str | Path,
+    split: str | None = None,
+    counts: Counter | None = None,
+) -> int:
+    """gRefCOCO's ``grefs(unc).json`` + ``instances.json`` -> canonical JSONL, one line per
+    sentence. Returns the lines written.
+
+    ``bboxes`` holds the boxes of every annotation the ref names (xyxy, original pixels), ``[]``
+    for a no-target ref; the id is ``grefcoco-<split>-<ref_id>-<sent_id>``, with ``ref_id``,
+    ``image_id``, ``ann_ids`` and ``sent_id`` kept. The image comes from instances.json's
+    ``file_name`` under ``images``. A ref naming a crowd annotation is left out (its box covers an
+    unknown number of objects, so no list of boxes is the set): ``counts["crowd"]`` counts its
+    sentences, ``counts["no_target"]`` and ``counts["with_boxes"]`` the lines written.
+    ``split`` keeps only that split.
+    """
+    if not Path(images).is_dir():
+        raise DataError(f"{images}: images folder not found; pass the folder holding the COCO train2014 images")
+    refs = _load_grefs(grefs)
+    data, image_by_id = load_instances(instances)
+    ann_by_id = {a["id"]: a for a in data["annotations"]}
+    counts = counts if counts is not None else Counter()
+    if split is not None:
+        splits = sorted({str(r["split"]) for r in refs})
+        if split not in splits:
+            raise DataError(f"{grefs}: no ref has split {split!r}; its splits are {', '.join(splits)}")
+
+    def samples() -> Iterator[dict]:
+        ids = set()
+        for i, ref in track(list(enumerate(refs)), "grefcoco refs"):
+            if split is not None and ref["split"] != split:
+                continue
+            where = f"{grefs}: ref #{i} (ref_id {ref['ref_id']})"
+            ann_ids = _gref_ann_ids(ref, where)
+            im = image_by_id.get(ref["image_id"])
+            anns = [ann_by_id.get(a) for a in ann_ids]
+            if im is None or None in anns:
+                what = f"image_id {ref['image_id']}" if im is None else f"ann_id {ann_ids[anns.index(None)]}"
+                raise DataError(f"{where} names {what}, which {instances} does not hold; pass the "
+                                "instances.json that came with grefs(unc).json")
+            if any(a["image_id"] != ref["image_id"] or as_box(a.get("bbox")) is None for a in anns):
+                raise DataError(f"{where}: an annotation of it lies in another image or has no 4-number bbox")
+            if any(a.get("iscrowd") for a in anns):
+                counts["crowd"] += len(ref["sentences"])
+                continue
+            boxes = [xywh_to_xyxy(a["bbox"]) for a in anns]
+            image = image_ref(Path(images) / im["file_name"], out)
+            for sent in ref["sentences"]:
+                phrase = (sent.get("raw") or sent["sent"]).strip()
+                if not phrase:
+                    counts["empty_sentence"] += 1  # nothing to ground; its sent_id keeps the others' ids
+                    continue
+                id = f"grefcoco-{ref['split']}-{ref['ref_id']}-{sent['sent_id']}"
+                if id in ids:
+                    raise DataError(f"{where}: ref_id {ref['ref_id']} with sent_id {sent['sent_id']} appears twice")
+                ids.add(id)
+                counts["with_boxes" if boxes else "no_target"] += 1
+                yield _sample(id, image, im["width"], im["height"], phrase, boxes, ref["split"], "grefcoco",
+                              box_key="bboxes", ref_id=ref["ref_id"], image_id=ref["image_id"], ann_ids=ann_ids,
+                              sent_id=sent["sent_id"])
+
+    return write_samples(out, samples())
+
+
+# --------------------------------------------------------------------------------------------
 # Parquet with embedded images (lmms-lab/RefCOCO, RefCOCO+, RefCOCOg on the hub)
 
 _PARQUET_REQUIRED = ("image", "bbox", "answer")
@@ -267,31 +392,94 @@ def convert_parquet(path: str | Path, images_out: str | Path, out: str | Path, s
 # COCO detection annotations
 
 
-def convert_coco(instances: str | Path, images: str | Path, out: str | Path, split: str | None = None) -> int:
-    """COCO instances.json -> canonical JSONL, one line per object, phrase = category name.
-    Returns the lines written.
+def _coco_annotations(data: dict, image_by_id: dict, names: dict, instances) -> dict:
+    """Annotations by image id, in the file's order; one naming no image or category, or whose box
+    is not 4 numbers, raises naming it."""
+    by_image: dict = defaultdict(list)
+    for ann in data["annotations"]:
+        where = f"{instances}: annotation {ann.get('id')}"
+        if ann.get("image_id") not in image_by_id or ann.get("category_id") not in names:
+            what = "image_id" if ann.get("image_id") not in image_by_id else "category_id"
+            raise DataError(f"{where} names {what} {ann.get(what)!r}, which this file does not define")
+        if as_box(ann.get("bbox")) is None:
+            raise DataError(f"{where}: bbox {ann.get('bbox')!r} is not 4 numbers (x, y, width, height)")
+        by_image[ann["image_id"]].append(ann)
+    return by_image
 
-    Crowd annotations (iscrowd=1) are skipped: their box covers a group of objects, not one
-    referent. ``split`` is recorded on every line; without it, the instances file name decides
-    ("instances_val2017.json" -> "val2017").
+
+def convert_coco(instances: str | Path, images: str | Path, out: str | Path, split: str | None = None,
+                 negatives: int = 0, seed: int = 0, one_per_box: bool = False,
+                 counts: Counter | None = None) -> int:
+    """COCO instances.json -> canonical JSONL, the category name as the phrase. Returns the lines
+    written; ``counts`` (when given) receives how many lines have boxes (``with_boxes``) or none
+    (``no_target``), how many (image, category) pairs were left out for a crowd box (``crowd``;
+    with ``one_per_box``, crowd boxes skipped) and, with ``one_per_box``, how many lines name a
+    category that repeats in their image (``repeated``).
+
+    A phrase names a SET (design.md): "cup" means every cup of the image. So each (image,
+    category) is one line with every box of the category in ``bboxes``, id
+    ``coco-<split>-<image_id>-<category_id>``. A category with a crowd box (iscrowd=1) in the image
+    is left out: the crowd holds an unknown number of them, so no list of boxes is the set.
+
+    ``negatives`` adds up to that many lines per image with ``"bboxes": []`` for categories with
+    no annotation in the image (same id form), drawn by a random stream of ``seed`` and the image
+    id (the same seed writes the same bytes). It assumes the file labels every one of its
+    categories in every image, as COCO does; for a data set that does not, "no box" is not
+    "absent" and these lines are false.
+
+    ``one_per_box`` writes the old form instead: one line per non-crowd box, id
+    ``coco-<split>-<ann_id>``, ``bbox`` its box. It is ambiguous wherever a category repeats in an
+    image (the phrase "cup" names both cups, the line one).
+
+    ``split`` is recorded on every line; without it, the instances file name decides
+    ("instances_val2017.json" -> "val2017"). Images come in the file's order, categories in its
+    category list's order.
     """
     data, image_by_id = load_instances(instances)
     names = {c["id"]: c["name"] for c in data.get("categories", [])}
     split = split or Path(instances).stem.removeprefix("instances_")
+    by_image = _coco_annotations(data, image_by_id, names, instances)
+    counts = counts if counts is not None else Counter()
 
     def samples() -> Iterator[dict]:
-        for ann in track(data["annotations"], "coco annotations"):
-            if ann.get("iscrowd"):
-                continue
-            im = image_by_id.get(ann["image_id"])
-            if im is None or ann["category_id"] not in names:
-                what = f"image_id {ann['image_id']}" if im is None else f"category_id {ann['category_id']}"
-                raise DataError(f"{instances}: annotation {ann['id']} names {what}, which this file does not define")
-            yield _sample(
-                f"coco-{split}-{ann['id']}", image_ref(Path(images) / im["file_name"], out), im["width"],
-                im["height"], names[ann["category_id"]], xywh_to_xyxy(ann["bbox"]), split, "coco",
-                ann_id=ann["id"], image_id=ann["image_id"], category_id=ann["category_id"],
-            )
+        for im in track(data["images"], "coco images"):
+            anns = by_image.get(im["id"], [])
+            image = image_ref(Path(images) / im["file_name"], out)
+            common = (im["width"], im["height"])
+            by_category: dict = {}
+            for ann in anns:
+                by_category.setdefault(ann["category_id"], []).append(ann)
+            if one_per_box:
+                for ann in anns:
+                    if ann.get("iscrowd"):
+                        counts["crowd"] += 1
+                        continue
+                    counts["repeated"] += len(by_category[ann["category_id"]]) > 1
+                    counts["with_boxes"] += 1
+                    yield _sample(
+                        f"coco-{split}-{ann['id']}", image, *common, names[ann["category_id"]],
+                        xywh_to_xyxy(ann["bbox"]), split, "coco",
+                        ann_id=ann["id"], image_id=im["id"], category_id=ann["category_id"])
+            else:
+                for cid in (c for c in names if c in by_category):
+                    group = by_category[cid]
+                    if any(a.get("iscrowd") for a in group):
+                        counts["crowd"] += 1
+                        continue
+                    counts["with_boxes"] += 1
+                    yield _sample(
+                        f"coco-{split}-{im['id']}-{cid}", image, *common, names[cid],
+                        [xywh_to_xyxy(a["bbox"]) for a in group], split, "coco", box_key="bboxes",
+                        image_id=im["id"], category_id=cid, ann_ids=[a["id"] for a in group])
+            if negatives:
+                absent = [c for c in names if c not in by_category]
+                # a str seed is hashed with SHA-512: the same stream in every process and run
+                rng = random.Random(f"{seed}:{im['id']}")
+                chosen = set(rng.sample(absent, min(negatives, len(absent))))
+                for cid in (c for c in absent if c in chosen):
+                    counts["no_target"] += 1
+                    yield _sample(f"coco-{split}-{im['id']}-{cid}", image, *common, names[cid], [], split, "coco",
+                                  box_key="bboxes", image_id=im["id"], category_id=cid, ann_ids=[])
 
     return write_samples(out, samples())
 
@@ -305,10 +493,6 @@ def _box(value) -> list[float] | None:
     return as_box(value) if isinstance(value, list) else None
 
 
-def _boxes(value) -> list[list[float]] | None:
-    """A non-empty list of boxes as floats, or None when it is not one."""
-    boxes = [_box(b) for b in value] if isinstance(value, list) else []
-    return boxes if boxes and None not in boxes else None
 
 
 def convert_jsonl(path: str | Path, out: str | Path) -> int:
@@ -316,8 +500,9 @@ def convert_jsonl(path: str | Path, out: str | Path) -> int:
 
     Fills ``width``/``height`` from the image header when missing, makes boxes floats, fills a
     missing ``id`` with ``<file stem>-<line>``, a missing ``split`` with the file stem (synth writes
-    SPLIT.jsonl) and a missing ``source`` with "jsonl". Image paths are read relative to ``path``
-    and written for ``out``. The first bad line raises, naming file and line.
+    SPLIT.jsonl) and a missing ``source`` with "jsonl". ``bboxes`` must be a list of 4-number
+    boxes; ``[]`` (a phrase with no target) is kept as it is. Image paths are read relative to
+    ``path`` and written for ``out``. The first bad line raises, naming file and line.
     """
     path = jsonl_file(path)
     with open(path, "rb") as f:
@@ -337,10 +522,17 @@ def convert_jsonl(path: str | Path, out: str | Path) -> int:
             if ("bbox" in r) == ("bboxes" in r):
                 fail(n, "needs exactly one of bbox or bboxes")
             key = "bbox" if "bbox" in r else "bboxes"
-            value = _box(r["bbox"]) if key == "bbox" else _boxes(r["bboxes"])
-            if value is None:
-                what = "4 numbers" if key == "bbox" else "a non-empty list of 4-number boxes"
-                fail(n, f"{key} {r[key]!r} is not {what} (x1, y1, x2, y2 in pixels)")
+            if key == "bbox":
+                value = _box(r["bbox"])
+                if value is None:
+                    fail(n, f"bbox {r['bbox']!r} is not 4 numbers (x1, y1, x2, y2 in pixels)")
+            else:  # a list of boxes; [] is a phrase with no target in the image
+                if not isinstance(r["bboxes"], list):
+                    fail(n, f"bboxes {r['bboxes']!r} is not a list of boxes ([] for a phrase with no target)")
+                value = [_box(b) for b in r["bboxes"]]
+                if None in value:
+                    k = value.index(None)
+                    fail(n, f"bboxes[{k}] {r['bboxes'][k]!r} is not 4 numbers (x1, y1, x2, y2 in pixels)")
             image = image_path(r, path)
             if not image.is_file():
                 fail(n, f"image file {image} not found")

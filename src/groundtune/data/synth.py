@@ -1,5 +1,7 @@
 """The built-in synthetic grounding set: 1-3 coloured shapes on a light noisy background and a
-phrase that names exactly one of them.
+phrase that names exactly one of them; or, task ``every``, 1-6 shapes whose colour and kind may
+repeat and a phrase that names a SET of them ("every red circle", "all the squares"), or nothing
+in the image (at least a fifth of the samples: "every green cross" where there is none).
 
 It is the embedded default data (quickstart, tests, CI) and the pre-training stream of the tiny
 model, so it is made to be fast and reproducible:
@@ -42,7 +44,10 @@ from groundtune.progress import progress_bar
 #              "the red shape"): position alone never tells which shape is meant
 #   multi      2-3 shapes, every phrase form
 #   full       1-3 shapes, every phrase form
-SHAPE_COUNTS = {"full": (1, 3), "single": (1, 1), "attribute": (2, 3), "multi": (2, 3)}  # task -> (fewest, most)
+#   every      1-6 shapes, colour and kind may repeat; the phrase names every shape of a colour and/or
+#              kind ("every red circle", "all the squares", "the blue shapes"), possibly none
+SHAPE_COUNTS = {"full": (1, 3), "single": (1, 1), "attribute": (2, 3), "multi": (2, 3),
+                "every": (1, 6)}  # task -> (fewest, most)
 TASKS = tuple(SHAPE_COUNTS)
 # Shapes _shape_mask can draw. A Palette may use any of them: a variant with new shapes is a
 # different Palette, not new code.
@@ -83,6 +88,11 @@ class Palette:
 
 
 DEFAULT_PALETTE = Palette()
+
+SET_TASK = "every"
+NO_TARGET_SHARE = 0.25  # of the every task's samples: a phrase naming nothing in the image
+# "every red circle", "all the red circles", "the red circles": the ways a set is asked for
+SET_TEMPLATES = ("every {one}", "all the {many}", "the {many}")
 
 REL_WORDS = ("left of", "right of", "above", "below")
 EXTREMES = ("left", "right", "top", "bottom")
@@ -126,7 +136,7 @@ class Scene:
     width: int
     height: int
     shapes: list[Shape]
-    target: int
+    targets: list[int]  # the shapes the phrase names: one, or for the every task any number
     query: Query
     # where each shape's mask is pasted: (x0, y0) and the mask's side
     placements: list[tuple[int, int, int]]
@@ -136,8 +146,8 @@ class Scene:
         return self.query.text
 
     @property
-    def bbox(self) -> list[float]:
-        return [float(v) for v in self.shapes[self.target].box]
+    def boxes(self) -> list[list[float]]:
+        return [[float(v) for v in self.shapes[i].box] for i in self.targets]
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,6 +348,30 @@ def _choose_query(rng: np.random.Generator, shapes: list[Shape], target: int, ta
 # Samples
 
 
+def plural(kind: str) -> str:
+    return kind + ("es" if kind.endswith(("s", "x")) else "s")
+
+
+def _set_query(rng: np.random.Generator, shapes: list[Shape], palette: Palette) -> Query:
+    """A phrase naming every shape of a colour, a kind or both; NO_TARGET_SHARE of the time one
+    that names none of them (a colour/kind pairing, or a colour or kind, absent from the scene).
+    The set is read back from the phrase by ``resolve``, as every phrase is."""
+    present = [(s.colour, s.kind) for s in shapes]
+    if rng.random() < NO_TARGET_SHARE:
+        absent = [(c, k) for c in palette.colours for k in palette.shapes if (c, k) not in present]
+        absent += [(c, None) for c in palette.colours if all(c != pc for pc, _ in present)]
+        absent += [(None, k) for k in palette.shapes if all(k != pk for _, pk in present)]
+        colour, kind = absent[int(rng.integers(len(absent)))]
+    else:
+        colour, kind = present[int(rng.integers(len(present)))]
+        colour, kind = [(colour, kind), (colour, None), (None, kind)][int(rng.integers(3))]
+    one = _head_text(colour, kind)
+    many = plural(kind) if kind else f"{colour} shapes"
+    many = f"{colour} {many}" if colour and kind else many
+    template = SET_TEMPLATES[int(rng.integers(len(SET_TEMPLATES)))]
+    return Query("set", template.format(one=one, many=many), colour, kind)
+
+
 def _rng(seed: int, index: int, split: str) -> np.random.Generator:
     # The split is part of the key so that `--split val` with the default seed is not a copy of
     # the training set. crc32, not hash(): Python salts str hashes per process.
@@ -350,9 +384,11 @@ def _scene(rng: np.random.Generator, width: int, height: int, task: str, palette
     n_pairs = len(palette.colours) * len(palette.shapes)
     lo, hi = SHAPE_COUNTS[task]
     k = lo if lo == hi else int(rng.integers(lo, hi + 1))
-    k = min(k, n_pairs)
-    # distinct (colour, shape) pairs, so "the {colour} {shape}" always names one shape
-    pairs = rng.choice(n_pairs, size=k, replace=False)
+    if task == SET_TASK:  # pairs may repeat: a set of several red circles
+        pairs = rng.integers(n_pairs, size=k)
+    else:  # distinct (colour, shape) pairs, so "the {colour} {shape}" always names one shape
+        k = min(k, n_pairs)
+        pairs = rng.choice(n_pairs, size=k, replace=False)
     placements = _place(rng, k, width, height)
     for _attempt in range(100):  # a dropped shape would leave no choice to make: lay out again
         if len(placements) >= min(lo, k):
@@ -368,9 +404,13 @@ def _scene(rng: np.random.Generator, width: int, height: int, task: str, palette
         shapes.append(Shape(colour, kind, (x0 + bx1, y0 + by1, x0 + bx2, y0 + by2)))
     if not shapes:
         raise ValueError(f"a {width}x{height} canvas is too small for a {_size_range(width, height)[0]} px shape")
-    target = int(rng.integers(len(shapes)))
-    query = _choose_query(rng, shapes, target, task, _margin(width, height))
-    return Scene(width, height, shapes, target, query, placements[: len(shapes)])
+    if task == SET_TASK:
+        query = _set_query(rng, shapes, palette)
+        targets = sorted(resolve(query, shapes, _margin(width, height))[0])
+    else:
+        target = int(rng.integers(len(shapes)))
+        query, targets = _choose_query(rng, shapes, target, task, _margin(width, height)), [target]
+    return Scene(width, height, shapes, targets, query, placements[: len(shapes)])
 
 
 def _render(rng: np.random.Generator, scene: Scene, palette: Palette) -> Image.Image:
@@ -418,7 +458,8 @@ def make_sample(
         "width": width,
         "height": height,
         "phrase": scene.phrase,
-        "bbox": scene.bbox,
+        # a set (possibly empty) for the every task, else the one box
+        **({"bboxes": scene.boxes} if task == SET_TASK else {"bbox": scene.boxes[0]}),
         "source": "synth",
         "task": task,
     }
@@ -430,7 +471,8 @@ def _record(index: int, split: str, sample: dict, image: str | None) -> dict:
     rec = {"id": f"synth-{split}-{index}"}
     if image is not None:
         rec["image"] = image
-    rec.update(width=sample["width"], height=sample["height"], phrase=sample["phrase"], bbox=sample["bbox"])
+    rec.update(width=sample["width"], height=sample["height"], phrase=sample["phrase"],
+               **{key: sample[key] for key in ("bbox", "bboxes") if key in sample})
     rec.update(split=split, source=sample["source"], task=sample["task"])
     return rec
 

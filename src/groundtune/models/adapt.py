@@ -149,12 +149,13 @@ def param_groups(model, cfg) -> list[dict]:
     ]
 
 
-def attach_box_head(model, text_loss: bool) -> None:
-    """``head: box``: a new box head on ``model`` (models/head.py), trained fully. Without the text
-    loss (``text_loss``) the LM head computes nothing, so a trainable, untied one is frozen (an
-    unused trainable weight would also stall DDP, which waits for its gradient)."""
+def attach_box_head(model, text_loss: bool, slots: int, threshold: float) -> None:
+    """``head: box``: a new box head of ``slots`` slots answering at ``threshold`` on ``model``
+    (models/head.py), trained fully. Without the text loss (``text_loss``) the LM head computes
+    nothing, so a trainable, untied one is frozen (an unused trainable weight would also stall
+    DDP, which waits for its gradient)."""
     core = base_model(model)
-    head.attach(model, hidden_size(core))
+    head.attach(model, hidden_size(core), slots, threshold)
     lm_head = core.get_output_embeddings().weight
     if not text_loss and lm_head is not core.get_input_embeddings().weight:
         lm_head.requires_grad_(False)

@@ -2,21 +2,24 @@
 box-head export that needs torch, transformers, safetensors and Pillow: no groundtune.
 
     pip install torch transformers safetensors pillow
-    python DIR/box_head.py DIR --image photo.jpg --phrase "the red mug" --phrase "the laptop"
+    python DIR/box_head.py DIR --image photo.jpg --phrase "the red mug" --phrase "every chair"
 
-It prints one JSON line per phrase, ``{"phrase": ..., "bbox": [x1, y1, x2, y2]}``, in pixels of
-the image as given (after its EXIF orientation). From Python, with DIR on the import path:
+It prints one JSON line per phrase, ``{"phrase": ..., "boxes": [[x1, y1, x2, y2], ...], "scores":
+[...]}``: the boxes of the slots whose objectness reaches the head's threshold (none: nothing
+matches), in pixels of the image as given (after its EXIF orientation), in reading order. From
+Python, with DIR on the import path:
 
     from box_head import Grounder
-    boxes = Grounder("DIR").ground(Image.open("photo.jpg").convert("RGB"), ["the red mug"])
+    answers = Grounder("DIR").ground(Image.open("photo.jpg").convert("RGB"), ["the red mug"])
 
 This file is ``groundtune.models.box_head``, the head groundtune trains, and is copied into every
 box-head export (``groundtune export``), so an export carries the head's code as its weights were
 trained with. It imports nothing of groundtune for that reason. The runner does with transformers'
 own processor and model what groundtune's box-head path does (infer.head_boxes): the prompt ends
 with the answer's opening, the phrase is always text, one forward pass, the head on the last state
-and the image's tokens, the box mapped from fractions of the image to its pixels.
-tests/test_export.py and tests/test_onnx.py check its boxes against groundtune's.
+and the image's tokens, the slots kept by the threshold saved with the head, their boxes mapped
+from fractions of the image to its pixels. tests/test_export.py and tests/test_onnx.py check its
+boxes and scores against groundtune's.
 """
 
 from __future__ import annotations
@@ -35,6 +38,13 @@ HEAD_FILE = "box_head.safetensors"  # the head's weights, beside the model's
 WIDTH = 512  # the correcting MLP's width
 KEY_WIDTH = 128  # the width of the query and the image tokens' keys
 FREQUENCIES = 4  # Fourier features of a cell's (x, y): sin and cos at pi x 1, 2, 4, 8
+# Slots 1..K-1 start this far (std, per hidden unit) from the query state, slot 0 on it: small
+# beside a state of RMS ~1 after the model's final norm, so every slot starts reading the image as
+# the single-box head did, and different enough that the matching tells them apart from step one.
+SLOT_SPREAD = 0.1
+# The objectness logit of a head saved before sets (one box, no score): sigmoid(20) is 1.0 in fp32,
+# so its one slot is always kept, as its box always was.
+SURE = 20.0
 
 
 @dataclass
@@ -53,46 +63,103 @@ class ImageTokens:
 
 
 class BoxHead(torch.nn.Module):
-    def __init__(self, hidden_size: int, width: int = WIDTH, key_width: int = KEY_WIDTH):
+    """K query slots, each a box and an objectness score, from one query state and the image's
+    tokens. Slot k's query is the query state plus a learned offset (``slots[k]``); each slot
+    attends over the image on its own and its box comes from its own map, corrected by the MLP,
+    whose features also give its objectness logit. Slot 0's offset starts at zero: one slot
+    starts as, and with a zero offset is, the single-box head of before (models/head.py).
+    ``threshold``: an answer keeps the slots whose objectness (the logit's sigmoid) is at least it;
+    saved with the weights (``save_head``), not learned."""
+
+    def __init__(self, hidden_size: int, slots: int = 1, threshold: float = 0.0, width: int = WIDTH,
+                 key_width: int = KEY_WIDTH):
         super().__init__()
+        self.threshold = threshold
+        self.slots = torch.nn.Parameter(torch.zeros(slots, hidden_size))
+        torch.nn.init.normal_(self.slots[1:], std=SLOT_SPREAD)
         self.query = torch.nn.Linear(hidden_size, key_width)
         # no bias on the keys: one added to every key of a sample shifts all its scores alike, which
         # the softmax ignores (its gradient would be rounding noise, which Adam scales up to steps)
         self.key = torch.nn.Linear(hidden_size, key_width, bias=False)
         self.where = torch.nn.Linear(2 + 4 * FREQUENCIES, key_width, bias=False)
         # the MLP's first layer on [query, attended states], split so that each image token is
-        # projected once, before the per-sample sum (the same map, a fraction of the memory)
+        # projected once, before the per-slot sum (the same map, a fraction of the memory)
         self.from_query = torch.nn.Linear(hidden_size, width)
         self.from_image = torch.nn.Linear(hidden_size, width, bias=False)
         self.out = torch.nn.Linear(width, 4)
         torch.nn.init.zeros_(self.out.weight)
         torch.nn.init.zeros_(self.out.bias)
+        # zero: every slot starts at 0.5, and the box features get no gradient from it before it
+        # has learned anything
+        self.objectness = torch.nn.Linear(width, 1)
+        torch.nn.init.zeros_(self.objectness.weight)
+        torch.nn.init.zeros_(self.objectness.bias)
 
-    def forward(self, query: torch.Tensor, image: torch.Tensor, tokens: ImageTokens) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, image: torch.Tensor,
+                tokens: ImageTokens) -> tuple[torch.Tensor, torch.Tensor]:
         """``query`` (samples, hidden): each sample's query state; ``image`` (image tokens, hidden):
-        the states of ``tokens``'s image tokens, in its order -> (samples, 4) boxes, xyxy as
-        fractions of the image."""
+        the states of ``tokens``'s image tokens, in its order -> (samples, slots, 4) boxes, xyxy as
+        fractions of the image, and (samples, slots) objectness logits."""
         dtype = self.query.weight.dtype
         query, image, xy, cell = query.to(dtype), image.to(dtype), tokens.xy.to(dtype), tokens.cell.to(dtype)
         keys = self.key(image) + self.where(fourier(xy))  # (image tokens, key width)
-        q = self.query(query)
-        scores = torch.einsum("nk,ntk->nt", q, keys[tokens.index]) / q.shape[-1] ** 0.5
-        p = torch.softmax(scores.masked_fill(~tokens.mask, float("-inf")), dim=-1)[..., None]  # (samples, T, 1)
-        centre, size = map_box(p, xy[tokens.index], cell[tokens.index])
-        correction = self.out(F.gelu(self.from_query(query) + (p * self.from_image(image)[tokens.index]).sum(1)))
-        cx, cy = (centre + correction[:, :2]).unbind(-1)
-        w, h = (size * torch.exp(correction[:, 2:])).unbind(-1)
-        return torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], dim=-1)
+        slots = query[:, None] + self.slots  # (samples, slots, hidden): each slot's query state
+        q = self.query(slots)
+        scores = torch.einsum("nsk,ntk->nst", q, keys[tokens.index]) / q.shape[-1] ** 0.5
+        p = torch.softmax(scores.masked_fill(~tokens.mask[:, None], float("-inf")), dim=-1)  # (samples, slots, T)
+        centre, size = map_box(p, xy[tokens.index][:, None], cell[tokens.index][:, None])
+        attended = torch.einsum("nst,ntw->nsw", p, self.from_image(image)[tokens.index])
+        features = F.gelu(self.from_query(slots) + attended)
+        correction = self.out(features)
+        cx, cy = (centre + correction[..., :2]).unbind(-1)
+        w, h = (size * torch.exp(correction[..., 2:])).unbind(-1)
+        return torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], dim=-1), self.objectness(features)[..., 0]
 
 
 def map_box(p: torch.Tensor, xy: torch.Tensor, cell: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The box an attention map over cells points at: ``p`` (samples, T, 1) the map, ``xy`` and
-    ``cell`` (samples, T, 2) its cells' centres and sizes -> (samples, 2) centre and width/height.
-    A map spread evenly over a block of cells gives that block: a uniform spread over a width w
-    has variance (w^2 - cell^2) / 12 between cell centres."""
-    centre = (p * xy).sum(1)
-    spread = (p * (xy - centre[:, None]) ** 2).sum(1)
-    return centre, torch.sqrt(12 * spread + (p * cell).sum(1) ** 2)
+    """The box an attention map over cells points at: ``p`` (..., T) the map, ``xy`` and ``cell``
+    (..., T, 2) its cells' centres and sizes (broadcast against it) -> (..., 2) centre and
+    width/height. A map spread evenly over a block of cells gives that block: a uniform spread
+    over a width w has variance (w^2 - cell^2) / 12 between cell centres."""
+    p = p[..., None]
+    centre = (p * xy).sum(-2)
+    spread = (p * (xy - centre[..., None, :]) ** 2).sum(-2)
+    return centre, torch.sqrt(12 * spread + (p * cell).sum(-2) ** 2)
+
+
+def save_head(head: BoxHead, path: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """The head's weights (``state``: given whole, else its own) and its threshold (the file's
+    metadata) into ``path``."""
+    from safetensors.torch import save_file
+
+    if state is None:
+        state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+    save_file(state, str(path), metadata={"threshold": repr(float(head.threshold))})
+
+
+def load_head(path: str | Path, hidden_size: int) -> BoxHead:
+    """A head from its file: as many slots as it holds, the threshold saved with it. A file of the
+    single-box head of before sets (no slots, no objectness) loads as one slot on the query state
+    whose objectness is always 1, with threshold 0: it answers its one box exactly as it did."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+        metadata = f.metadata() or {}
+    if "slots" in state:
+        if "threshold" not in metadata:
+            raise ValueError(f"{path}: a box head without its threshold (the file's metadata); save it with "
+                             "save_head")
+        threshold = float(metadata["threshold"])
+    else:
+        width = state["out.weight"].shape[1]
+        state = {**state, "slots": torch.zeros(1, hidden_size), "objectness.weight": torch.zeros(1, width),
+                 "objectness.bias": torch.tensor([SURE])}
+        threshold = 0.0
+    head = BoxHead(hidden_size, len(state["slots"]), threshold, width=state["out.weight"].shape[1],
+                   key_width=state["query.weight"].shape[0])
+    head.load_state_dict(state)
+    return head
 
 
 def fourier(xy: torch.Tensor) -> torch.Tensor:
@@ -117,10 +184,10 @@ def cells(grid_thw: list[int], merge_size: int) -> tuple[torch.Tensor, torch.Ten
 
 
 class Grounder:
-    """A box-head export, loaded with transformers: ``ground(image, phrases)`` -> one box per phrase."""
+    """A box-head export, loaded with transformers: ``ground(image, phrases)`` -> one answer per
+    phrase, ``{"boxes": [...], "scores": [...]}``."""
 
     def __init__(self, folder: str | Path, device: str = "cpu"):
-        from safetensors.torch import load_file
         from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
         folder = Path(folder)
@@ -129,11 +196,12 @@ class Grounder:
         self.model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.image_processor = AutoImageProcessor.from_pretrained(folder)  # resizes with the run's pixel budget
-        self.head = BoxHead(self.model.config.get_text_config().hidden_size).to(self.device).eval()
-        self.head.load_state_dict(load_file(folder / HEAD_FILE))
+        self.head = load_head(folder / HEAD_FILE, self.model.config.get_text_config().hidden_size)
+        self.head.to(self.device).eval()
 
-    def ground(self, image, phrases: list[str]) -> list[list[float]]:
-        """Boxes [x1, y1, x2, y2] in pixels of ``image`` (an RGB PIL image), one per phrase."""
+    def ground(self, image, phrases: list[str]) -> list[dict]:
+        """Each phrase's answer in ``image`` (an RGB PIL image): ``answer``'s boxes [x1, y1, x2, y2]
+        in its pixels and their objectness scores; no box when nothing matches."""
         vision = self.image_processor(images=[image], return_tensors="pt").to(self.device)
         xy, cell = (t.to(self.device) for t in cells(vision["image_grid_thw"][0].tolist(),
                                                      self.model.config.vision_config.spatial_merge_size))
@@ -149,8 +217,9 @@ class Grounder:
                 where = is_image[0].nonzero()[:, 0]  # the image's tokens, row by row of its merged grid
                 tokens = ImageTokens(torch.zeros_like(where), where, xy, cell, torch.arange(len(where))[None],
                                      torch.ones(1, len(where), dtype=torch.bool))
-                fractions = self.head(hidden[-1:], hidden[where], tokens)[0].tolist()  # the query: the last token
-            found.append(to_pixels(fractions, image.size))
+                fractions, logits = self.head(hidden[-1:], hidden[where], tokens)  # the query: the last token
+            found.append(answer(fractions[0].tolist(), torch.sigmoid(logits[0]).tolist(), self.head.threshold,
+                                image.size))
         return found
 
     def input_ids(self, phrase: str, image_tokens: int) -> list[int]:
@@ -177,6 +246,15 @@ class Grounder:
         return ids
 
 
+def answer(fractions: list[list[float]], scores: list[float], threshold: float, size: tuple[int, int]) -> dict:
+    """One phrase's slots -> its answer: the boxes of the slots whose score is at least
+    ``threshold``, in pixels of an image of ``size`` (``to_pixels``), in reading order (by centre,
+    top to bottom then left to right: ``groundtune.boxes.reading_order``), with their scores."""
+    kept = [(to_pixels(box, size), score) for box, score in zip(fractions, scores) if score >= threshold]
+    kept.sort(key=lambda pair: ((pair[0][1] + pair[0][3]) / 2, (pair[0][0] + pair[0][2]) / 2))
+    return {"boxes": [box for box, _ in kept], "scores": [score for _, score in kept]}
+
+
 def to_pixels(fractions: list[float], size: tuple[int, int]) -> list[float]:
     """xyxy fractions of the image -> its pixels, clipped to it (``groundtune.boxes.from_unit``
     then ``clip_box``)."""
@@ -195,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with Image.open(args.image) as opened:
         image = ImageOps.exif_transpose(opened).convert("RGB")
-    for phrase, box in zip(args.phrase, Grounder(args.folder, args.device).ground(image, args.phrase)):
-        print(json.dumps({"phrase": phrase, "bbox": [round(v, 2) for v in box]}))
+    for phrase, found in zip(args.phrase, Grounder(args.folder, args.device).ground(image, args.phrase)):
+        print(json.dumps({"phrase": phrase, "boxes": [[round(v, 2) for v in box] for box in found["boxes"]],
+                          "scores": [round(s, 4) for s in found["scores"]]}))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Box-head mode (``head: box``): the box read off the language model's hidden states in one
+"""Box-head mode (``head: box``): the boxes read off the language model's hidden states in one
 forward pass, instead of written as text token by token.
 
 The head looks at the image through the language model's own states. Its query is the hidden
@@ -7,24 +7,41 @@ and the whole phrase (the first has seen nothing, so a "[CLS]" state would be us
 prompt ends with the opening of the family's text answer up to its first coordinate
 (``prompt_end``: ``[{"bbox_2d": [``), the state a text-answering model writes the box's first
 number from. The query attends over the sample's image tokens: their last hidden states, plus
-Fourier features of where each token's cell is, which the grid says (``image_tokens``). The box
+Fourier features of where each token's cell is, which the grid says (``image_tokens``). A box
 comes from that attention map: its centre is the map's weighted mean of the cells' centres, its
 width and height sqrt(12 var + cell^2) of the map's spread (a map spread evenly over n cells gives
 n cells). A small MLP on the query and the attended states corrects it (centre added, size scaled
-in log space); its last layer starts at zero, so at first the box is the map's. Trained with
-1 - GIoU + ``head_l1_weight`` x L1 (the mean over the four coordinates), per sample, as fractions
-of the image (``boxes.to_unit``), written out as xyxy.
+in log space); its last layer starts at zero, so at first the box is the map's.
 
 Why a map: an MLP regressing four numbers from the query state alone (hidden -> 512 -> GELU -> 4)
 learned slowly: on the quickstart's variant task it reached 0.31-0.43 Acc@0.5 after 500 steps,
-against the text head's 0.655. This head reaches 0.725-0.75 in the same steps and less time
+against the text head's 0.655. The map reaches 0.725-0.75 in the same steps and less time
 (docs/benchmarks-history.md, "A box head that looks at the image"). The map puts the box where the image is,
 cell by cell, so the head need not learn coordinates from nothing.
 
+A phrase names a SET: 0, 1 or several boxes. The head has K query slots (``head_slots``), DETR's
+answer: slot k's query is the query state plus a learned offset, each slot makes its own map,
+box and objectness score (the MLP's features, one more output). Slot 0's offset starts at zero and
+the others near it (``box_head.SLOT_SPREAD``), so one slot IS the single-box head, and K slots
+start as K near-copies of it that the matching pulls apart. Why offsets on the query state rather
+than K queries of their own: every slot keeps reading the phrase and the image through the
+state the single-box head was measured on; an offset only moves where in the image it looks.
+
+Training matches slots to true boxes one-to-one with the Hungarian algorithm (``set_loss``). The
+cost of giving true box j to slot k is exactly what that changes in the loss: the pair's
+1 - GIoU + ``head_l1_weight`` x L1, plus the slot's objectness loss as "object" minus as "no
+object" (-logit for binary cross-entropy). The matching therefore minimises the loss itself over
+every assignment (DETR's cost has the same three terms, weighted on their own). Loss per sample:
+the matched pairs' box losses + binary cross-entropy of every slot's objectness (matched: 1,
+others: 0), as fractions of the image (``boxes.to_unit``). A no-target phrase trains every slot
+towards 0; a single-target one trains one slot's box. An answer keeps the slots whose score
+(sigmoid) is at least ``head_threshold`` (saved with the head), boxes in reading order.
+
 The head is a submodule of the model it reads (``model.box_head``): it trains, is checkpointed,
 sharded and all-reduced with the model's trainable weights without any code of its own, and it
-is saved beside the model as ``box_head.safetensors`` (``groundtune.json`` says ``head: box``).
-A phrase with several boxes gets one: the head predicts the first.
+is saved beside the model as ``box_head.safetensors`` (``groundtune.json`` says ``head: box``),
+its threshold in that file's metadata. A file of the single-box head of before sets loads as one
+slot that always answers (``box_head.load_head``).
 
 The head itself (``BoxHead``, its map and features) is models/box_head.py, a module that imports
 no groundtune: a box-head export carries a copy (``SCRIPT_FILE``), which runs the export with
@@ -37,15 +54,22 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
 
 from groundtune import boxes
-from groundtune.errors import ModelError
-from groundtune.models.box_head import HEAD_FILE, BoxHead, ImageTokens, cells
+from groundtune.config import TrainConfig
+from groundtune.errors import ModelError, TrainingError
+from groundtune.models.box_head import HEAD_FILE, BoxHead, ImageTokens, cells, load_head, save_head
 from groundtune.models.qwen import IGNORE_INDEX
 
 ATTRIBUTE = "box_head"  # the head's name on the model it reads (and the prefix of its weights' names)
 SCRIPT_FILE = "box_head.py"  # the head's own module, copied into a box-head export: it runs the export
+# The weight of a slot's "no object" loss against "object" (DETR's eos_coef, 0.1 for its 100
+# slots). 1: with K = 8 slots and 0-3 true boxes the unmatched outnumber the matched a few to one,
+# not DETR's ~30, and an unweighted score stays the probability that a slot holds a true box,
+# which is what one fixed threshold (0.5 by default) reads. A lower weight would raise every
+# score, duplicates' too.
+NO_OBJECT_WEIGHT = 1.0
 
 
 def image_tokens(batch: dict[str, torch.Tensor], config, image_of_sample: list[int] | None = None) -> ImageTokens:
@@ -71,9 +95,10 @@ def image_tokens(batch: dict[str, torch.Tensor], config, image_of_sample: list[i
 
 
 def read(box_head: BoxHead, hidden: torch.Tensor, query: tuple[torch.Tensor, torch.Tensor],
-         tokens: ImageTokens) -> torch.Tensor:
+         tokens: ImageTokens) -> tuple[torch.Tensor, torch.Tensor]:
     """``box_head`` on the hidden states of a batch (batch, length, hidden): the query states at
-    ``query`` (rows, columns), the image tokens at ``tokens`` -> (samples, 4) xyxy fractions."""
+    ``query`` (rows, columns), the image tokens at ``tokens`` -> (samples, slots, 4) xyxy
+    fractions and (samples, slots) objectness logits."""
     rows, columns = (t.to(hidden.device) for t in query)
     return box_head(hidden[rows, columns], hidden[tokens.rows, tokens.columns], tokens)
 
@@ -88,10 +113,12 @@ def prompt_end(family: str) -> str:
     return boxes.answer_opening(family)
 
 
-def attach(model, hidden_size: int) -> BoxHead:
-    """A new head on ``model`` (initialised from the current seed), in fp32 on its device."""
+def attach(model, hidden_size: int, slots: int = TrainConfig.head_slots,
+           threshold: float = TrainConfig.head_threshold) -> BoxHead:
+    """A new head of ``slots`` slots on ``model`` (initialised from the current seed), in fp32 on its
+    device; its answers keep the slots whose score is at least ``threshold``."""
     device = next(model.parameters()).device
-    head = BoxHead(hidden_size).to(device)
+    head = BoxHead(hidden_size, slots, threshold).to(device)
     setattr(model, ATTRIBUTE, head)
     return head
 
@@ -101,21 +128,24 @@ def head_of(model) -> BoxHead | None:
 
 
 def save(head: BoxHead, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
-    """The head's weights into ``folder`` (``weights``: the model's, gathered whole, by full name)."""
+    """The head's weights and threshold into ``folder`` (``weights``: the model's, gathered whole,
+    by full name)."""
+    state = None
     if weights is not None:
         state = {k.split(f"{ATTRIBUTE}.", 1)[1]: v for k, v in weights.items() if f"{ATTRIBUTE}." in k}
-    else:
-        state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
-    save_file(state, Path(folder) / HEAD_FILE)
+    save_head(head, Path(folder) / HEAD_FILE, state)
 
 
 def load(model, folder: Path, hidden_size: int) -> BoxHead:
-    head = attach(model, hidden_size)
-    weights = load_file(Path(folder) / HEAD_FILE)
-    if "mlp.0.weight" in weights:
-        raise ModelError(f"{Path(folder) / HEAD_FILE}: a box head of an earlier groundtune (one MLP on the query "
-                         "state), which this version's head (models/head.py) replaced; train the run again")
-    head.load_state_dict(weights)
+    """The head saved in ``folder``, attached to ``model`` on its device. A single-box head of
+    before sets loads as one slot that always answers (``box_head.load_head``)."""
+    file = Path(folder) / HEAD_FILE
+    with safe_open(str(file), "pt") as f:
+        if "mlp.0.weight" in f.keys():
+            raise ModelError(f"{file}: a box head of an earlier groundtune (one MLP on the query state), which "
+                             "this version's head (models/head.py) replaced; train the run again")
+    head = load_head(file, hidden_size).to(next(model.parameters()).device)
+    setattr(model, ATTRIBUTE, head)
     return head
 
 
@@ -142,17 +172,63 @@ def query_positions(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch
 
 
 def giou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Generalised IoU of (n, 4) xyxy boxes, row by row (``boxes.giou``, for tensors)."""
-    area_a = (a[:, 2] - a[:, 0]).clamp(min=0) * (a[:, 3] - a[:, 1]).clamp(min=0)
-    area_b = (b[:, 2] - b[:, 0]).clamp(min=0) * (b[:, 3] - b[:, 1]).clamp(min=0)
-    inter = ((torch.minimum(a[:, 2], b[:, 2]) - torch.maximum(a[:, 0], b[:, 0])).clamp(min=0)
-             * (torch.minimum(a[:, 3], b[:, 3]) - torch.maximum(a[:, 1], b[:, 1])).clamp(min=0))
+    """Generalised IoU of xyxy boxes (..., 4), broadcast against each other (``boxes.giou``, for
+    tensors): rows of (n, 4) pair by pair, or (k, 1, 4) against (1, n, 4) every pair."""
+    area_a = (a[..., 2] - a[..., 0]).clamp(min=0) * (a[..., 3] - a[..., 1]).clamp(min=0)
+    area_b = (b[..., 2] - b[..., 0]).clamp(min=0) * (b[..., 3] - b[..., 1]).clamp(min=0)
+    inter = ((torch.minimum(a[..., 2], b[..., 2]) - torch.maximum(a[..., 0], b[..., 0])).clamp(min=0)
+             * (torch.minimum(a[..., 3], b[..., 3]) - torch.maximum(a[..., 1], b[..., 1])).clamp(min=0))
     union = area_a + area_b - inter
-    hull = ((torch.maximum(a[:, 2], b[:, 2]) - torch.minimum(a[:, 0], b[:, 0]))
-            * (torch.maximum(a[:, 3], b[:, 3]) - torch.minimum(a[:, 1], b[:, 1])))
+    hull = ((torch.maximum(a[..., 2], b[..., 2]) - torch.minimum(a[..., 0], b[..., 0]))
+            * (torch.maximum(a[..., 3], b[..., 3]) - torch.minimum(a[..., 1], b[..., 1])))
     return inter / union.clamp(min=1e-9) - (hull - union) / hull.clamp(min=1e-9)
 
 
 def box_loss(predicted: torch.Tensor, target: torch.Tensor, l1_weight: float) -> torch.Tensor:
-    """Per sample: 1 - GIoU + ``l1_weight`` x the mean absolute error of the four coordinates."""
-    return 1 - giou(predicted, target) + l1_weight * F.l1_loss(predicted, target, reduction="none").mean(dim=-1)
+    """1 - GIoU + ``l1_weight`` x the mean absolute error of the four coordinates, of boxes (..., 4)
+    broadcast against each other (as ``giou``)."""
+    return 1 - giou(predicted, target) + l1_weight * (predicted - target).abs().mean(dim=-1)
+
+
+def set_loss(predicted: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, counts: torch.Tensor,
+             l1_weight: float) -> torch.Tensor:
+    """Per sample, the head's loss for sets: ``predicted`` (samples, slots, 4) boxes and ``logits``
+    (samples, slots) objectness against ``targets`` (samples, most boxes, 4), of which the first
+    ``counts[i]`` are sample i's true boxes. The slots are matched to the true boxes one-to-one
+    (``match``) at the cost each pair adds to the loss, so the loss is its minimum over every
+    assignment: the matched pairs' ``box_loss`` + every slot's objectness cross-entropy (matched:
+    1, others: 0, weighted ``NO_OBJECT_WEIGHT``)."""
+    slots = predicted.shape[1]
+    most = int(counts.max()) if len(counts) else 0
+    if most > slots:
+        raise TrainingError(f"a phrase has {most} true boxes and the box head {slots} slots, one box each: "
+                            f"train with head_slots={most} or more")
+    logits = logits.float()
+    pairs = box_loss(predicted.float()[:, :, None], targets.float()[:, None], l1_weight)  # (samples, slots, boxes)
+    is_object = F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits), reduction="none")
+    no_object = NO_OBJECT_WEIGHT * F.binary_cross_entropy_with_logits(logits, torch.zeros_like(logits),
+                                                                       reduction="none")
+    sample, slot, box = match(pairs + (is_object - no_object)[..., None], counts)
+    matched = torch.zeros_like(logits, dtype=torch.bool)
+    matched[sample, slot] = True
+    loss = torch.where(matched, is_object, no_object).sum(dim=1)
+    return loss.index_add(0, sample, pairs[sample, slot, box])
+
+
+def match(cost: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one-to-one assignment of slots to true boxes of least total ``cost`` (samples, slots,
+    boxes) in each sample (its first ``counts[i]`` boxes), with scipy's Hungarian algorithm
+    (``linear_sum_assignment``): the matched (sample, slot, box) triples as three index tensors on
+    ``cost``'s device. One copy of the costs to the CPU per batch."""
+    from scipy.optimize import linear_sum_assignment
+
+    # a non-finite cost still gets an assignment: the loss stays non-finite, and the training
+    # loop's guard skips the step as it skips any other
+    table = torch.nan_to_num(cost.detach().float(), nan=1e9, posinf=1e9, neginf=-1e9).cpu().numpy()
+    found = [[], [], []]
+    for i, n in enumerate(counts.tolist()):
+        slots, targets = linear_sum_assignment(table[i, :, :n])
+        found[0] += [i] * len(slots)
+        found[1] += slots.tolist()
+        found[2] += targets.tolist()
+    return tuple(torch.tensor(index, dtype=torch.long, device=cost.device) for index in found)

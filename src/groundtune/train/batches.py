@@ -38,7 +38,7 @@ class GroundingDataset(torch.utils.data.Dataset):
         self.scale_crop_prob = scale_crop_prob
         self.seed = seed
         self.answer_label = answer_label
-        self.box_target = box_target  # head=box: each sample's box as fractions of the image too
+        self.box_target = box_target  # head=box: each sample's boxes as fractions of the image too
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -63,8 +63,9 @@ class GroundingDataset(torch.utils.data.Dataset):
                                     self.answer_label, self.box_target)
         except boxes.ResizeError as e:
             raise DataError(f"{self.samples.where(index)}: {e}") from None
-        if self.box_target:  # the first box: a box head predicts one (models/head.py)
-            encoded["box_target"] = torch.tensor(boxes.to_unit(sample_boxes(sample)[0], image.size))
+        if self.box_target:  # every box, none for a no-target phrase: the head's slots match them (models/head.py)
+            unit = [boxes.to_unit(box, image.size) for box in sample_boxes(sample)]
+            encoded["box_target"] = torch.tensor(unit, dtype=torch.float32).reshape(len(unit), 4)
         return encoded
 
 
@@ -90,7 +91,9 @@ def encode_sample(processor, family, resize, prompt, image, sample, answer_label
 
 class Collate:
     """Items -> one batch (padded, or packed into one row), with ``drawn`` (positions used) and
-    ``failed`` (what went wrong with the items that failed to load)."""
+    ``failed`` (what went wrong with the items that failed to load). A box head's targets:
+    ``box_target`` (samples, most boxes, 4), zero-padded, and ``box_count`` (samples,), how many
+    of each sample's rows are boxes."""
 
     def __init__(self, pad_token_id: int, packing: bool = False):
         self.pad_token_id, self.packing = pad_token_id, packing
@@ -102,7 +105,8 @@ class Collate:
         if good:
             batch = qwen.collate_packed(good) if self.packing else qwen.collate(good, self.pad_token_id, "right")
         if targets:
-            batch["box_target"] = torch.stack(targets)
+            batch["box_target"] = torch.nn.utils.rnn.pad_sequence(targets, batch_first=True)
+            batch["box_count"] = torch.tensor([len(t) for t in targets])
         return {**batch, "drawn": len(items), "failed": [item["failed"] for item in items if "failed" in item]}
 
 

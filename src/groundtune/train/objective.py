@@ -36,7 +36,7 @@ def hidden_states(core, batch: dict[str, torch.Tensor], image_of_row: list[int] 
     if "cu_seq_lens_q" in batch and not keeps_packed_samples_apart(core):
         raise TrainingError("a packed batch on a model whose attention would cross its samples: install "
                             "groundtune's attention first (models.speedups.install), as groundtune train does")
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", "box_target")}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "box_target", "box_count")}
     if image_of_row is not None and qwen.family_of(core).image_features_alone:
         inputs = qwen.shared_image_inputs(core, inputs, image_of_row)
     # no KV cache: nothing reuses it, and a recomputed (checkpointed) layer would extend it twice
@@ -66,8 +66,8 @@ class Objective(torch.nn.Module):
 
 class BoxObjective(torch.nn.Module):
     """Box-head mode's objective as a module (what the engines wrap, as ``Objective``): the head's
-    boxes for the samples of a batch, and with ``text`` (``head_text_loss_weight`` > 0) the
-    answer's log-probs from the same forward pass, else None."""
+    slots for the samples of a batch (boxes and objectness logits), and with ``text``
+    (``head_text_loss_weight`` > 0) the answer's log-probs from the same forward pass, else None."""
 
     def __init__(self, model, text: bool = False):
         super().__init__()
@@ -77,17 +77,18 @@ class BoxObjective(torch.nn.Module):
         core = base_model(self.model)
         hidden = hidden_states(core, batch)
         tokens = head.image_tokens(batch, core.config)
-        boxes = head.read(head.head_of(self.model), hidden, head.query_positions(batch), tokens)
-        return boxes, (_answer_logprobs(core, hidden, batch["labels"])[0] if self.text else None)
+        boxes, logits = head.read(head.head_of(self.model), hidden, head.query_positions(batch), tokens)
+        return boxes, logits, (_answer_logprobs(core, hidden, batch["labels"])[0] if self.text else None)
 
 
 def box_head_loss(objective: BoxObjective, batch: dict[str, torch.Tensor], samples: int, tokens: int,
                   l1_weight: float, text_weight: float) -> torch.Tensor:
-    """The box loss (``head.box_loss``) summed over ``batch``'s samples and divided by ``samples``
-    (the update's, as ``answer_loss`` divides by its answer tokens), plus ``text_weight`` x the
-    answer's cross-entropy where the joint mode keeps the model answering in text."""
-    boxes, logprobs = objective(batch)
-    loss = head.box_loss(boxes, batch["box_target"], l1_weight).sum() / samples
+    """The head's set loss (``head.set_loss``: its slots matched to each sample's true boxes)
+    summed over ``batch``'s samples and divided by ``samples`` (the update's, as ``answer_loss``
+    divides by its answer tokens), plus ``text_weight`` x the answer's cross-entropy where the
+    joint mode keeps the model answering in text."""
+    boxes, logits, logprobs = objective(batch)
+    loss = head.set_loss(boxes, logits, batch["box_target"], batch["box_count"], l1_weight).sum() / samples
     if logprobs is not None:
         loss = loss - text_weight * logprobs.sum() / tokens
     return loss

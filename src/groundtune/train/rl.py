@@ -219,7 +219,8 @@ def rollouts(gm: GroundingModel, pairs: list[tuple], keys: list[int], group_size
     scores, sequences = [], []
     for k, (ids, prediction) in enumerate(answers):
         image, sample = pairs[k // group_size]
-        scores.append(reward(prediction.bbox, sample_boxes(sample), image.size, weights))
+        read = prediction.boxes if prediction.boxes or prediction.no_target else None  # [] said none; None: unread
+        scores.append(reward(read, sample_boxes(sample), image.size, weights))
         sequences.append(qwen.with_answer_ids(gm.processor, encoded[k // group_size], ids))
     shape = (len(pairs), group_size)
     return Rollouts(

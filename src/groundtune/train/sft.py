@@ -157,7 +157,7 @@ def _setup_model(cfg: TrainConfig, device_setting: str | None = None) -> tuple[G
     gm = dataclasses.replace(gm, prompt=cfg.prompt or gm.prompt)
     model = adapt.prepare_for_training(gm.model, cfg)
     if cfg.head == "box":
-        adapt.attach_box_head(model, text_loss=cfg.head_text_loss_weight > 0)
+        adapt.attach_box_head(model, cfg.head_text_loss_weight > 0, cfg.head_slots, cfg.head_threshold)
     adapt.keep_trainable_fp32(model)
     speedups.install(model, cfg.kernels, cfg.compile, say=print)
     gm = dataclasses.replace(gm, model=model)
