@@ -117,6 +117,10 @@ def _broken_images(images: Path) -> None:
     Image.new("RGB", (1, 300), "white").save(images / "thin.png")  # aspect ratio 300
 
 
+def _without_bbox(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k != "bbox"}
+
+
 # case -> (kind, line it is on, the line's text made from the good record there)
 BAD_RECORDS = {
     "01-image_missing": ("image_missing", 3, lambda r: json.dumps({**r, "image": "images/no-such-image.png"})),
@@ -130,6 +134,15 @@ BAD_RECORDS = {
     "09-invalid_json": ("invalid_json", 5, lambda r: '{"id": "broken", "image": '),
     "10-aspect_ratio": ("aspect_ratio", 6, lambda r: json.dumps({**r, "image": "images/thin.png", "width": 1,
                                                                  "height": 300, "bbox": [0.0, 10.0, 1.0, 100.0]})),
+    # a set's boxes that are not boxes: train refuses them as data check does; eval too (52-53 below)
+    "52-bboxes_not_a_list": ("bbox_nan", 4, lambda r: json.dumps({**_without_bbox(r), "bboxes": "x"})),
+    "53-bboxes_short_box": ("bbox_nan", 7, lambda r: json.dumps({**_without_bbox(r), "bboxes": [[1, 2, 3]]})),
+}
+# eval case -> (the file of BAD_RECORDS it reads, its one line)
+EVAL_BAD_BOXES = {
+    "52-eval-bboxes_not_a_list": ("52-bboxes_not_a_list", 'bboxes is "x", not a list of boxes [[x1, y1, x2, y2], ...]'),
+    "53-eval-bboxes_short_box": ("53-bboxes_short_box", "bboxes[0] is [1, 2, 3], not a box: four finite numbers "
+                                                        "[x1, y1, x2, y2]"),
 }
 OUT_OF_RANGE = {  # case -> (setting, what is wrong)
     "17-save_every=-1": ("save_every=-1", "must be 0 or more"),
@@ -219,6 +232,8 @@ CASES = {
     **{case: (lambda c, out, s=setting: _train(c, out, s), {}) for case, (setting, _) in NOT_A_NUMBER.items()},
     "51-synth-negative-count": (lambda c, out: ["data", "synth", "--out", out, "--n", "-1"], {}),
     "51-serve-port-99999": (lambda c, out: ["serve", "--model", "tiny", "--port", "99999"], {}),
+    **{case: (lambda c, out, bad=bad: ["eval", "--model", "tiny", "--data", c.bad[bad]], {})
+       for case, (bad, _) in EVAL_BAD_BOXES.items()},
 }
 
 
@@ -627,6 +642,47 @@ def test_51_a_flag_argparse_refuses_is_one_line_too(corpus):
     assert not corpus.out["51-synth-negative-count"].exists()
     assert _refused(corpus.result("51-serve-port-99999")) == (
         "error: groundtune serve: argument --port: must be from 1 to 65535, got 99999 (see groundtune serve --help)")
+
+
+# --------------------------------------------------------------------------------------------
+# 52-53: a set's boxes that are not boxes (train: 1-10's refusal, above)
+
+
+@pytest.mark.parametrize("case", EVAL_BAD_BOXES)
+def test_52_53_eval_refuses_a_malformed_set_before_the_model_loads(corpus, case):
+    bad_case, said = EVAL_BAD_BOXES[case]
+    bad, line = corpus.bad[bad_case], BAD_RECORDS[bad_case][1]
+    done = corpus.result(case)
+    assert _refused(done) == f"error: {bad}:{line}: {said}; run `groundtune data check {bad}`"
+    assert not done.stdout.strip() and done.seconds < 20, _show(done)  # no model loaded, nothing evaluated
+    _untouched(corpus)
+
+
+@pytest.mark.parametrize("value, said", [
+    ("x", 'bboxes is "x", not a list of boxes'),
+    ({"a": 1}, 'bboxes is {"a": 1}, not a list of boxes'),
+    ([[1, 2, 3]], "bboxes[0] is [1, 2, 3], not a box"),
+    ([[0, 0, 5, 5], [1, 2, "3", 4]], 'bboxes[1] is [1, 2, "3", 4], not a box'),
+    ([[0, 0, 5, float("nan")]], "bboxes[0] is [0, 0, 5, NaN], not a box"),
+    ([[0, 0, 5, 5, 6]], "bboxes[0] is [0, 0, 5, 5, 6], not a box"),
+    ([[True, 0, 5, 5]], "bboxes[0] is [true, 0, 5, 5], not a box"),
+    ([0, 0, 5, 5], "bboxes[0] is 0, not a box"),  # one box where a list of boxes belongs
+])
+def test_reading_records_names_the_line_of_a_malformed_set(tmp_path, value, said):
+    """What eval (and the quickstart) read records with: the first line whose boxes are not boxes
+    raises, naming file and line, before anything else reads them."""
+    from groundtune.data.records import DataError, read_samples
+
+    good = {"id": "a", "image": "a.png", "width": 64, "height": 64, "phrase": "every red circle"}
+    path = tmp_path / "sets.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in ({**good, "bboxes": []}, {**good, "bboxes": [[1, 2, 30, 40]]},
+                                                      {**good, "bboxes": value})) + "\n")
+    with pytest.raises(DataError) as raised:
+        read_samples(path)
+    assert str(raised.value).startswith(f"{path}:3: {said}")
+    path.write_text(json.dumps({**good, "bboxes": []}) + "\n" + json.dumps({**good, "bbox": [1, 2, 3]}) + "\n")
+    with pytest.raises(DataError, match=r":2: bbox is \[1, 2, 3\], not a box"):
+        read_samples(path)
 
 
 # --------------------------------------------------------------------------------------------

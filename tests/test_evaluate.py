@@ -148,6 +148,23 @@ def test_no_target_answers_are_read_and_counted_right():
     assert only_none["f1@0.5"] is None and only_none["t_acc"] is None
 
 
+def test_headline_is_acc_and_falls_back_where_the_eval_set_gives_it_nothing_to_count():
+    """The number a run keeps its best model by: Acc@0.5 wherever a sample has a target; on a set of
+    no-target samples only, set_acc@0.5 (F1 there is 0 or undefined whatever the answers)."""
+    assert evaluate.headline(evaluate.summarise(_rows())) == ("acc@0.5", pytest.approx(4 / 6))
+    with_none = _rows() + [_row("n1", [], []), _row("n2", [], [[0, 0, 10, 10]])]
+    assert evaluate.headline(evaluate.summarise(with_none))[0] == "acc@0.5"
+    sets = [_row("s1", [[0, 0, 10, 10], [20, 20, 30, 30]], [[0, 0, 10, 10]])]  # several true boxes: acc counts it
+    assert evaluate.headline(evaluate.summarise(sets)) == ("acc@0.5", 1.0)
+    all_right = evaluate.summarise([_row("n1", [], []), _row("n2", [], [])])
+    half = evaluate.summarise([_row("n1", [], []), _row("n2", [], [[0, 0, 10, 10]])])
+    assert (all_right["acc@0.5"], all_right["f1@0.5"], half["f1@0.5"]) == (None, None, 0)
+    assert evaluate.headline(all_right) == ("set_acc@0.5", 1.0) and evaluate.headline(half) == ("set_acc@0.5", 0.5)
+    # a report whose Acc@0.5 counts nothing while true boxes exist is judged by F1@0.5
+    assert evaluate.headline({"acc@0.5": None, "recall@0.5": 0.5, "f1@0.5": 0.4, "set_acc@0.5": 0.1}) == ("f1@0.5", 0.4)
+    assert evaluate.headline(evaluate.summarise([])) == ("set_acc@0.5", None)
+
+
 def _iou(a, b) -> float:
     """IoU written out again, not boxes.iou: the check below must not share eval's code."""
     w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))

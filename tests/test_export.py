@@ -21,7 +21,7 @@ from groundtune import infer
 from groundtune.cli import main
 from groundtune.data import synth
 from groundtune.errors import DiskFullError, MissingError, RunExistsError
-from groundtune.export import export
+from groundtune.export import export, model_card
 from groundtune.models import box_head, head
 from groundtune.models.adapt import base_model, hidden_size
 from groundtune.models.loading import load_model
@@ -206,6 +206,26 @@ def test_default_dtype_is_the_bases_and_the_card_says_how_to_use_it(tmp_path):
     out = export(str(run), tmp_path / "export4", say=lambda line: None)
     assert json.loads((out / "groundtune.json").read_text())["trained_4bit"] is True
     assert "4-bit (QLoRA) base" in (out / "README.md").read_text()
+
+
+def test_the_card_leads_with_the_metric_the_step_was_chosen_by():
+    """A run whose eval set had no sample with a target (every phrase naming nothing) recorded
+    Acc@0.5 and mIoU as null and chose its step by set_acc@0.5: the card shows that, in bold, and
+    says why; a run saved before ``best_by`` was recorded was chosen by Acc@0.5."""
+    meta = {"family": "qwen2.5-vl", "convention": "0-1000", "resize": {"min_pixels": 3136, "max_pixels": 50176,
+            "factor": 28}, "prompt": "Find {phrase}.", "exported_from": "runs/none", "base_model": "tiny",
+            "dtype": "bfloat16"}
+    no_target = {"acc@0.5": None, "acc@0.75": None, "miou": None, "parse_fail_rate": 0.0, "f1@0.5": None,
+                 "set_acc@0.5": 0.75, "n_acc": 0.75, "n": 4, "best_by": "set_acc@0.5"}
+    card = model_card({**meta, "eval": no_target}, "none")
+    assert "set accuracy@0.5 **0.750**, no-target accuracy 0.750, parse failures 0.000 on 4 held-out samples" in card
+    assert "the run's best by set accuracy@0.5. Acc@0.5 counts no sample of this eval set" in card
+    assert "Acc@0.5 **" not in card and "None" not in card
+    old = {"acc@0.5": 0.5, "acc@0.75": 0.25, "miou": 0.5, "parse_fail_rate": 0.0, "n": 8}
+    card = model_card({**meta, "eval": old}, "old")
+    assert "Acc@0.5 **0.500**, Acc@0.75 0.250, mIoU 0.500, parse failures 0.000 on 8" in card
+    assert "the run's best by Acc@0.5." in card and "counts no sample" not in card
+    assert "No evaluation was recorded" in model_card(meta, "never")
 
 
 def test_a_full_fine_tuning_run_exports_its_own_weights(tmp_path, photos):

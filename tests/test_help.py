@@ -108,3 +108,29 @@ def test_serve_flags_are_the_limits_fields():
     given = _limits(parser.parse_args(["serve", "--model", "m", "--max-body-mb", "1.5", "--workers", "0",
                                        "--max-wait-ms", "0", "--batch-size", "4"]))
     assert (given.max_body_bytes, given.workers, given.max_wait_ms, given.batch_size) == (int(1.5 * MB), 0, 0, 4)
+
+
+def test_eval_help_explains_the_set_metrics():
+    shown = " ".join(_subcommand_help("eval").split())
+    assert "RefCOCO's meaning, over the samples with a target): Acc@0.5" in shown  # Acc@0.5 keeps its meaning
+    for metric in ("F1@0.5", "precision", "recall", "set_acc@0.5", "N-acc", "T-acc", "AP and AP@0.5"):
+        assert metric in shown, metric
+    assert "when the model scores its boxes" in shown and "an answer [] was read" in shown
+
+
+def test_synth_help_lists_the_every_task():
+    from groundtune.data.synth import TASKS
+
+    shown = " ".join(_subcommand_help("data", "synth").split())
+    assert "every" in TASKS and "{" + ",".join(TASKS) + "}" in shown
+    for task in TASKS:  # each task is explained, not only listed
+        assert f"{task}: " in shown, task
+    assert "every: sets," in shown and "at least a fifth of the samples naming nothing" in shown
+
+
+def test_the_reward_settings_say_how_a_set_answer_is_scored():
+    listed = _settings(_subcommand_help("rl"), RLConfig)
+    assert "matched one to one with the true set" in listed["reward_box"][1]
+    assert "[] to a phrase naming nothing: 1" in listed["reward_box"][1]
+    assert "or []" in listed["reward_format"][1]
+    assert "every: sets and no target" in _settings(_subcommand_help("train"), TrainConfig)["train_data"][1]

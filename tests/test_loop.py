@@ -150,6 +150,32 @@ def test_the_model_is_the_best_evaluated_one_else_the_last(synth_single, tmp_pat
     assert not all(torch.equal(seen[4][k], seen[2][k]) for k in best)  # (the merger trained on)
 
 
+def test_on_an_eval_set_of_no_target_phrases_the_best_is_kept_by_set_acc(synth_single, tmp_path, monkeypatch):
+    """Acc@0.5 and mIoU count no sample of a set whose phrases all name nothing: they are logged as
+    null, never compared; the best model is kept by set_acc@0.5, and the log and the model say so."""
+    from groundtune import infer
+
+    val = [json.loads(line) for line in (synth_single / "val.jsonl").read_text().splitlines()][:4]
+    none = tmp_path / "none.jsonl"
+    none.write_text("".join(json.dumps({**{k: v for k, v in r.items() if k != "bbox"}, "bboxes": [],
+                                        "image": str(synth_single / r["image"])}) + "\n" for r in val))
+    # what the model answers at each eval: a box everywhere (set_acc 0), [] everywhere (1), half and half
+    box = infer.Prediction(bbox=[1.0, 1.0, 9.0, 9.0], boxes=[[1.0, 1.0, 9.0, 9.0]], label=None, raw="box", error=None)
+    empty = infer.Prediction(bbox=None, boxes=[], label=None, raw="[]", error=None, no_target=True)
+    answers = iter([[box] * 4, [empty] * 4, [empty, box] * 2])
+    monkeypatch.setattr(infer, "predict_records", lambda gm, samples, *args, **kwargs: next(answers)[: len(samples)])
+    run = train(_cfg(synth_single, tmp_path / "run", max_steps=3, eval_data=str(none), eval_every=1, eval_samples=4,
+                     freeze_vision=True, freeze_merger=False, freeze_llm=True, lr=1e-6))
+    evals = {r["step"]: r for r in _records(run) if "eval/best_by" in r}
+    assert sorted(evals) == [1, 2, 3]
+    assert all(r["eval/acc@0.5"] is None and r["eval/miou"] is None for r in evals.values())
+    assert {r["eval/best_by"] for r in evals.values()} == {"set_acc@0.5"}
+    assert [evals[s]["eval/set_acc@0.5"] for s in (1, 2, 3)] == [0.0, 1.0, 0.5]
+    meta = json.loads((run / "model" / "groundtune.json").read_text())
+    assert meta["step"] == 2 and meta["eval"]["best_by"] == "set_acc@0.5" and meta["eval"]["acc@0.5"] is None
+    assert meta["eval"]["n_acc"] == 1.0
+
+
 # --------------------------------------------------------------------------------------------
 # checkpoints
 

@@ -12,10 +12,13 @@ from hypothesis import strategies as st
 from groundtune import boxes
 from groundtune.config import ConfigError, RLConfig, TrainConfig, load_config
 from groundtune.data import synth
-from groundtune.infer import Decoding, encode_prompts, generate, predict
+from groundtune import infer
+from groundtune.infer import Decoding, Prediction, encode_prompts, generate, predict
 from groundtune.models.loading import load_model
 from groundtune.train import checkpoint as ckpt
 from groundtune.train.rewards import RewardWeights, box_reward, format_reward, reward
+from groundtune.models import qwen
+from groundtune.train import rl as rl_module
 from groundtune.train.rl import advantages, mark_finished_groups, next_prompts, policy_loss, rl
 from groundtune.train.sft import train
 
@@ -186,6 +189,35 @@ def test_sampled_generation_on_every_family(any_family_model):
     encoded, sizes = encode_prompts(gm, [(image, sample["phrase"]) for image, sample in pairs])
     answers = generate(gm, encoded, sizes, Decoding.sampled(8, temperature=1.0), num_samples=2)
     assert len(answers) == 4 and all(1 <= len(ids) <= 8 for ids, _ in answers)
+
+
+def _answer(raw, boxes_=(), no_target=False, error=None):
+    boxes_ = [list(map(float, b)) for b in boxes_]
+    return Prediction(bbox=boxes_[0] if boxes_ else None, boxes=boxes_, label=None, raw=raw, error=error,
+                      no_target=no_target)
+
+
+def test_a_no_target_answer_is_read_not_a_parse_failure(monkeypatch):
+    """Rollouts score what infer.generate answered: ``[]`` is a read answer (full marks on a phrase
+    that names nothing), only an unreadable one counts in rollout/parse_fail_rate."""
+    answers = [_answer("[]", no_target=True), _answer("[[0, 0, 10, 10]]", [[0, 0, 10, 10]]),
+               _answer("no idea", error="no box in the answer"),  # a prompt with no target, three answers
+               _answer("[]", no_target=True), _answer("[[0, 0, 10, 10]]", [[0, 0, 10, 10]]),
+               _answer("[[0, 0, 10", error="no box in the answer")]  # a prompt whose target is [0, 0, 10, 10]
+    monkeypatch.setattr(infer, "encode_prompts", lambda gm, prompts: ([{}] * len(prompts), None))
+    monkeypatch.setattr(infer, "generate", lambda *args, **kwargs: [([1, 2, 3], a) for a in answers])
+    monkeypatch.setattr(qwen, "with_answer_ids", lambda processor, encoded, ids: {})
+    image = synth.make_sample(3, 0)[0]
+    pairs = [(image, {"phrase": "every green cross", "bboxes": []}),
+             (image, {"phrase": "the red square", "bbox": [0, 0, 10, 10]})]
+    gm = type("FakeModel", (), {"processor": None})()
+    batch = rl_module.rollouts(gm, pairs, [0, 1], 3, Decoding.sampled(8, temperature=1.0), W)
+    assert batch.parsed.tolist() == [[True, True, False], [True, True, False]]
+    assert batch.rewards.tolist() == [[pytest.approx(1.1), pytest.approx(0.1), 0.0],
+                                      [pytest.approx(0.1), pytest.approx(1.1), 0.0]]
+    metrics = rl_module._rollout_metrics(batch, rollout_s=1.0)
+    assert metrics["rollout/parse_fail_rate"] == pytest.approx(2 / 6)  # not 4 / 6: the two [] were read
+    assert rl_module.answer_boxes(answers[0]) == [] and rl_module.answer_boxes(answers[2]) is None
 
 
 @pytest.fixture(scope="module")

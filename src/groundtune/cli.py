@@ -303,7 +303,8 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
         "synth",
         help="make the built-in synthetic grounding set",
         description="Make a synthetic grounding set: 1-3 coloured shapes per image and a phrase that\n"
-        "names exactly one of them. The same seed gives byte-identical files.",
+        "names exactly one of them; or, --task every, 1-6 shapes and a phrase that names a set of them\n"
+        "(\"bboxes\") or nothing in the image (\"bboxes\": []). The same seed gives byte-identical files.",
         formatter_class=_Formatter,
     )
     p.add_argument("--out", required=True, help="folder to write SPLIT.jsonl and images/ to")
@@ -316,7 +317,10 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
 
     p.add_argument("--task", default="full", choices=TASKS,
                    help="full: 1-3 shapes and relational phrases; single: one shape, 'the {colour} {shape}'; "
-                        "attribute: 2-3 shapes named by colour and/or kind; multi: like full with 2-3 shapes")
+                        "attribute: 2-3 shapes named by colour and/or kind; multi: like full with 2-3 shapes; "
+                        "every: sets, 1-6 shapes whose colour and kind may repeat and a phrase naming all of a "
+                        "colour and/or kind ('every red circle', 'all the squares'), 0 to 6 boxes, at least a "
+                        "fifth of the samples naming nothing in the image (no target)")
     p.add_argument("--workers", type=_count, default=0, help="worker processes (0: one per CPU core)")
     p.set_defaults(handler=_data_synth)
 
@@ -459,12 +463,21 @@ def _predict(args: argparse.Namespace) -> int:
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval",
-        help="score a model on a canonical JSONL file: Acc@0.5/0.75, mIoU, parse failures",
-        description="Predict a box for every sample with greedy decoding and score it against the true\n"
-        "box: Acc@0.5, Acc@0.75, Acc@0.5:0.95 (mean over IoU thresholds 0.5, 0.55, ..., 0.95), mean IoU\n"
-        "and the share of answers with no usable box (parse failures score IoU 0, never a guessed\n"
-        "box), overall and per split and source. The model's own saved resize settings and prompt\n"
-        "are used, as in training.\n\n"
+        help="score a model on a canonical JSONL file: Acc@0.5/0.75, mIoU, set F1/precision/recall, N-acc, "
+             "parse failures",
+        description="Predict the boxes of every sample with greedy decoding and score them against the\n"
+        "true boxes (a phrase names one box, several, or none: \"bboxes\": []), overall and per split\n"
+        "and source. The model's own saved resize settings and prompt are used, as in training.\n\n"
+        "single target (RefCOCO's meaning, over the samples with a target): Acc@0.5, Acc@0.75,\n"
+        "  Acc@0.5:0.95 (mean over IoU thresholds 0.5, 0.55, ..., 0.95) and mean IoU of the answer's\n"
+        "  FIRST box with the best-matching true box\n"
+        "sets (boxes matched one to one at IoU >= 0.5, over all samples): precision, recall and\n"
+        "  F1@0.5 of the boxes; set_acc@0.5, samples answered exactly (every true box found, none\n"
+        "  extra; [] for no target); N-acc, no-target samples answered []; T-acc, samples with a\n"
+        "  target answered with at least one box; AP and AP@0.5 (COCO's) when the model scores its\n"
+        "  boxes (a box head)\n"
+        "parse failures: answers that could not be read (an answer [] was read); they score IoU 0,\n"
+        "  never a guessed box\n\n"
         "examples:\n"
         "  groundtune eval --model tiny --data data/synth/val.jsonl --limit 50\n"
         "  groundtune eval --model runs/sft --data val.jsonl --out report.json --gallery gallery/\n"

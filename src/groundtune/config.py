@@ -74,7 +74,7 @@ class _Target(_Settings):
     model: str = setting("tiny", "tiny | a training run folder | a local HF folder | a hub id "
                          "(Qwen/Qwen2.5-VL-3B-Instruct)")
     train_data: str = setting("", "canonical JSONL (groundtune data convert / synth), or synth:TASK drawn on the fly "
-                              "(full, single, attribute, multi; TASK+TASK alternates)")
+                              "(full, single, attribute, multi, every: sets and no target; TASK+TASK alternates)")
     eval_data: str = setting("", 'canonical JSONL for generation eval during training; "" = none')
     out_dir: str = setting("runs/sft", "the run folder: model/, checkpoints/, metrics.jsonl, tb/")
     overwrite: bool = setting(False, "a new run may replace a finished one in out_dir (its model/, checkpoints/, logs)")
@@ -277,9 +277,12 @@ class _Rollouts(_Settings):
 @dataclass
 class _Reward(_Settings):
     # --- reward (train/rewards.py)
-    reward_box: float = setting(1.0, "weight of IoU with the true box")
-    reward_format: float = setting(0.1, 'weight of "a box was parsed and lies inside the image"')
-    reward_giou: bool = setting(False, "GIoU instead of IoU: disjoint boxes still get a signal")
+    reward_box: float = setting(1.0, "weight of the box term: the answer's boxes matched one to one with the true set, "
+                                "summed IoU / max(#answered, #true) (one box against one: its IoU; [] to a phrase "
+                                "naming nothing: 1; an unread answer: 0)")
+    reward_format: float = setting(0.1, 'weight of "the answer was read: boxes that lie inside the image, or []"')
+    reward_giou: bool = setting(False, "GIoU instead of IoU (a box missed or extra then scores -1): disjoint boxes "
+                                "still get a signal")
 
     def check(self) -> None:
         _at_least_zero(self, "reward_box", "reward_format")
@@ -318,7 +321,7 @@ class TrainConfig(_Loop, _Data, _Step, _Optimisation, _Lora, _Method, _Target):
 
 @dataclass
 class RLConfig(_Loop, _Update, _Reward, _Rollouts, _Optimisation, _Lora, _Target):
-    """Reinforcement learning with the box's IoU as reward (``groundtune rl``). It trains a LoRA
+    """Reinforcement learning with the boxes' IoU as reward (``groundtune rl``). It trains a LoRA
     adapter: an SFT run's (which trains on) or a new one on any other model."""
 
     command: typing.ClassVar[str] = "rl"

@@ -74,6 +74,21 @@ MISSED_COLOUR = (0, 110, 255)  # a true box no predicted box matched
 EXTRA_COLOUR = (210, 0, 210)  # a predicted box that matched no true box
 
 
+def headline(report: dict) -> tuple[str, float | None]:
+    """(key, value) of the number a report is judged by (a run keeps its best model by it, a model
+    card leads with it): ``acc@0.5``, the single-target metric; where the eval set gives it no
+    sample to count (None), ``f1@0.5`` if the set holds a true box; else ``set_acc@0.5``: on a set
+    of no-target samples only, where F1 has no true box to find (0 or undefined whatever the
+    answers), the share answered ``[]``. Which key applies depends on the eval set alone, never on
+    the answers, so every eval of a run is compared on one metric. The value is None only for a
+    report of no samples."""
+    if report.get("acc@0.5") is not None:
+        return "acc@0.5", report["acc@0.5"]
+    if report.get("recall@0.5") is not None:  # some true box: F1 is a number
+        return "f1@0.5", report["f1@0.5"]
+    return "set_acc@0.5", report.get("set_acc@0.5")
+
+
 def score(pred_box: list[float] | None, true_boxes: list[list[float]]) -> dict:
     """IoU of the predicted box with the best-matching true box (0 when there is no prediction)."""
     best = boxes.best_iou(pred_box, true_boxes)

@@ -257,11 +257,7 @@ def model_card(meta: dict, name: str) -> str:
     else:
         back = ("# boxes are in 0-1000 of the image\n"
                 "box = [x1 * image.width / 1000, y1 * image.height / 1000, x2 * image.width / 1000, y2 * image.height / 1000]")
-    evaluated = meta.get("eval")
-    eval_line = (f"Acc@0.5 **{evaluated['acc@0.5']:.3f}**, Acc@0.75 {evaluated['acc@0.75']:.3f}, mIoU "
-                 f"{evaluated['miou']:.3f}, parse failures {evaluated['parse_fail_rate']:.3f} on {evaluated['n']} "
-                 "held-out samples (greedy decoding), at the saved step." if evaluated else
-                 "No evaluation was recorded with this model.")
+    eval_line = _eval_line(meta.get("eval"))
     qlora = ("\nThe adapter was trained with a 4-bit (QLoRA) base and is merged here into the base's "
              "full-precision weights: answers can differ slightly from the 4-bit model's.\n"
              if meta.get("trained_4bit") else "")
@@ -328,6 +324,25 @@ groundtune predict --model {name} --image photo.jpg --phrase {json.dumps(example
 groundtune serve --model {name}
 ```
 """
+
+
+# the metrics a card shows, as it names them, where the run's eval recorded a number for them
+CARD_METRICS = {"acc@0.5": "Acc@0.5", "acc@0.75": "Acc@0.75", "miou": "mIoU", "f1@0.5": "F1@0.5",
+                "set_acc@0.5": "set accuracy@0.5", "n_acc": "no-target accuracy", "parse_fail_rate": "parse failures"}
+
+
+def _eval_line(evaluated: dict | None) -> str:
+    """The card's evaluation: the saved step's metrics, the one its step was chosen by in bold
+    (``best_by``; Acc@0.5 for a run saved before it was recorded), and why where it is not Acc@0.5.
+    A metric the eval set left undefined (Acc@0.5 on no-target samples only) is not shown."""
+    if not evaluated:
+        return "No evaluation was recorded with this model."
+    best_by = evaluated.get("best_by", "acc@0.5")
+    shown = [f"{label} **{evaluated[key]:.3f}**" if key == best_by else f"{label} {evaluated[key]:.3f}"
+             for key, label in CARD_METRICS.items() if evaluated.get(key) is not None]
+    why = "" if best_by == "acc@0.5" else " Acc@0.5 counts no sample of this eval set, so it is not the measure here."
+    return (f"{', '.join(shown)} on {evaluated['n']} held-out samples (greedy decoding), at the saved step: the "
+            f"run's best by {CARD_METRICS[best_by]}.{why}")
 
 
 def _box_head_card(meta: dict, name: str, example_phrase: str, eval_line: str) -> str:

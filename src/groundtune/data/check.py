@@ -25,7 +25,8 @@ size_mismatch          error    the decoded size disagrees with width/height and
 exif_transposed        warning  the decoded size is width/height swapped and the EXIF orientation
                                 explains it; the loader applies the EXIF rotation so the pixels
                                 match the recorded size (nothing changes in the record)
-bbox_nan               error    a box is not four finite numbers (NaN, inf, strings, wrong length)
+bbox_nan               error    a box is not four finite numbers (NaN, inf, strings, wrong length),
+                                or ``bboxes`` is not a list of boxes
 bbox_empty             error    x2 <= x1 or y2 <= y1 and it is not an xywh box either
 bbox_outside           error    the box goes more than 2 px past the image; check it was drawn on
                                 this image at this size (not resized, not normalised to 0-1000)
@@ -88,7 +89,8 @@ KINDS: dict[str, tuple[str, str]] = {
     "size_mismatch": (ERROR, "The image's size disagrees with width/height: use the image the boxes were "
                              "drawn on, or fix width/height (and the boxes) in the record."),
     "exif_transposed": (WARNING, "Fine: the EXIF rotation is applied at load so the pixels match width/height."),
-    "bbox_nan": (ERROR, "Each box must be four finite numbers [x1, y1, x2, y2]: fix or drop the record."),
+    "bbox_nan": (ERROR, "Each box must be four finite numbers [x1, y1, x2, y2] (bboxes: a list of them): fix or "
+                        "drop the record."),
     "bbox_empty": (ERROR, "The box has no area (x2 <= x1 or y2 <= y1): fix or drop the record."),
     "bbox_outside": (ERROR, "The box goes > 2 px past the image: check it is in pixels of this image at "
                             "this size (not resized, not normalised to 0-1000)."),

@@ -23,14 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
+from groundtune.boxes import as_box
 from groundtune.errors import DataError
 from groundtune.files import regular_file
 
 # What a canonical record must have (design.md); "bbox" stands for "bbox or bboxes".
 REQUIRED_FIELDS = ("id", "image", "width", "height", "phrase", "bbox")
 
-__all__ = ["DataError", "REQUIRED_FIELDS", "Line", "jsonl_file", "iter_jsonl", "read_samples", "missing_fields", "record_size",
-           "sample_boxes", "image_path", "atomic_write", "dumps_sample", "write_samples"]
+__all__ = ["DataError", "REQUIRED_FIELDS", "Line", "jsonl_file", "iter_jsonl", "read_samples", "missing_fields", "box_problem",
+           "record_size", "sample_boxes", "image_path", "atomic_write", "dumps_sample", "write_samples"]
 
 
 @dataclass
@@ -74,7 +75,9 @@ def iter_jsonl(path: str | Path) -> Iterator[Line]:
 
 
 def read_samples(path: str | Path) -> list[dict]:
-    """Every record of a canonical JSONL file; the first bad line raises, naming file and line."""
+    """Every record of a canonical JSONL file; the first bad line raises, naming file and line: not
+    JSON, a field missing, or boxes that are not boxes (``box_problem``), so no later step meets a
+    box it cannot read (whether the boxes are right is ``groundtune data check``'s)."""
     samples = []
     for line in iter_jsonl(path):
         if line.error:
@@ -85,6 +88,9 @@ def read_samples(path: str | Path) -> list[dict]:
                 f"{path}:{line.number}: missing field(s) {', '.join(missing)}; "
                 f"convert the file with `groundtune data convert --from jsonl`"
             )
+        problem = box_problem(line.record)
+        if problem:
+            raise DataError(f"{path}:{line.number}: {problem}; run `groundtune data check {path}`")
         samples.append(line.record)
     return samples
 
@@ -108,6 +114,27 @@ def missing_fields(record: dict, fields: Iterable[str] = REQUIRED_FIELDS) -> lis
         if absent:
             missing.append(name)
     return missing
+
+
+def box_problem(record: dict) -> str | None:
+    """What is wrong with the shape of a record's boxes, or None: ``bboxes`` (where given) must be a
+    list of boxes (``[]``: no target), ``bbox`` otherwise a box, a box being four finite numbers
+    (``boxes.as_box``). The shape alone: whether a box has an area and lies inside its image is
+    ``groundtune data check``'s, which reports all of these as ``bbox_nan``."""
+    def shown(value) -> str:
+        text = json.dumps(value, ensure_ascii=False)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    if record.get("bboxes") is not None:
+        if not isinstance(record["bboxes"], list):
+            return f"bboxes is {shown(record['bboxes'])}, not a list of boxes [[x1, y1, x2, y2], ...]"
+        for k, box in enumerate(record["bboxes"]):
+            if as_box(box) is None:
+                return f"bboxes[{k}] is {shown(box)}, not a box: four finite numbers [x1, y1, x2, y2]"
+        return None
+    if record.get("bbox") is not None and as_box(record["bbox"]) is None:
+        return f"bbox is {shown(record['bbox'])}, not a box: four finite numbers [x1, y1, x2, y2]"
+    return None
 
 
 def record_size(record: dict) -> tuple[int, int] | None:

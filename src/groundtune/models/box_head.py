@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -89,11 +90,13 @@ class BoxHead(torch.nn.Module):
         self.out = torch.nn.Linear(width, 4)
         torch.nn.init.zeros_(self.out.weight)
         torch.nn.init.zeros_(self.out.bias)
-        # zero: every slot starts at 0.5, and the box features get no gradient from it before it
-        # has learned anything
+        # Weight zero: the box features get no gradient from it before it has learned anything.
+        # Bias: every slot starts at the prior that it holds one of a phrase's ~1 true boxes,
+        # 1/slots (RetinaNet's prior), under any threshold of 0.5: at 0 (a score of 0.5) every slot
+        # of an untrained head answers, and the first steps go to pushing 7 of 8 slots down.
         self.objectness = torch.nn.Linear(width, 1)
         torch.nn.init.zeros_(self.objectness.weight)
-        torch.nn.init.zeros_(self.objectness.bias)
+        torch.nn.init.constant_(self.objectness.bias, -math.log(max(slots - 1, 1)))
 
     def forward(self, query: torch.Tensor, image: torch.Tensor,
                 tokens: ImageTokens) -> tuple[torch.Tensor, torch.Tensor]:

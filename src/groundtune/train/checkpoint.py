@@ -5,8 +5,10 @@ folder users load.
     RUN/metrics.jsonl, RUN/tb/      logs
     RUN/bad_records.jsonl           records left out (bad_records=skip) or that failed to load
     RUN/checkpoints/step-000100/    trainable weights, optimizer, scheduler, RNG, loop state
-    RUN/model/                      the model to use: best by Acc@0.5 when evaluating, else the last
-                                    (a LoRA adapter or full weights, + processor + groundtune.json)
+    RUN/model/                      the model to use: best by Acc@0.5 when evaluating (by F1@0.5 or
+                                    set_acc@0.5 where Acc@0.5 counts no eval sample: evaluate.headline),
+                                    else the last (a LoRA adapter or full weights, + processor +
+                                    groundtune.json)
     RUN/.lock                       the process writing the run (pid, host), while it runs
 
 Every folder is written under a temporary name and renamed into place, so a kill -9 at any moment

@@ -45,6 +45,10 @@ from groundtune.train.parallel import Parallel, check_launch
 __all__ = ["Loop", "RunData", "TrainingError", "run_stage", "prepare_run", "check_data", "open_run",
            "seed_everything", "use_bf16", "lr_lambda"]
 BAD_RECORDS = "bad_records.jsonl"
+# what each eval during a run logs (eval/KEY) and keeps with the best model; and the line it says
+EVAL_LOGGED = ("acc@0.5", "acc@0.75", "miou", "parse_fail_rate", "f1@0.5", "set_acc@0.5", "n_acc")
+EVAL_SHOWN = {"acc@0.5": "Acc@0.5", "miou": "mIoU", "f1@0.5": "F1@0.5", "set_acc@0.5": "set_acc@0.5",
+              "n_acc": "N-acc"}
 # the settings a resumed run takes anew: a corrected file of the same records
 RESUME_OVERRIDES = ("train_data", "eval_data")
 
@@ -305,6 +309,7 @@ class Loop:
         optimizer = torch.optim.AdamW(adapt.param_groups(gm.model, cfg), betas=(0.9, 0.95),
                                       fused=gm.device.type == "cuda" and not parallel.sharded)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        # best_acc: the best eval's headline metric (evaluate.headline: Acc@0.5, or its fallback)
         state = {"step": 0, "samples": 0, "best_acc": -1.0, "bad_steps": 0, "finished": False, **extra_state}
         saved = ckpt.read_checkpoint(resume_from, gm.model) if resume_from is not None else None
         if saved is not None:
@@ -350,8 +355,10 @@ class Loop:
                 else contextlib.nullcontext())
 
     def evaluate(self, say=print) -> dict:
-        """Greedy eval on the fixed subset of eval_data; a new best is saved as the run's model.
-        With several ranks, each answers its share and rank 0 scores them all (the others get {})."""
+        """Greedy eval on the fixed subset of eval_data; a new best (by ``evaluate.headline``:
+        Acc@0.5, or F1@0.5 / set_acc@0.5 on an eval set where Acc@0.5 counts nothing) is saved as
+        the run's model. With several ranks, each answers its share and rank 0 scores them all
+        (the others get {})."""
         from groundtune import evaluate, infer
 
         step, cfg, ranks = self.state["step"], self.cfg, self.ranks
@@ -367,12 +374,17 @@ class Loop:
             report, _ = evaluate.evaluate(self.gm, self.eval_samples, cfg.eval_data, batch_size=cfg.eval_batch_size,
                                           progress=False, max_new_tokens=cfg.eval_max_new_tokens,
                                           predictions=predictions)
-            metrics = {k: report[k] for k in ("acc@0.5", "acc@0.75", "miou", "parse_fail_rate")}
-            self.log.log(step, {f"eval/{k}": v for k, v in metrics.items()})
-            say(f"step {step}: eval Acc@0.5 {metrics['acc@0.5']:.3f} mIoU {metrics['miou']:.3f}")
-            if metrics["acc@0.5"] > self.state["best_acc"]:
-                self.state["best_acc"] = metrics["acc@0.5"]
-                saved = {"step": step, "eval": {**metrics, "n": report["n"], "decoding": report["decoding"]}}
+            # None where the eval set has nothing to count (acc and mIoU on a set of no-target samples)
+            metrics = {k: report[k] for k in EVAL_LOGGED}
+            best_by, value = evaluate.headline(report)
+            self.log.log(step, {**{f"eval/{k}": v for k, v in metrics.items()}, "eval/best_by": best_by})
+            shown = " ".join(f"{label} {metrics[k]:.3f}" for k, label in EVAL_SHOWN.items() if metrics[k] is not None)
+            why = "" if best_by == "acc@0.5" else f" (Acc@0.5 counts no sample here: the best is kept by {best_by})"
+            say(f"step {step}: eval {shown}{why}")
+            if value is not None and value > self.state["best_acc"]:
+                self.state["best_acc"] = value
+                saved = {"step": step, "eval": {**metrics, "n": report["n"], "decoding": report["decoding"],
+                                                "best_by": best_by}}
         # every rank knows the best so far (it decides what ``finish`` saves) and takes part in saving
         self.state["best_acc"], saved = distributed.share((self.state["best_acc"], saved), ranks)
         if saved is not None:

@@ -1,4 +1,4 @@
-"""Reinforcement learning for grounding, the box's IoU as reward (``groundtune rl``).
+"""Reinforcement learning for grounding, the boxes' IoU as reward (``groundtune rl``).
 
     groundtune rl quickstart-rl model=quickstart/run        # from an SFT run (its LoRA adapter trains on)
     groundtune rl CONFIG.yaml model=runs/sft train_data=train.jsonl eval_data=val.jsonl
@@ -11,8 +11,10 @@ One step, as the code below reads:
      generation engine prefills each prompt once for its group), with every decoding setting
      given (``temperature``, ``top_p``, ``top_k`` off unless set): none comes from the checkpoint,
      whose top_k=1 (Qwen2.5-VL) would make every answer of a group the same;
-  2. rewards: ``rewards.reward`` of each answer (IoU with the true box plus a format term; an
-     answer without a box earns 0);
+  2. rewards: ``rewards.reward`` of each answer: its boxes matched one to one with the true set,
+     their summed IoU over the larger side (one box against one: its IoU), plus a format term;
+     ``[]`` to a phrase that names nothing earns the full box term, an answer that could not be
+     read earns 0 (the logs' ``rollout/parse_fail_rate`` counts those, never a ``[]``);
   3. advantages: GRPO's group normalisation, (r - mean) / std over a prompt's answers, or REINFORCE
      with a moving-average baseline per prompt (``advantage=ema``, the seed design's variant);
   4. update: ``inner_updates`` gradient steps on the clipped policy-ratio objective, plus
@@ -71,7 +73,7 @@ class Rollouts:
     sequences: list[dict]  # encoded prompt + answer ids, labelled on the answer (qwen.with_answer_ids)
     rewards: torch.Tensor  # (prompts, group_size)
     ious: torch.Tensor  # (prompts, group_size) plain IoU, for the logs
-    parsed: torch.Tensor  # (prompts, group_size) bool: the answer held a box
+    parsed: torch.Tensor  # (prompts, group_size) bool: the answer was read (boxes, or [] for "none")
     lengths: torch.Tensor  # (prompts, group_size) answer tokens
     prompt_keys: list[int]  # sample index of each prompt (the EMA baseline's key)
 
@@ -216,21 +218,27 @@ def rollouts(gm: GroundingModel, pairs: list[tuple], keys: list[int], group_size
     ``engine`` (``infer.engine_for``, kept for the run) prefills each prompt once for its group."""
     encoded, sizes = infer.encode_prompts(gm, [(image, sample["phrase"]) for image, sample in pairs])
     answers = infer.generate(gm, encoded, sizes, decoding, group_size, engine=engine)
-    scores, sequences = [], []
+    scores, sequences, reads = [], [], []
     for k, (ids, prediction) in enumerate(answers):
         image, sample = pairs[k // group_size]
-        read = prediction.boxes if prediction.boxes or prediction.no_target else None  # [] said none; None: unread
-        scores.append(reward(read, sample_boxes(sample), image.size, weights))
+        reads.append(answer_boxes(prediction))
+        scores.append(reward(reads[-1], sample_boxes(sample), image.size, weights))
         sequences.append(qwen.with_answer_ids(gm.processor, encoded[k // group_size], ids))
     shape = (len(pairs), group_size)
     return Rollouts(
         sequences=sequences,
         rewards=torch.tensor([s["reward"] for s in scores]).view(shape),
         ious=torch.tensor([s["iou"] for s in scores]).view(shape),
-        parsed=torch.tensor([p.bbox is not None for _, p in answers]).view(shape),
+        parsed=torch.tensor([read is not None for read in reads], dtype=torch.bool).view(shape),
         lengths=torch.tensor([len(ids) for ids, _ in answers]).view(shape),
         prompt_keys=keys,
     )
+
+
+def answer_boxes(prediction: infer.Prediction) -> list[list[float]] | None:
+    """An answer as the reward reads it: its boxes; ``[]`` when it said nothing matches (a read
+    answer, right on a no-target phrase); None when it could not be read (a parse failure)."""
+    return prediction.boxes if prediction.boxes or prediction.no_target else None
 
 
 def shared_rollouts(batch: Rollouts, ranks: distributed.Ranks) -> Rollouts:
@@ -387,6 +395,9 @@ def _active_adapter(model, name: str):
 
 
 def _rollout_metrics(batch: Rollouts, rollout_s: float) -> dict:
+    """One step's rollouts in the log. ``rollout/iou`` and ``rollout/acc@0.5`` read the plain-IoU
+    box term (a set's matched IoU; 1 for ``[]`` to a no-target phrase); ``rollout/parse_fail_rate``
+    is the share of answers that could not be read: a ``[]`` answer said "none" and is not one."""
     n = batch.rewards.numel()
     return {
         "reward/mean": float(batch.rewards.mean()),
