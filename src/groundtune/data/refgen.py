@@ -104,7 +104,7 @@ from groundtune.progress import track
 
 from .images import header_size
 from .records import DataError, image_path, iter_jsonl, jsonl_file, record_size
-from .sources import image_ref, load_instances
+from .sources import coco_annotations, image_ref, load_instances
 
 # Kinds of a phrase naming one box (a record with "bbox" and "target") ...
 BOX_KINDS = ("category", "attribute", "extreme", "ordinal", "size", "relation")
@@ -323,18 +323,13 @@ def from_coco(instances: str | Path, images: str | Path, out: str | Path, split:
     data, image_by_id = load_instances(instances)
     names = {c["id"]: c["name"] for c in data.get("categories", [])}
     split = split or Path(instances).stem.removeprefix("instances_")
-    by_image: dict = defaultdict(list)
-    for ann in data["annotations"]:
+    def detection(ann: dict) -> Obj:
         where = f"{instances}: annotation {ann.get('id')}"
-        if ann.get("image_id") not in image_by_id or ann.get("category_id") not in names:
-            what = "image_id" if ann.get("image_id") not in image_by_id else "category_id"
-            raise DataError(f"{where} names {what} {ann.get(what)!r}, which this file does not define")
-        box = as_box(ann.get("bbox"))
-        if box is None:
-            raise DataError(f"{where}: bbox {ann.get('bbox')!r} is not 4 numbers (x, y, width, height)")
-        by_image[ann["image_id"]].append(Obj(
-            tuple(xywh_to_xyxy(box)), _label(names[ann["category_id"]], where),
-            _attributes(ann.get(attribute_field), where), bool(ann.get("iscrowd")), ann.get("id")))
+        return Obj(tuple(xywh_to_xyxy(as_box(ann["bbox"]))), _label(names[ann["category_id"]], where),
+                   _attributes(ann.get(attribute_field), where), bool(ann.get("iscrowd")), ann.get("id"))
+
+    by_image = {image_id: [detection(ann) for ann in anns]
+                for image_id, anns in coco_annotations(data, image_by_id, names, instances).items()}
     label_set = tuple(dict.fromkeys(_label(name, f"{instances}: categories") for name in names.values()))
     return [
         Detections(str(im["id"]), image_ref(Path(images) / im["file_name"], out), im["width"], im["height"],

@@ -392,9 +392,10 @@ def convert_parquet(path: str | Path, images_out: str | Path, out: str | Path, s
 # COCO detection annotations
 
 
-def _coco_annotations(data: dict, image_by_id: dict, names: dict, instances) -> dict:
+def coco_annotations(data: dict, image_by_id: dict, names: dict, instances) -> dict:
     """Annotations by image id, in the file's order; one naming no image or category, or whose box
-    is not 4 numbers, raises naming it."""
+    is not 4 numbers, raises naming it (``instances``: the file, for the message). Also what
+    ``refgen.from_coco`` reads detections with."""
     by_image: dict = defaultdict(list)
     for ann in data["annotations"]:
         where = f"{instances}: annotation {ann.get('id')}"
@@ -438,7 +439,7 @@ def convert_coco(instances: str | Path, images: str | Path, out: str | Path, spl
     data, image_by_id = load_instances(instances)
     names = {c["id"]: c["name"] for c in data.get("categories", [])}
     split = split or Path(instances).stem.removeprefix("instances_")
-    by_image = _coco_annotations(data, image_by_id, names, instances)
+    by_image = coco_annotations(data, image_by_id, names, instances)
     counts = counts if counts is not None else Counter()
 
     def samples() -> Iterator[dict]:
