@@ -6,7 +6,9 @@
 ``stamped(result)`` is ``{"provenance": {...}, "results": result}`` for a list (rows), or the dict
 with a ``provenance`` key added: the command as it was typed, the commit and whether the tree
 differed from it, the date and time (UTC), the device (GPU name and memory, or CPU model and
-cores), and the versions of Python, torch, transformers, peft and groundtune. A figure quoted in
+cores), and the versions of Python, torch (and its CUDA), transformers, peft and groundtune, and of
+the optional packages that change a step's speed or that a peer's variant ran, where installed
+(``OPTIONAL_PACKAGES``). A figure quoted in
 README.md or BENCHMARKS.md links to such a file (tests/test_claims.py holds them to it).
 
 On a machine that gets a copy of the tree without its git history (a lent GPU), the commit comes
@@ -106,13 +108,27 @@ def _device() -> str:
     return f"CPU: {cpu}, {os.cpu_count()} cores"
 
 
+# Always recorded (None when missing) ...
+PACKAGES = ("torch", "transformers", "peft")
+# ... and, where installed, what changes a step's speed or what a peer's variant ran
+OPTIONAL_PACKAGES = ("accelerate", "liger-kernel", "bitsandbytes", "deepspeed", "torchao", "flash-attn", "trl",
+                     "onnxruntime", "scipy", "pycocotools")
+
+
 def _versions() -> dict:
     versions = {"python": platform.python_version()}
-    for package in ("torch", "transformers", "peft"):
+    for package in PACKAGES + OPTIONAL_PACKAGES:
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
-            versions[package] = None
+            if package in PACKAGES:
+                versions[package] = None
+    try:
+        import torch
+
+        versions["cuda"] = torch.version.cuda  # None on a CPU build
+    except ImportError:
+        pass
     try:  # from the source it runs (PYTHONPATH on a machine where it is not installed)
         import groundtune
 

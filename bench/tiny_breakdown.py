@@ -9,10 +9,15 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import sys
+from pathlib import Path
 
 from groundtune.boxes import iou
 from groundtune.data.synth import make_sample, make_scene
 from groundtune.infer import load, predict
+
+sys.path.insert(0, str(Path(__file__).parent))
+from provenance import stamped  # noqa: E402
 
 
 def breakdown(model: str, n: int, seed: int, task: str) -> dict:
@@ -49,7 +54,7 @@ def main() -> None:
         print(f"{k:32s}" + "".join(f"{r.get(k, {}).get('acc@0.5', float('nan')):>20.3f}" for r in results.values()))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump(stamped(results), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ stream, several worker counts), the model step alone on a fixed batch, and a pro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -18,6 +19,7 @@ from groundtune.models import adapt, qwen
 from groundtune.models.loading import load_model
 from groundtune.train.batches import GroundingDataset, make_loader, to_device
 from groundtune.train.objective import answer_loss
+from provenance import stamped
 from step_ladder import ladder
 
 
@@ -62,24 +64,31 @@ def main() -> None:
         _write(out, args.out)
         return
 
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def bf16():  # the GPU's precision; fp32 on the CPU smoke run
+        return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+
+    with torch.no_grad(), bf16():
         for name, fn in [("vision forward", lambda: model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"])),
                          ("full forward", lambda: model(**batch, use_cache=False))]:
             fn()
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             for _ in range(10):
                 fn()
-            torch.cuda.synchronize()
+            sync()
             out[f"{name} ms"] = round((time.perf_counter() - t0) * 100, 2)
             print(f"{name}: {out[f'{name} ms']:.1f} ms", flush=True)
 
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        with bf16():
             answer_loss(model, batch).backward()  # groundtune's step (the ladder's last rung)
-        torch.cuda.synchronize()
+        sync()
     events = prof.key_averages()
     kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     cuda_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -95,7 +104,7 @@ def main() -> None:
 def _write(out: dict, path: str | None) -> None:
     if path:
         with open(path, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump(stamped(out), f, indent=1)
 
 
 if __name__ == "__main__":

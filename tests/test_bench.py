@@ -1,0 +1,53 @@
+"""Every GPU benchmark's CPU smoke form runs against today's code.
+
+The scripts under bench/ measure on a GPU; each also runs on the tiny model on a CPU with the
+fewest samples and steps (the smoke form its docstring shows). Here each runs so, in its own
+process as a user starts it, and must write a JSON stamped with its provenance (command, commit,
+date, device, library versions: bench/provenance.py) and the rows of every stage it has. The
+figures mean nothing on a CPU; what is tested is that no stage of a bench has rotted (eval_speed's
+breakdown once crashed where nothing ran it).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STAMP = {"command", "commit", "date", "device", "versions"}
+# script -> (its smoke arguments, the rows it must write: variants, or keys of its result)
+SMOKE = {
+    "sft_speed": (["--models", "tiny", "--steps", "2", "--samples", "16",
+                   "--variants", "naive,gt-b4-no-ckpt,preset:quickstart"],
+                  {"naive", "gt-b4-no-ckpt", "preset:quickstart"}),
+    "eval_speed": (["--models", "tiny", "--samples", "24", "--batch", "8"],
+                   {"plain", "predict-before", "engine", "engine-eager", "breakdown"}),
+    "head_speed": (["--models", "tiny", "--samples", "16", "--batch", "8"], {"text", "box", "box_vs_text"}),
+    "rl_speed": (["--model", "tiny", "--steps", "2"], {"impl", "rollouts_per_s"}),
+    "memory_probe": (["--model", "tiny", "--batch", "2"], {"stages"}),
+    "tiny_breakdown": (["tiny", "--n", "20"], {"tiny"}),
+    "tiny_step_profile": (["--batch", "4", "--workers", "1"], {"ladder", "step_s", "full forward ms", "top_ops"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SMOKE)
+def test_bench_smoke_form_runs_and_stamps_its_json(script, tmp_path):
+    arguments, expected = SMOKE[script]
+    out = tmp_path / "result.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), *arguments, "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert STAMP <= set(result["provenance"]), result["provenance"]
+    assert result["provenance"]["command"].startswith(f"python bench/{script}.py ")
+    rows = result.get("results", result)
+    if isinstance(rows, list):  # one row per variant (or per implementation, per model)
+        seen = {row.get("variant") for row in rows} | {key for row in rows for key in row}
+    else:
+        seen = set(rows)
+    assert expected <= seen, (expected - seen, rows)
