@@ -91,6 +91,8 @@ def heldout_scene(rng: np.random.Generator) -> tuple[Image.Image, str, list[list
 
 
 def make_heldout(folder: Path, n: int) -> Path:
+    """``n`` scenes of ``heldout_scene`` as canonical JSONL (``bboxes``: the named set, [] for none)
+    and PNGs under ``folder``; the same seed writes the same files."""
     (folder / "images").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(HELDOUT_SEED)
     records = []
@@ -100,7 +102,8 @@ def make_heldout(folder: Path, n: int) -> Path:
         image.save(folder / name)
         records.append({"id": f"heldout-{i}", "image": name, "width": SIZE, "height": SIZE, "phrase": phrase,
                         "bboxes": named, "split": "heldout", "source": "every_proof"})
-    return Path(write_samples(folder / "heldout.jsonl", records) and folder / "heldout.jsonl")
+    write_samples(folder / "heldout.jsonl", records)
+    return folder / "heldout.jsonl"
 
 
 def groundtune(*args: str) -> float:

@@ -494,8 +494,6 @@ def _box(value) -> list[float] | None:
     return as_box(value) if isinstance(value, list) else None
 
 
-
-
 def convert_jsonl(path: str | Path, out: str | Path) -> int:
     """Canonical JSONL -> the same records validated and normalised. Returns the lines written.
 
