@@ -148,9 +148,10 @@ def main() -> None:
         sweep[str(threshold)] = {k: report.get(k) for k in ("f1@0.5", "precision@0.5", "recall@0.5", "n_acc")}
     result["box_head_threshold"] = sweep
     text, box = result["runs"]["text"], result["runs"]["box_head"]
+    f1, n_acc, box_f1 = (value or 0.0 for value in (text["f1@0.5"], text["n_acc"], box["f1@0.5"]))  # None: nothing to count
     result["targets"] = {
-        "text f1@0.5 >= 0.75": text["f1@0.5"] >= 0.75, "text n_acc >= 0.85": text["n_acc"] >= 0.85,
-        "box head within 5 F1 points": box["f1@0.5"] >= text["f1@0.5"] - 0.05,
+        "text f1@0.5 >= 0.75": f1 >= 0.75, "text n_acc >= 0.85": n_acc >= 0.85,
+        "box head within 5 F1 points": box_f1 >= f1 - 0.05,
         "box head in no more wall time": box["train_wall_s"] <= text["train_wall_s"],
     }
     with atomic_write(args.out) as f:
