@@ -4,6 +4,7 @@ batches: the naive transformers + PEFT stack against `groundtune train`'s own st
     python bench/sft_speed.py --models 3b,7b --out bench/results/sft_speed.json
     python bench/sft_speed.py --models 3b --variants naive,preset:qwen2.5-vl-3b-lora-24gb --profile 1
     python bench/sft_speed.py --models tiny --steps 4          # CPU smoke test of this script
+    python bench/sft_speed.py --models 3b --variants trl,preset:qwen2.5-vl-3b-lora-24gb     # against TRL
     python bench/sft_speed.py --models 3b --variants P,P@ddp,P@fsdp2,P@zero2,P   # P: preset:qwen2.5-vl-3b-lora-24gb
 
 Data: one image per sample, sizes drawn around COCO's 640x480 with varied aspect ratios, the
@@ -16,6 +17,9 @@ first losses must agree within bf16 noise: the objective is the same, only the s
   fused AdamW, batch 4; inputs pre-built on the GPU (its data time is not counted).
 - gt-*: `groundtune.train.sft.train` itself (the loop `groundtune train` runs, data loader
   included) with the settings in GT_VARIANTS; speed and memory read from its metrics.jsonl.
+- trl, trl:BATCH: TRL's SFTTrainer by its documented VLM recipe at its best 24 GiB setting
+  (batch 32, checkpointing, liger-kernel where installed; `trl_sft` says what it cannot do);
+  needs trl, datasets and torchvision (transformers' Qwen-VL processor builds a video part).
 - preset:NAME: the same with a shipped preset's batch, recomputation, packing and kernel settings.
   A QLoRA preset first writes the random architecture to disk and trains from that folder: the
   4-bit base is made by from_pretrained, as from a user's weights (bitsandbytes needed).
@@ -58,7 +62,7 @@ from groundtune.config import TrainConfig, preset_path
 from groundtune.data.samples import ResumableBatches, open_samples
 from groundtune.data.records import write_samples
 from groundtune.models import adapt, qwen
-from groundtune.models.loading import load_model
+from groundtune.models.loading import TINY_DIR, load_model
 from groundtune.train.batches import GroundingDataset
 from provenance import stamped, unstamped
 
@@ -218,6 +222,70 @@ def naive(model_name: str, data: Path, steps: int, batch_size: int = 4) -> dict:
     result = _result("naive", parameter_counts(adapt.base_model(model)), batches, batch_size, per_step, losses)
     del model, gm, optimizer
     return result
+
+
+def trl_sft(model_name: str, data: Path, steps: int, batch_size: int = 32) -> dict:
+    """TRL's SFTTrainer by its documented VLM recipe, at its best setting measured in 24 GiB (batch 32;
+    64 runs out of memory): prompt-completion conversations with the image, loss on the completion
+    only, LoRA r16 on every LLM linear, gradient checkpointing, bf16, liger-kernel where installed,
+    no packing (TRL's padding-free mode refuses Qwen-VL's multimodal rotary positions). The same
+    samples, resized as groundtune resizes them (TRL's processor then leaves their size alone) and
+    with the same answers; the same LoRA init seed. Needs trl, datasets and a processor transformers
+    can build (AutoProcessor: torchvision for the video part)."""
+    import importlib.util
+
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoProcessor, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from groundtune import boxes
+    from groundtune.data.records import sample_boxes
+
+    gm, view = load_model(model_name), _data_view(model_name)
+    samples = open_samples(str(data), 0)
+    rows = []
+    for index in range(min(len(samples), batch_size * (steps + 1))):
+        image, sample = samples[index]
+        resized, size = qwen.resize_image(image, view.resize)
+        answer = qwen.PhraseText.written(
+            lambda label: boxes.format_target(sample_boxes(sample), label, gm.family, image.size, size), sample["phrase"])
+        rows.append({"images": [resized],
+                     "prompt": [{"role": "user", "content": [{"type": "image"},
+                                                             {"type": "text", "text": view.prompt.format(phrase=sample["phrase"])}]}],
+                     "completion": [{"role": "assistant", "content": [{"type": "text", "text": str(answer)}]}]})
+    processor = AutoProcessor.from_pretrained(TINY_DIR)  # the tokenizer the random architectures speak
+    processor.image_processor.max_pixels = processor.image_processor.size["longest_edge"] = view.resize.max_pixels
+    cuda = torch.cuda.is_available()
+    times: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *args, **kwargs):
+            times.append(-_now())
+
+        def on_step_end(self, *args, **kwargs):
+            times[-1] += _now()
+
+    with tempfile.TemporaryDirectory() as out:
+        config = SFTConfig(output_dir=out, per_device_train_batch_size=batch_size, max_steps=steps, learning_rate=LR,
+                           lr_scheduler_type="constant", warmup_steps=0, adam_beta2=0.95, max_grad_norm=1.0,
+                           gradient_checkpointing=True, bf16=cuda, max_length=None, logging_steps=1,
+                           save_strategy="no", report_to=[], dataloader_num_workers=8 if cuda else 0,
+                           use_liger_kernel=cuda and importlib.util.find_spec("liger_kernel") is not None,
+                           seed=0, data_seed=0)
+        lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, bias="none",
+                          target_modules=r".*language_model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj")
+        torch.manual_seed(0)
+        trainer = SFTTrainer(model=gm.model, args=config, train_dataset=Dataset.from_list(rows),
+                             processing_class=processor, peft_config=lora, callbacks=[StepTimer()])
+        _reset_peak()
+        trainer.train()
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    batches = _batches(view, data, batch_size, min(steps, 4))
+    settings = {"batch_size": batch_size, "gradient_checkpointing": "all (transformers)", "peer": "trl",
+                "liger": config.use_liger_kernel}
+    return _result("trl", parameter_counts(adapt.base_model(trainer.model)), batches, batch_size,
+                   statistics.median(times[2:] or times), losses, settings)
 
 
 def groundtune_step(name: str, model_name: str, data: Path, steps: int, settings: dict,
@@ -380,6 +448,8 @@ def measure(key: str, variant: str, data: Path, steps: int, profile_steps: int =
     try:
         if variant == "naive":
             r = naive(MODELS[key], data, steps)
+        elif variant.startswith("trl"):  # trl or trl:BATCH
+            r = trl_sft(MODELS[key], data, steps, int(variant.partition(":")[2] or 32))
         else:
             r = groundtune_step(variant, MODELS[key], data, steps, variant_settings(variant), profile_steps)
     except torch.OutOfMemoryError:
