@@ -449,7 +449,7 @@ def measure(key: str, variant: str, data: Path, steps: int, profile_steps: int =
         if variant == "naive":
             r = naive(MODELS[key], data, steps)
         elif variant.startswith("trl"):  # trl or trl:BATCH
-            r = trl_sft(MODELS[key], data, steps, int(variant.partition(":")[2] or 32))
+            r = dict(trl_sft(MODELS[key], data, steps, int(variant.partition(":")[2] or 32)), variant=variant)
         else:
             r = groundtune_step(variant, MODELS[key], data, steps, variant_settings(variant), profile_steps)
     except torch.OutOfMemoryError:

@@ -51,3 +51,21 @@ def test_bench_smoke_form_runs_and_stamps_its_json(script, tmp_path):
     else:
         seen = set(rows)
     assert expected <= seen, (expected - seen, rows)
+
+
+@pytest.mark.slow
+def test_the_trl_peer_variant_trains_the_same_samples(tmp_path):
+    """sft_speed's TRL variant (its SFTTrainer, the documented VLM recipe) on the tiny model: it
+    trains and its first loss is groundtune's on the same samples, same answers, same LoRA init
+    (the same objective; only the speed may differ). transformers' Qwen-VL processor needs
+    torchvision, which has no build for this CPU torch: where it is missing, the GPU run checks it."""
+    for needed in ("trl", "datasets", "torchvision"):
+        pytest.importorskip(needed)
+    out = tmp_path / "result.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "sft_speed.py"), "--models", "tiny", "--steps", "3",
+                           "--samples", "16", "--no-loader", "--variants", "trl:4,gt-b4-ckpt-all", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    rows = {row["variant"]: row for row in json.loads(out.read_text())["results"]}
+    assert "error" not in rows["trl:4"], rows["trl:4"]
+    assert rows["trl:4"]["first_losses"][0] == pytest.approx(rows["gt-b4-ckpt-all"]["first_losses"][0], rel=0.02)
