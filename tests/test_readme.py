@@ -44,6 +44,10 @@ RULES = [
     (r"^python bench/", None, "a benchmark: minutes to hours, most on a GPU; tests/test_claims.py holds its "
      "figures to bench/results"),
     (r"Qwen/", None, "downloads a real model from the hub"),
+    (r"^hf auth login$|--push-to-hub", None, "logs in to, or uploads to, the real hub; tests/test_hub_push.py "
+     "pushes to a stand-in of the hub's API"),
+    (r"hf:lmms-lab/", None, "reads a real data set from the hub; tests/test_hf_data.py reads a stand-in in the "
+     "hub's layout"),
     (r"^torchrun (?!.*device=cpu)", None, "several GPUs (NCCL) or several nodes"),
     (r"--resume runs/", None, "resumes the user's stopped run; tests/test_reliability.py and tests/test_rl.py "
      "stop and resume real runs"),

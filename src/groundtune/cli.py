@@ -23,6 +23,7 @@ import traceback
 from groundtune.boxes import FAMILIES
 from groundtune.errors import GroundtuneError, RankLostError, UsageError
 from groundtune.files import not_an_input
+from groundtune.protocols import PROTOCOLS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -272,7 +273,8 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
         "Exit code 0 when there is no error, 1 otherwise.",
         formatter_class=_Formatter,
     )
-    p.add_argument("file", help="canonical JSONL file")
+    p.add_argument("file", help="canonical JSONL file, or hf:REPO:SPLIT (a data set of the Hub, e.g. "
+                   "hf:lmms-lab/RefCOCO:val; docs/data.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--fix-out", help="write the usable records, with automatic fixes applied, here "
                    "(with --refs: the records whose phrase picks exactly its box)")
@@ -422,6 +424,7 @@ def _eval(args: argparse.Namespace) -> int:
         min_pixels=args.min_pixels,
         device=args.device,
         max_new_tokens=args.max_new_tokens,
+        protocol=args.protocol,
     )
     return 0
 
@@ -486,7 +489,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         formatter_class=_Formatter,
     )
     p.add_argument("--model", required=True, help=_MODEL_HELP)
-    p.add_argument("--data", required=True, help="canonical JSONL file with true boxes")
+    p.add_argument("--data", required=True, help="canonical JSONL file with true boxes, or hf:REPO:SPLIT "
+                   "(a data set of the Hub, e.g. hf:lmms-lab/RefCOCO:val)")
     p.add_argument("--limit", type=_positive_int, help="evaluate only the first N samples")
     p.add_argument("--out", help="write the report as JSON here")
     p.add_argument("--gallery", help="write PNGs of the worst and some of the best answers, and an "
@@ -497,6 +501,11 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-pixels", type=_positive_int, help="override the model's saved pixel budget (warned: "
                    "a budget other than training's usually costs accuracy)")
     p.add_argument("--min-pixels", type=_positive_int, help="override the model's saved minimum pixels")
+    p.add_argument("--protocol", choices=list(PROTOCOLS), default="groundtune",
+                   help="whose prompt is asked and whose rules read the answers: groundtune (the model's own "
+                   "prompt, its family's coordinates), qwen (Qwen's official prompt), lmms-eval or vlmevalkit "
+                   "(those harnesses' prompts and readings, for numbers comparable with theirs; "
+                   "docs/eval-and-inference.md). Recorded in the report.")
     _infer_flag(p, "max_new_tokens")
     _infer_flag(p, "device")
     p.set_defaults(handler=_eval)
@@ -555,10 +564,13 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
         "box back to the caller's image. groundtune predict/eval/serve --model OUT load it too.\n"
         "With --onnx, a box-head model (head=box) is also written as model.onnx: vision tower, language\n"
         "model and head in one fp32 graph for images of one size (dynamic batch and phrase length), with\n"
-        "onnx_predict.py, which runs it with onnxruntime, numpy, pillow and tokenizers alone.\n\n"
+        "onnx_predict.py, which runs it with onnxruntime, numpy, pillow and tokenizers alone.\n"
+        "With --push-to-hub REPO, the written folder, every file of it, is then uploaded to that model repo\n"
+        "on the Hugging Face Hub (made if it is not there), with the token of `hf auth login` or HF_TOKEN.\n\n"
         "examples:\n"
         "  groundtune export quickstart/run --out exports/quickstart\n"
         "  groundtune export runs/sft --out exports/sft --dtype fp32 --overwrite\n"
+        "  groundtune export runs/sft --out exports/sft --push-to-hub me/sft-grounding --private\n"
         "  groundtune export runs/box --out exports/box --onnx --image-size 640x480\n"
         "  python exports/box/onnx_predict.py exports/box --image photo.jpg --phrase 'the red mug'",
         formatter_class=_Formatter,
@@ -573,6 +585,14 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--image-size", type=_image_size, metavar="WxH",
                    help="with --onnx: the size of the images it will see, e.g. 640x480; the graph takes them "
                    "resized as the run resizes that size, and other sizes are stretched to it")
+    p.add_argument("--push-to-hub", metavar="REPO",
+                   help="then upload the folder to this model repo on the hub, name or owner/name; the repo id "
+                   "and the token are checked before the export starts")
+    p.add_argument("--private", action="store_true",
+                   help="with --push-to-hub: make a new repo private (an existing public one is refused)")
+    p.add_argument("--revision", metavar="BRANCH", help="with --push-to-hub: the branch to push to (made from "
+                   "main if it is not there; default main)")
+    p.add_argument("--commit-message", metavar="MSG", help="with --push-to-hub: the commit's message")
     p.set_defaults(handler=_export)
 
 
@@ -584,12 +604,21 @@ def _image_size(text: str) -> tuple[int, int]:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from groundtune.export import export
+    from groundtune.export import check_hub, export, push_to_hub
 
     if args.onnx != (args.image_size is not None):
         raise UsageError("--onnx and --image-size WxH go together: the graph is built for one image size")
-    export(args.model, args.out, dtype=args.dtype, overwrite=args.overwrite,
-           say=lambda line: print(line, file=sys.stderr), onnx_image_size=args.image_size)
+    hub_flags = [flag for flag, given in (("--private", args.private), ("--revision", args.revision is not None),
+                                          ("--commit-message", args.commit_message is not None)) if given]
+    if hub_flags and args.push_to_hub is None:
+        raise UsageError(f"{', '.join(hub_flags)}: for a push, which needs --push-to-hub REPO")
+    if args.push_to_hub is not None:
+        check_hub(args.push_to_hub)  # before the export's minutes, not after
+    out = export(args.model, args.out, dtype=args.dtype, overwrite=args.overwrite,
+                 say=lambda line: print(line, file=sys.stderr), onnx_image_size=args.image_size)
+    if args.push_to_hub is not None:
+        print(push_to_hub(out, args.push_to_hub, private=args.private, revision=args.revision,
+                          commit_message=args.commit_message, say=lambda line: print(line, file=sys.stderr)))
     return 0
 
 

@@ -38,6 +38,7 @@ MAX_NEW_TOKENS = 64  # longest greedy answer by default: one box and its label i
 ADVANTAGES = ("grpo", "ema")
 HEADS = ("text", "box")  # models/head.py
 ENGINES = ("ddp", "fsdp2", "zero2", "zero3")  # train/parallel.py
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # report_to: train/monitor.py's WRITERS
 PRESETS = Path(__file__).resolve().parent / "configs"  # shipped YAML presets (also at ./configs)
 MAX_INT = 2**31 - 1  # the largest whole-number setting: more steps, pixels or samples than any run uses
 
@@ -243,8 +244,20 @@ class _Loop(_Settings):
                                "deepspeed); see docs/scaling.md")
     deepspeed_config: str = setting("", "zero2/zero3: a DeepSpeed JSON whose options go over groundtune's (e.g. "
                                     "configs/deepspeed/zero3-offload.json)")
+    # a list, also given as report_to=wandb,mlflow (made a list by check)
+    report_to: list[str] | str = setting(["tensorboard"], f"where metrics.jsonl is mirrored, with the config and "
+                                         f"eval reports: some of {', '.join(TRACKERS)} (W&B, MLflow: pip install "
+                                         "\"groundtune[wandb]\" / \"groundtune[mlflow]\"); [] or none: "
+                                         "metrics.jsonl alone")
 
     def check(self) -> None:
+        given = self.report_to.split(",") if isinstance(self.report_to, str) else self.report_to or []
+        names = [str(name).strip() for name in given if str(name).strip() not in ("", "none")]
+        unknown = [name for name in names if name not in TRACKERS]
+        if unknown:
+            raise ConfigError(f"report_to: unknown {', '.join(map(repr, unknown))}; expected some of "
+                              f"{', '.join(TRACKERS)}, or none (metrics.jsonl alone)")
+        self.report_to = list(dict.fromkeys(names))  # a tracker named twice is one run
         if self.distributed not in ENGINES:
             raise ConfigError(f"distributed={self.distributed!r}: expected one of {', '.join(ENGINES)}")
         if self.deepspeed_config and self.distributed not in ("zero2", "zero3"):

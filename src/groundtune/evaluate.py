@@ -25,6 +25,7 @@ answers that could not be read at all, over every sample; such an answer is wron
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import html
 import io
 import json
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from groundtune import boxes, infer
+from groundtune import boxes, infer, protocols
 from groundtune.config import InferSettings
 from groundtune.data.images import load_image
 from groundtune.data.records import atomic_write, image_path, read_samples, sample_boxes
@@ -218,19 +219,28 @@ def summarise(rows: list[dict]) -> dict:
 
 def evaluate(gm, samples: list[dict], data_path, batch_size: int = InferSettings.batch_size,
              limit: int | None = None, progress: bool = True, max_new_tokens: int = InferSettings.max_new_tokens,
-             predictions: list | None = None) -> tuple[dict, list[dict]]:
+             predictions: list | None = None, protocol: str = "groundtune") -> tuple[dict, list[dict]]:
     """Predict (greedy) and score every sample; returns (report, one row per sample). The report
     records what was measured and how: model, data, family, pixel budget, prompt, decoding.
 
     Images are read in worker processes one batch at a time (``infer.predict_records``), so a large
     eval set never sits in memory at once. ``predictions``: the samples' predictions made already
-    (by several training ranks, each its share, with these settings), scored instead.
+    (by several training ranks, each its share, with these settings), scored instead. ``protocol``:
+    whose prompt is asked and whose rules read the answers (protocols.py), recorded in the report.
     """
     samples = samples[:limit] if limit is not None else samples
     if not samples:
         raise ValueError(f"{data_path}: no samples to evaluate")
+    rules = protocols.protocol(protocol)
+    box_head = gm.metadata()["head"] == "box"
+    if box_head and protocol != "groundtune":
+        raise ValueError(f"--protocol {protocol} asks for a text answer; a box-head model answers boxes "
+                         "(use --protocol groundtune)")
+    gm = dataclasses.replace(gm, prompt=rules.prompt_for(gm.prompt))
     preds = predictions if predictions is not None else infer.predict_records(
         gm, samples, data_path, batch_size, max_new_tokens, progress="eval" if progress else None)
+    if not rules.native:  # the harness's own reading of the same answers
+        preds = [_read_as(protocol, pred, sample) for pred, sample in zip(preds, samples)]
     rows = []
     for sample, pred in zip(samples, preds):
         true = sample_boxes(sample)
@@ -247,7 +257,6 @@ def evaluate(gm, samples: list[dict], data_path, batch_size: int = InferSettings
             "split": sample.get("split"),
             "source": sample.get("source"),
         })
-    box_head = gm.metadata()["head"] == "box"
     summary = summarise(rows)
     report = {
         "model": gm.source,
@@ -255,6 +264,7 @@ def evaluate(gm, samples: list[dict], data_path, batch_size: int = InferSettings
         "family": gm.family,
         "resize": gm.resize.to_dict(),
         "prompt": gm.prompt,
+        "protocol": {"name": rules.name, "source": rules.source},
         "head": "box" if box_head else "text",
         "decoding": ({"box_head": "one forward pass, no token decoding"} if box_head
                      else infer.Decoding.greedy(max_new_tokens).to_dict()),
@@ -263,6 +273,25 @@ def evaluate(gm, samples: list[dict], data_path, batch_size: int = InferSettings
         "definitions": {k: v for k, v in DEFINITIONS.items() if k in summary},  # the report says what it measured
     }
     return report, rows
+
+
+def _read_as(protocol: str, pred: infer.Prediction, sample: dict) -> infer.Prediction:
+    """``pred``'s raw answer read by a harness protocol's rules (protocols.py) instead of ours."""
+    found = protocols.read_answer(protocol, pred.raw, float(sample["width"]), float(sample["height"]))
+    return infer.Prediction(bbox=found[0] if found else None, boxes=found, label=None, raw=pred.raw,
+                            error=None if found else f"no box found by {protocol}'s reading")
+
+
+def published_beside(report: dict, samples: list[dict], data) -> dict | None:
+    """The published figure for this model, benchmark, split and protocol (protocols.published),
+    with the measured one, when there is one."""
+    splits = {s.get("split") for s in samples}
+    split = splits.pop() if len(splits) == 1 else None
+    row = protocols.published_figure(report["model"], protocols.benchmark_of(str(data), samples), split,
+                                     report["protocol"]["name"])
+    if row is None or report.get("acc@0.5") is None:
+        return None
+    return {**row, "measured_acc@0.5": round(100 * report["acc@0.5"], 1)}
 
 
 def filter_by_model(gm, records: list[dict], data_path, min_iou: float = MODEL_FILTER_IOU, flag_only: bool = False,
@@ -394,9 +423,10 @@ pre {{ white-space: pre-wrap; word-break: break-all; background: #f4f4f4; font-s
 def run_eval(model: str, data, limit: int | None = None, out=None, gallery=None, compare: str | None = None,
              batch_size: int = InferSettings.batch_size, max_pixels: int | None = None,
              min_pixels: int | None = None, device: str = InferSettings.device,
-             max_new_tokens: int = InferSettings.max_new_tokens) -> dict:
+             max_new_tokens: int = InferSettings.max_new_tokens, protocol: str = "groundtune") -> dict:
     """Evaluate ``model`` (and ``compare`` on the same samples) on a canonical JSONL file, print
-    the metrics, and write report.json / the gallery when asked. Returns the report."""
+    the metrics (and the published figure beside them where one matches: protocols.published), and
+    write report.json / the gallery when asked. Returns the report."""
     from groundtune.models.loading import resolve
 
     samples = read_samples(data)
@@ -406,13 +436,23 @@ def run_eval(model: str, data, limit: int | None = None, out=None, gallery=None,
     reports = []
     for i, name in enumerate(names):
         gm = infer.load(name, device, min_pixels, max_pixels, who="eval")
-        report, rows = evaluate(gm, samples, data, batch_size=batch_size, limit=limit, max_new_tokens=max_new_tokens)
+        report, rows = evaluate(gm, samples, data, batch_size=batch_size, limit=limit, max_new_tokens=max_new_tokens,
+                                protocol=protocol)
+        beside = published_beside(report, samples[:limit] if limit is not None else samples, data)
+        if beside:
+            report["published"] = beside
         reports.append(report)
         if gallery:
             folder = Path(gallery) if i == 0 else Path(gallery) / "compare"
             print(f"gallery of {name}: {write_gallery(rows, data, folder)}")
         del gm  # free the first model's memory before loading the second
     print_table(reports)
+    for report in reports:
+        if "published" in report:
+            row = report["published"]
+            print(f"{report['model']}, {protocols.BENCHMARKS[row['benchmark']]} {row['split']}, protocol "
+                  f"{row['protocol']}: Acc@0.5 {row['measured_acc@0.5']:.1f} measured, {row['acc@0.5']:.1f} "
+                  f"published ({row['source']})")
     result = reports[0] if len(reports) == 1 else {"models": reports}
     if out:
         with atomic_write(out) as f:

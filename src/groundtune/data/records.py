@@ -44,7 +44,13 @@ class Line:
 
 
 def jsonl_file(path: str | Path) -> Path:
-    """``path`` as a data file to read, or a DataError saying what it is instead (a folder, nothing)."""
+    """``path`` as a data file to read, or a DataError saying what it is instead (a folder, nothing).
+    THE place a data path becomes a file: ``hf:REPO:SPLIT`` (a data set of the Hugging Face Hub)
+    becomes its converted copy in the cache here (data/hub.py), for every command that reads data."""
+    if str(path).startswith("hf:"):
+        from groundtune.data import hub  # datasets and the hub's client load only for an hf: path
+
+        return hub.local_jsonl(str(path))
     path = Path(path)
     if path.is_dir():
         inside = sorted(p.name for p in path.glob("*.jsonl"))[:5]

@@ -7,7 +7,8 @@ convert_refcoco   the refer toolkit's ``refs(unc).p`` / ``refs(umd).p`` / ``refs
                   its ``instances.json`` (RefCOCO, RefCOCO+, RefCOCOg)
 convert_grefcoco  gRefCOCO's ``grefs(unc).json`` + its ``instances.json``: one sample per
                   sentence, naming a set of boxes (possibly none)
-convert_parquet   lmms-lab/RefCOCO-style parquet with the images embedded
+convert_parquet   lmms-lab/RefCOCO-style parquet with the images embedded (its rows converter,
+                  ``parquet_samples``, also reads ``hf:REPO:SPLIT`` data: data/hub.py)
 convert_coco      COCO ``instances_*.json``: one sample per (image, category) holding every box
                   of the category, phrase = category name; optionally no-target samples
 convert_jsonl     canonical JSONL in, validated and normalised JSONL out
@@ -32,8 +33,9 @@ import pickle
 import random
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Iterator, NoReturn
+from typing import Iterable, Iterator, NamedTuple, NoReturn
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
@@ -335,57 +337,82 @@ def _store_image(data: bytes, images_out: Path, seen: dict, where: str) -> tuple
     return seen[digest]
 
 
-def convert_parquet(path: str | Path, images_out: str | Path, out: str | Path, split: str | None = None) -> int:
-    """Parquet rows (image, bbox as xywh, answer = phrase or list of phrases) -> canonical JSONL,
-    one line per phrase. Returns the lines written.
+class RowBatches(NamedTuple):
+    """The rows of one parquet file, or of one split of a ``datasets`` Dataset (data/hub.py), as
+    pyarrow record batches for ``parquet_samples``."""
 
-    ``path`` is one .parquet file or a folder searched for them (sorted). Row batches are streamed,
-    so memory holds one batch, not the dataset. Each distinct image is written once to
-    ``images_out``. The split is ``split`` if given, else the row's ``split`` column, else the file
-    name before the first '-' ("val-00000-of-00002.parquet" -> "val"). The id is
-    ``<question_id>-<phrase index>``; the source is "parquet".
+    name: str  # what a message names: the file, or hf:REPO:SPLIT
+    stem: str  # the split when none is given ("val-00000-of-00002" -> "val"); the id of a row without question_id
+    batches: Iterable[pa.RecordBatch]
+
+
+def parquet_columns(names: Iterable[str], where) -> list[str]:
+    """The columns the parquet converter reads of a table with ``names``; a DataError naming
+    ``where`` (a file, or hf:REPO) when a required one is missing."""
+    names = list(names)
+    missing = [c for c in _PARQUET_REQUIRED if c not in names]
+    if missing:
+        raise DataError(f"{where}: no column {', '.join(missing)}; expected columns {', '.join(_PARQUET_REQUIRED)}")
+    return [c for c in _PARQUET_REQUIRED + _PARQUET_OPTIONAL if c in names]
+
+
+def parquet_samples(tables: Iterable[RowBatches], images_out: str | Path, out: str | Path | None,
+                    split: str | None = None, total: int | None = None) -> Iterator[dict]:
+    """THE row converter of ``convert_parquet`` and of ``hf:REPO:SPLIT`` data (data/hub.py): rows
+    (image, bbox as xywh, answer = phrase or list of phrases) -> canonical records, one per phrase.
+
+    Each distinct image is written once to ``images_out``. Image paths are written for the JSONL
+    file ``out`` (module docstring); ``out=None`` writes them absolute. The split is ``split`` if
+    given, else the row's ``split`` column, else the table's stem before the first '-'. The id is
+    ``<question_id>-<phrase index>``; the source is "parquet". ``total`` rows, for the progress bar.
     """
-    files = {f: pq.ParquetFile(f) for f in _parquet_files(path)}
-    for f, pf in files.items():
-        missing = [c for c in _PARQUET_REQUIRED if c not in pf.schema_arrow.names]
-        if missing:
-            raise DataError(f"{f}: no column {', '.join(missing)}; expected columns {', '.join(_PARQUET_REQUIRED)}")
     images_out = Path(images_out)
     seen: dict = {}
 
-    def rows() -> Iterator[tuple[Path, int, dict]]:
-        for f, pf in files.items():
-            columns = [c for c in _PARQUET_REQUIRED + _PARQUET_OPTIONAL if c in pf.schema_arrow.names]
+    def rows() -> Iterator[tuple[RowBatches, int, dict]]:
+        for table in tables:
             row = 0
-            # Small batches: a row carries a whole image, so 64 rows is already several MB.
-            for batch in pf.iter_batches(batch_size=64, columns=columns):
+            for batch in table.batches:
                 for record in batch.to_pylist():
-                    yield f, row, record
+                    yield table, row, record
                     row += 1
 
-    def samples() -> Iterator[dict]:
-        total = sum(pf.metadata.num_rows for pf in files.values())  # from the footers, no data read
-        for f, row, record in track(rows(), "parquet rows", total=total):
-            where = f"{f}: row {row}"
-            bbox = record["bbox"]
-            if not isinstance(bbox, list) or len(bbox) != 4 or any(v is None for v in bbox):
-                raise DataError(f"{where}: bbox {bbox!r} is not 4 numbers (x, y, width, height)")
-            file, width, height = _store_image(_image_bytes(record["image"], where), images_out, seen, where)
-            answer = record["answer"]
-            phrases = [answer] if isinstance(answer, str) else list(answer or [])
-            qid = record.get("question_id")
-            if qid is None:
-                qid = f"{f.stem}-{row}"
-            extras = {k: record[k] for k in ("question_id", "file_name") if record.get(k) is not None}
-            for i, phrase in enumerate(phrases):
-                if not phrase or not phrase.strip():
-                    continue  # an empty expression cannot be grounded; the index keeps later ids stable
-                yield _sample(
-                    f"{qid}-{i}", image_ref(file, out), width, height, phrase.strip(), xywh_to_xyxy(bbox),
-                    split or record.get("split") or f.stem.split("-")[0], "parquet", **extras,
-                )
+    for table, row, record in track(rows(), "parquet rows", total=total):
+        where = f"{table.name}: row {row}"
+        bbox = record["bbox"]
+        if not isinstance(bbox, list) or len(bbox) != 4 or any(v is None for v in bbox):
+            raise DataError(f"{where}: bbox {bbox!r} is not 4 numbers (x, y, width, height)")
+        file, width, height = _store_image(_image_bytes(record["image"], where), images_out, seen, where)
+        image = image_ref(file, out) if out is not None else os.path.abspath(file)
+        answer = record["answer"]
+        phrases = [answer] if isinstance(answer, str) else list(answer or [])
+        qid = record.get("question_id")
+        if qid is None:
+            qid = f"{table.stem}-{row}"
+        extras = {k: record[k] for k in ("question_id", "file_name") if record.get(k) is not None}
+        for i, phrase in enumerate(phrases):
+            if not phrase or not phrase.strip():
+                continue  # an empty expression cannot be grounded; the index keeps later ids stable
+            yield _sample(
+                f"{qid}-{i}", image, width, height, phrase.strip(), xywh_to_xyxy(bbox),
+                split or record.get("split") or table.stem.split("-")[0], "parquet", **extras,
+            )
 
-    return write_samples(out, samples())
+
+def convert_parquet(path: str | Path, images_out: str | Path, out: str | Path, split: str | None = None) -> int:
+    """Parquet rows -> canonical JSONL by ``parquet_samples``, one line per phrase. Returns the
+    lines written.
+
+    ``path`` is one .parquet file or a folder searched for them (sorted). Row batches are streamed,
+    so memory holds one batch, not the dataset. The split, when not given, comes from the row's
+    ``split`` column or the file name ("val-00000-of-00002.parquet" -> "val").
+    """
+    files = {f: pq.ParquetFile(f) for f in _parquet_files(path)}
+    columns = {f: parquet_columns(pf.schema_arrow.names, f) for f, pf in files.items()}
+    # Small batches: a row carries a whole image, so 64 rows is already several MB.
+    tables = (RowBatches(str(f), f.stem, pf.iter_batches(batch_size=64, columns=columns[f])) for f, pf in files.items())
+    total = sum(pf.metadata.num_rows for pf in files.values())  # from the footers, no data read
+    return write_samples(out, parquet_samples(tables, images_out, out, split, total))
 
 
 # --------------------------------------------------------------------------------------------

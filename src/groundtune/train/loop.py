@@ -21,7 +21,7 @@ import math
 import os
 import random
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -39,7 +39,7 @@ from groundtune.models import adapt
 from groundtune.models.loading import GroundingModel, pick_device, resolve
 from groundtune.train import checkpoint as ckpt
 from groundtune.train import distributed
-from groundtune.train.monitor import MetricsLog, StopRequest, thermal_pause
+from groundtune.train.monitor import EVAL_REPORTS, TRACKER_IDS, MetricsLog, StopRequest, check_trackers, thermal_pause
 from groundtune.train.parallel import Parallel, check_launch
 
 __all__ = ["Loop", "RunData", "TrainingError", "run_stage", "prepare_run", "check_data", "open_run",
@@ -63,6 +63,7 @@ def run_stage(cls: type, cfg, resume, resume_overrides: tuple[str, ...], body: C
     if ranks.main:
         try:
             run, cfg, resume_from = prepare_run(cfg, resume, cls, resume_overrides)
+            check_trackers(cfg.report_to)  # a tracker's package missing: said before anything loads
             if ranks.launched:
                 check_launch(cfg.distributed, cfg.deepspeed_config)
             data = None if finished_already(run, resume_from) else check_data(cfg)  # every record, before the model loads
@@ -237,7 +238,7 @@ def open_run(run: Path, cfg, resume_from: Path | None, data: RunData) -> None:
         ckpt.restore_interrupted_swap(run / "model")
     else:
         run.mkdir(parents=True, exist_ok=True)
-        for stale in ("metrics.jsonl", "tb", "model", ckpt.CHECKPOINTS, BAD_RECORDS):
+        for stale in ("metrics.jsonl", "tb", EVAL_REPORTS, TRACKER_IDS, "model", ckpt.CHECKPOINTS, BAD_RECORDS):
             path = run / stale
             if path.is_dir():
                 shutil.rmtree(path)
@@ -323,8 +324,8 @@ class Loop:
             if ranks.main:
                 print(f"resumed from {resume_from} at step {state['step']}")
         # a resumed run's log keeps each step once: lines past its checkpoint are replayed
-        log = (MetricsLog(run, resume_step=state["step"] if resume_from is not None else None) if ranks.main
-               else _NoLog())
+        log = (MetricsLog(run, state["step"] if resume_from is not None else None, cfg.report_to, asdict(cfg))
+               if ranks.main else _NoLog())
         if resume_from is None:
             log.log(0, {"data/bad_records": len(data.bad),
                         **({"eval/decoding": Decoding.greedy(cfg.eval_max_new_tokens).to_dict()} if data.eval_records
@@ -378,6 +379,7 @@ class Loop:
             metrics = {k: report[k] for k in EVAL_LOGGED}
             best_by, value = evaluate.headline(report)
             self.log.log(step, {**{f"eval/{k}": v for k, v in metrics.items()}, "eval/best_by": best_by})
+            self.log.report(step, report)
             shown = " ".join(f"{label} {metrics[k]:.3f}" for k, label in EVAL_SHOWN.items() if metrics[k] is not None)
             why = "" if best_by == "acc@0.5" else f" (Acc@0.5 counts no sample here: the best is kept by {best_by})"
             say(f"step {step}: eval {shown}{why}")
@@ -457,6 +459,9 @@ class _NoLog:
     """The metrics log of a rank that is not rank 0: rank 0 writes the run's."""
 
     def log(self, step: int, values: dict) -> None:
+        pass
+
+    def report(self, step: int, report: dict) -> None:
         pass
 
     def close(self) -> None:
