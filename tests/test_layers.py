@@ -17,7 +17,7 @@ LAYERS = [
     {"data"},
     {"models"},
     {"infer"},
-    {"evaluate", "export", "serve", "batching", "onnx_export", "onnx_predict"},  # deploy half, beside evaluate on infer
+    {"protocols", "evaluate", "export", "serve", "batching", "onnx_export", "onnx_predict"},  # deploy half, beside evaluate on infer
     {"train"},
     {"quickstart", "cli", "__main__", "__init__"},
 ]
