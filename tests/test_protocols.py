@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from groundtune import boxes, protocols
+from groundtune.evaluate import score
 
 # (raw answer, image width, height, true box xyxy in pixels): answers as models write them
 W, H = 640, 480
@@ -28,6 +29,11 @@ ANSWERS = [
     "[0.2,0.2,0.5,0.6] and [0.6,0.6,0.9,0.9]",  # two boxes: the first counts
     "[1e-1, 0.2, 0.5, 0.6]",  # exponent notation
 ]
+
+
+def hit(pred_box: list[float] | None) -> bool:
+    """eval's own Acc@0.5 rule (evaluate.score), the same in every protocol, against TRUE."""
+    return score(pred_box, [TRUE])["hit@0.5"]
 
 
 def _lmms_eval_module():
@@ -60,7 +66,7 @@ def test_lmms_eval_acc_equals_its_own_code():
     (prepared,) = list(lmms.refcoco_bbox_rec_preprocess_dataset(Dataset.from_list([doc])))
     for raw in ANSWERS:
         theirs = lmms.refcoco_bbox_rec_acc05([lmms.refcoco_bbox_rec_process_result(prepared, [raw])["refcoco_ACC@0.5"]])
-        ours = protocols.hit(protocols.read_answer("lmms-eval", raw, W, H)[0], TRUE)
+        ours = hit(protocols.read_answer("lmms-eval", raw, W, H)[0])
         assert bool(theirs) == ours, raw
 
 
@@ -70,15 +76,15 @@ def test_the_harnesses_misread_qwen25_absolute_pixels():
     as per mille (no number above 1000): both miss. Why numbers differ between harnesses."""
     raw = '[{"bbox_2d": [128, 96, 320, 288], "label": "dog"}]'
     native = boxes.parse_answer(raw, "qwen2.5-vl", (W, H), (W, H))
-    assert protocols.hit(native.box, TRUE)
-    assert not protocols.hit(protocols.read_answer("lmms-eval", raw, W, H)[0], TRUE)
+    assert hit(native.box)
+    assert not hit(protocols.read_answer("lmms-eval", raw, W, H)[0])
     misread = protocols.read_answer("vlmevalkit", raw, W, H)[0]
     assert misread == pytest.approx([128 * W / 1000, 96 * H / 1000, 320 * W / 1000, 288 * H / 1000])
-    assert not protocols.hit(misread, TRUE)
+    assert not hit(misread)
     # the same box in fractions, as lmms-eval asks, is read right by both harnesses
     fractions = f"[{128 / W}, {96 / H}, {320 / W}, {288 / H}]"
-    assert protocols.hit(protocols.read_answer("lmms-eval", fractions, W, H)[0], TRUE)
-    assert protocols.hit(protocols.read_answer("vlmevalkit", fractions, W, H)[0], TRUE)
+    assert hit(protocols.read_answer("lmms-eval", fractions, W, H)[0])
+    assert hit(protocols.read_answer("vlmevalkit", fractions, W, H)[0])
 
 
 @pytest.mark.parametrize("raw, expected", [

@@ -20,6 +20,12 @@ from pathlib import Path
 from groundtune.errors import DataError, UsageError
 
 
+def cache_dir() -> Path:
+    """Where groundtune keeps what it can make again (image probes, converted hub data sets):
+    ``$GROUNDTUNE_CACHE``, else ~/.cache/groundtune."""
+    return Path(os.environ.get("GROUNDTUNE_CACHE") or Path.home() / ".cache" / "groundtune")
+
+
 def regular_file(path: str | Path, what: str = "file") -> Path:
     """``path`` when it names a regular file; a DataError naming it when it is a FIFO, a socket or a
     device (``what`` says what the command wanted there: "image", "JSONL file"). A missing path is

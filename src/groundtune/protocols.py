@@ -42,7 +42,6 @@ import re
 from functools import cache
 from importlib import resources
 
-from groundtune import boxes
 
 _NUMBER = r"-?\d+(?:\.\d+)?"
 # lmms-eval: four plain numbers (no sign but minus, no exponent) in square brackets, comma-separated
@@ -123,11 +122,6 @@ def read_answer(name: str, text: str, width: float, height: float) -> list[list[
     return [] if box is None else [box]
 
 
-def hit(pred_box: list[float] | None, true_box: list[float]) -> bool:
-    """Acc@0.5's rule, the same in every protocol."""
-    return pred_box is not None and boxes.iou(pred_box, true_box) >= 0.5
-
-
 # --------------------------------------------------------------------------------------------
 # Published figures
 
@@ -146,8 +140,9 @@ def benchmark_of(data: str, records: list[dict]) -> str | None:
     """refcoco / refcoco+ / refcocog when the data says which: an ``hf:lmms-lab/...`` spec, or the
     records' ``source`` (``convert --from refcoco`` writes it)."""
     if str(data).startswith("hf:"):
-        repo = str(data)[3:].rsplit(":", 1)[0] if str(data).count(":") >= 2 else str(data)[3:]
-        return _HUB_BENCHMARKS.get(repo.lower())
+        from groundtune.data import hub  # pyarrow: only once a data set is named, not at the CLI's start
+
+        return _HUB_BENCHMARKS.get(hub.parse(str(data))[0].lower())
     sources = {str(r.get("source", "")).lower() for r in records}
     return sources.pop() if len(sources) == 1 and next(iter(sources)) in BENCHMARKS else None
 

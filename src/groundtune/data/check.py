@@ -72,6 +72,7 @@ from PIL import Image
 from groundtune.boxes import MAX_RATIO, as_box, box_area, clip_box, xywh_to_xyxy
 from groundtune.data.records import (DataError, image_path, iter_jsonl, jsonl_file, missing_fields, record_size,
                                      write_samples)
+from groundtune.files import cache_dir
 from groundtune.progress import track
 
 ERROR, WARNING = "error", "warning"
@@ -313,7 +314,7 @@ class ProbeCache:
     where it cannot be opened or written, images are decoded again, silently."""
 
     def __init__(self, folder: str | Path | None = None):
-        folder = Path(folder or os.environ.get("GROUNDTUNE_CACHE") or Path.home() / ".cache" / "groundtune")
+        folder = Path(folder) if folder else cache_dir()
         self.path = folder / "image_probes.sqlite"
 
     def _connect(self):

@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from groundtune.errors import DataError, MissingPackageError
+from groundtune.files import cache_dir
 
 from . import sources
 from .records import write_samples
@@ -54,7 +55,7 @@ def parse(spec: str) -> tuple[str, str | None]:
 
 def cache_root() -> Path:
     # hf-v1: bump when the records written for a row change, so no run reads the old ones
-    return Path(os.environ.get("GROUNDTUNE_CACHE") or Path.home() / ".cache" / "groundtune") / "hf-v1"
+    return cache_dir() / "hf-v1"
 
 
 def local_jsonl(spec: str) -> Path:
