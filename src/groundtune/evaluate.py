@@ -37,6 +37,7 @@ from PIL import Image, ImageDraw
 
 from groundtune import boxes, infer, protocols
 from groundtune.config import InferSettings
+from groundtune.errors import UsageError
 from groundtune.data.images import load_image
 from groundtune.data.records import atomic_write, image_path, read_samples, sample_boxes
 from groundtune.data.refgen import MODEL_FILTER_IOU
@@ -234,7 +235,7 @@ def evaluate(gm, samples: list[dict], data_path, batch_size: int = InferSettings
     rules = protocols.protocol(protocol)
     box_head = gm.metadata()["head"] == "box"
     if box_head and protocol != "groundtune":
-        raise ValueError(f"--protocol {protocol} asks for a text answer; a box-head model answers boxes "
+        raise UsageError(f"--protocol {protocol} asks for a text answer; a box-head model answers boxes "
                          "(use --protocol groundtune)")
     gm = dataclasses.replace(gm, prompt=rules.prompt_for(gm.prompt))
     preds = predictions if predictions is not None else infer.predict_records(

@@ -42,6 +42,8 @@ import re
 from functools import cache
 from importlib import resources
 
+from groundtune.errors import UsageError
+
 
 _NUMBER = r"-?\d+(?:\.\d+)?"
 # lmms-eval: four plain numbers (no sign but minus, no exponent) in square brackets, comma-separated
@@ -88,7 +90,7 @@ PROTOCOLS = {
 
 def protocol(name: str) -> Protocol:
     if name not in PROTOCOLS:
-        raise ValueError(f"unknown protocol {name!r}: choose from {', '.join(PROTOCOLS)}")
+        raise UsageError(f"unknown protocol {name!r}: choose from {', '.join(PROTOCOLS)}")
     return PROTOCOLS[name]
 
 
