@@ -198,12 +198,12 @@ def push_to_hub(folder: Path, repo_id: str, private: bool = False, revision: str
 
 def _hub_errors() -> tuple[type[BaseException], ...]:
     """The errors of a push that say the hub refused it or could not be reached. A refused
-    connection or a timeout comes as the hub client's HTTP library's own error, unwrapped: the
-    class HfHubHTTPError derives from (httpx's in huggingface_hub 1, httpx2's in 2)."""
+    connection or a timeout comes as the hub client's HTTP library's own error, unwrapped (httpx
+    in huggingface_hub 1, httpx2 in 2: the one it exports, as data/hub.py reads it)."""
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+    from huggingface_hub.utils import httpx
 
-    client_error = next(c for c in HfHubHTTPError.__mro__[1:] if c.__name__ == "HTTPError")
-    return HfHubHTTPError, client_error, OfflineModeIsEnabled
+    return HfHubHTTPError, httpx.HTTPError, OfflineModeIsEnabled
 
 
 def _hub_failure(error: BaseException, endpoint: str) -> str:
