@@ -92,8 +92,10 @@ GRID = {
     ],
 }
 CAPS = (12, 16, 24, 40)
-# what verify checks under each cap: (model, settings over BASE)
-VERIFY = [("3b", {}), ("3b", dict(method="qlora")), ("3b", dict(head="box")), ("7b", {}), ("7b", dict(method="qlora"))]
+# what verify checks: (model, settings over BASE, caps); each 20-step run at the largest batch costs
+# a minute at most (the 40 GiB cap's batches would take several: its peaks lie inside the uncapped grid's)
+VERIFY = [("3b", {}, (12, 24)), ("3b", dict(method="qlora"), (12, 16)), ("3b", dict(head="box"), (12,)),
+          ("7b", {}, (24,)), ("7b", dict(method="qlora"), (12, 16))]
 
 
 class _Done(Exception):
@@ -248,12 +250,230 @@ def measure(args) -> None:
     _table(rows)
 
 
+# ---------------------------------------------------------------------------------------------
+# fit: the planner's coefficients from measured rows
+
+FITTED_MEMORY = ("fixed", "boundaries", "layer", "logits", "vision")  # the rest are exact byte counts
+EXACT = {"weights": 1.0, "trained": 1.0}
+
+
+def bench_sizes(samples: int = 256) -> list[tuple[int, int]]:
+    """The image sizes of the bench's samples (make_refcoco_like is seeded: the same on every machine)."""
+    from groundtune.data.records import read_samples
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return [(r["width"], r["height"]) for r in read_samples(make_refcoco_like(Path(tmp), samples))]
+
+
+def answer_tokens_per_box() -> int:
+    """How many tokens one more box adds to an answer, in the tokenizer the bench's models speak."""
+    from groundtune import boxes
+    from groundtune.models.loading import load_model
+
+    gm = load_model("tiny", device="cpu")
+    one = boxes.format_target([[10, 20, 300, 400]], "the man", gm.family, (640, 480), (644, 476))
+    two = boxes.format_target([[10, 20, 300, 400], [320, 20, 600, 400]], "the man", gm.family, (640, 480), (644, 476))
+    return len(gm.processor.tokenize(two)) - len(gm.processor.tokenize(one))
+
+
+def row_counts(row: dict, model_file: dict, sizes) -> tuple:
+    from groundtune import plan
+    from groundtune.config import TrainConfig
+
+    shape = plan.shape_of(MODELS[row["model"]])
+    cfg = TrainConfig(**{k: v for k, v in row["settings"].items() if k != "precision"}, train_data="synth:full")
+    setting = plan.Setting.of(cfg, shape.family)
+    tokens = plan.data_tokens(sizes, [1] * len(sizes), shape.family, setting.min_pixels, setting.max_pixels,
+                              model_file, "the bench's samples")
+    return shape, setting, tokens, plan.counts(shape, setting, tokens)
+
+
+def _nonnegative_least_squares(a, b):
+    """min |a x - b| with x >= 0: least squares, dropping the columns that come out negative."""
+    import numpy as np
+
+    active = list(range(a.shape[1]))
+    while True:
+        x = np.zeros(a.shape[1])
+        x[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
+        negative = [i for i in active if x[i] < 0]
+        if not negative:
+            return x
+        active.remove(min(negative, key=lambda i: x[i]))
+
+
+def fit(measured: list[dict], with_time: bool = True) -> tuple[dict, list[dict]]:
+    """Fit the planner's constants (plan_model.json) from measure files' contents; returns the model
+    and every row with its prediction."""
+    import numpy as np
+
+    from groundtune import plan
+
+    first = measured[0]
+    stats = {d["max_pixels"]: d for d in first["data"]}[PRESET_PIXELS]
+    sizes = bench_sizes()
+    model_file = {"reference_card": "h200",
+                  "cuda_context_gib": max(m["cuda_context_gib"] for m in measured if m.get("cuda_context_gib")),
+                  "text_tokens": round(stats["tokens"] - stats["image_tokens"] - stats["answer_tokens"], 2),
+                  "answer_tokens": round(stats["answer_tokens"], 2), "answer_tokens_per_box": answer_tokens_per_box(),
+                  "memory": {**EXACT, **{k: 0.0 for k in FITTED_MEMORY}, "optimizer": 0.0},
+                  "time": {k: 0.0 for k in plan.TIME_TERMS}, "margin": 0.0}
+    rows = [dict(r, provenance=m["provenance"]) for m in measured for r in m["rows"]]
+    ok = [r for r in rows if r["status"] == "ok" and r.get("peak_gib") and r["model"] != "tiny"]
+    counted = [(r, row_counts(r, model_file, sizes)) for r in ok]
+
+    # memory: activations' coefficients from the adapter runs, where they decide the peak
+    adapters = [(r, c) for r, (_, s, _, c) in counted if s.method != "full"]
+    a = np.array([[c[k] for k in FITTED_MEMORY] for _, c in adapters])
+    y = np.array([r["peak_gib"] * plan.GIB - sum(c[k] * v for k, v in EXACT.items()) for r, c in adapters])
+    w = 1 / np.array([r["peak_gib"] * plan.GIB for r, _ in adapters])  # relative error
+    x = _nonnegative_least_squares(a * w[:, None], y * w)
+    model_file["memory"].update({k: float(v) for k, v in zip(FITTED_MEMORY, x)})
+    # full fine-tuning: the optimizer step's own peak, the largest any full run showed
+    for r, (_, s, _, c) in counted:
+        if s.method == "full":
+            static = sum(c[k] * model_file["memory"][k] for k in ("weights", "trained", "fixed"))
+            model_file["memory"]["optimizer"] = max(model_file["memory"]["optimizer"],
+                                                    (r["peak_gib"] * plan.GIB - static) / c["optimizer"])
+    if with_time:
+        model_file["time"] = fit_time(counted)
+    else:  # (verify needs memory alone)
+        model_file["time"] = {k: 1e-30 for k in plan.TIME_TERMS}
+
+    # every row predicted; the margin: the largest under-prediction of a peak
+    predicted = []
+    for r, (shape, s, tokens, c) in counted:
+        peak, _ = plan.peak_bytes(c, model_file["memory"])
+        step = plan.step_seconds(c, model_file["time"], s.grad_accum, plan.CardSpeed(1.0, 1.0))
+        predicted.append(dict(r, predicted_peak_gib=round(peak / plan.GIB, 3),
+                              peak_error=round(peak / plan.GIB / r["peak_gib"] - 1, 4),
+                              predicted_samples_per_s=round(s.batch_size * s.grad_accum / step, 3),
+                              speed_error=round(s.batch_size * s.grad_accum / step / r["samples_per_s"] - 1, 4)
+                              if r.get("samples_per_s") else None))
+    model_file["margin"] = round(max(0.0, max(-p["peak_error"] / (1 + p["peak_error"]) for p in predicted)), 4)
+    model_file["default_images"] = [list(size) for size in sizes]
+    return model_file, predicted
+
+
+def fit_time(counted) -> dict:
+    """Seconds per optimizer step against plan.step_seconds's terms: the log of predicted over
+    measured, least squares with a soft L1 loss (a few short runs are noisy: one slow step in four
+    must not pull every coefficient), coefficients kept positive through their logarithms."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    from groundtune import plan
+
+    timed = [(r, s, c) for r, (_, s, _, c) in counted if r.get("samples_per_s")]
+    # each coefficient in units that make it ~1 (seconds per PFLOP, per TB, per GB), so the fit is well scaled
+    units = {"floor": 1.0, "llm_matmul": 1e-15, "vision_matmul": 1e-15, "traffic": 1e-12, "dequant": 1e-9,
+             "optimizer_sweep": 1e-9}
+
+    def residuals(x):
+        coef = {k: float(np.exp(v)) * units[k] for k, v in zip(plan.TIME_TERMS, x)}
+        return [np.log(plan.step_seconds(c, coef, s.grad_accum, plan.CardSpeed(1.0, 1.0))
+                       * r["samples_per_s"] / (s.batch_size * s.grad_accum)) for r, s, c in timed]
+
+    solution = least_squares(residuals, np.zeros(len(plan.TIME_TERMS)), loss="soft_l1", f_scale=0.05)
+    return {k: float(np.exp(v)) * units[k] for k, v in zip(plan.TIME_TERMS, solution.x)}
+
+
+def do_fit(args) -> None:
+    from groundtune import plan
+
+    measured = [json.loads(Path(f).read_text()) for f in args.files]
+    model_file, predicted = fit(measured)
+    model_file = {"about": "groundtune plan's constants, fitted by bench/plan_check.py fit from the rows of "
+                           "bench/results/plan_check.json (real steps on the reference card); do not edit by hand",
+                  **model_file}
+    verified = unstamped(json.loads(Path(args.verified).read_text()))["rows"] if args.verified else []
+    plan.MODEL_FILE.write_text(json.dumps(model_file, indent=1) + "\n")
+    result = {"measured_in": [m["provenance"] for m in measured], "model": {k: v for k, v in model_file.items()
+                                                                           if k != "default_images"},
+              "rows": predicted, "verified": verified, "summary": summary(predicted, verified)}
+    Path(args.out).write_text(json.dumps(stamped(result), indent=1) + "\n")
+    _table(predicted)
+    print(json.dumps(result["summary"], indent=1))
+
+
+def summary(predicted: list[dict], verified: list[dict]) -> dict:
+    presets = [p for p in predicted if _is_preset(p)]
+    return {"configurations": len(predicted),
+            "largest_peak_error": max((abs(p["peak_error"]) for p in predicted), default=None),
+            "within_10_percent": sum(abs(p["peak_error"]) <= 0.10 for p in predicted),
+            "largest_preset_speed_error": max((abs(p["speed_error"]) for p in presets), default=None),
+            "verified_fits": sum(v["status"] == "ok" for v in verified if v.get("role") == "predicted largest"),
+            "false_fits": sum(v["status"] != "ok" for v in verified if v.get("role") == "predicted largest"),
+            "twice_fits": sum(v["status"] == "ok" for v in verified if v.get("role") == "twice that")}
+
+
+def _is_preset(row: dict) -> bool:
+    s = row["settings"]
+    return ((row["model"] == "3b" and s["method"] == "lora" and s["batch_size"] == 64 and s.get("head", "text") == "text"
+             and s["lora_targets"] == ["llm_attn", "llm_mlp"]) or
+            (row["model"] == "7b" and s["method"] == "lora" and s["batch_size"] == 16 and s.get("head", "text") == "text")
+            or (row["model"] == "7b" and s["method"] == "qlora" and s["batch_size"] == 8 and s["grad_accum"] == 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# verify: the plan's "fits" under caps
+
+
+def verify(args) -> None:
+    """Extra grid rows (--extra), a fit of everything, then each (model, method) under each cap: the
+    largest batch the fitted plan says fits, 20 steps; twice that, a few steps."""
+    from groundtune import plan
+
+    measured = [json.loads(Path(f).read_text()) for f in args.files]
+    rows: list[dict] = []
+    weights: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = make_refcoco_like(Path(tmp), args.samples)
+        if args.extra:
+            context = cuda_context_gib()
+            stats = [data_stats(data, p) for p in (PRESET_PIXELS, SMALL_PIXELS, 200704, 50176)]
+            extra = {"cuda_context_gib": context, "data": stats, "rows": []}
+            for key, settings, steps in EXTRA:
+                extra["rows"].append(run_config(key, settings, steps, data, weights))
+                _save(extra, args.extra)
+            measured.append(json.loads(Path(args.extra).read_text()))
+        model_file, _ = fit(measured, with_time=False)
+        sizes = bench_sizes()
+        for key, settings, caps in VERIFY:
+            for cap in args.caps or caps:
+                row = {"model": key, "settings": {**BASE, **settings, "batch_size": 1}}
+                shape, setting, tokens, _ = row_counts(row, model_file, sizes)
+                capped = plan.Card("cap", f"{cap} GiB cap", cap, None, None, emulated=True)
+                best = plan.max_batch(shape, setting, capped, tokens, model_file)
+                if best == 0:
+                    rows.append({"model": key, "settings": {**BASE, **settings}, "cap_gib": cap, "status": "not run",
+                                 "role": "predicted none fits"})
+                    continue
+                for role, batch, steps in (("predicted largest", best, args.steps), ("twice that", 2 * best, 2)):
+                    r = run_config(key, {**settings, "batch_size": batch}, steps, data, weights, cap_gib=cap)
+                    rows.append(dict(r, role=role, predicted_largest=best))
+                    _save({"rows": rows}, args.out)
+    _table(rows)
+
+
+EXTRA = [  # pixel budgets below COCO's sizes (the presets' 1,003,520 and 401,408 leave them as they are)
+    ("3b", dict(batch_size=64, max_pixels=200704), 4),
+    ("3b", dict(batch_size=128, max_pixels=100352), 4),
+    ("7b", dict(batch_size=32, max_pixels=200704), 4),
+    ("7b", dict(batch_size=16, method="qlora", max_pixels=200704), 4),
+    ("3b", dict(batch_size=32, method="qlora", max_pixels=100352), 4),
+]
+
+
 def _table(rows: list[dict]) -> None:
-    print(f"\n{'model':6s}{'settings':60s}{'cap':>5s}{'status':>8s}{'peak GiB':>10s}{'samples/s':>11s}{'wall s':>8s}")
+    print(f"\n{'model':6s}{'settings':56s}{'cap':>5s}{'status':>8s}{'peak GiB':>9s}{'plan':>7s}{'samples/s':>10s}"
+          f"{'plan':>7s}{'wall s':>7s}")
     for r in rows:
         shown = {k: v for k, v in r["settings"].items() if BASE.get(k, None) != v and k != "precision"}
-        print(f"{r['model']:6s}{str(shown)[:60]:60s}{str(r.get('cap_gib') or '-'):>5s}{r['status']:>8s}"
-              f"{r.get('peak_gib') or 0:10.2f}{r.get('samples_per_s') or 0:11.2f}{r['wall_s']:8.1f}")
+        print(f"{r['model']:6s}{str(shown)[:56]:56s}{str(r.get('cap_gib') or '-'):>5s}{r['status']:>8s}"
+              f"{r.get('peak_gib') or 0:9.2f}{r.get('predicted_peak_gib') or 0:7.2f}{r.get('samples_per_s') or 0:10.2f}"
+              f"{r.get('predicted_samples_per_s') or 0:7.1f}{r.get('wall_s') or 0:7.1f}"
+              + (f"  {r['role']} ({r.get('predicted_largest')})" if r.get("role") else ""))
 
 
 def _save(result: dict, out: str | None) -> None:
@@ -268,9 +488,19 @@ def main() -> None:
     m.add_argument("--models", default="3b,7b")
     m.add_argument("--samples", type=int, default=256)
     m.add_argument("--out")
+    f = sub.add_parser("fit", help="fit the planner's constants from measure files")
+    f.add_argument("files", nargs="+")
+    f.add_argument("--verified", help="a verify run's file, recorded beside the fit")
+    f.add_argument("--out", default=str(RESULTS))
+    v = sub.add_parser("verify", help="fit, then train under caps at the batch the plan says fits")
+    v.add_argument("files", nargs="+", help="measure files")
+    v.add_argument("--extra", help="measure EXTRA's rows first, into this file, and fit with them")
+    v.add_argument("--caps", type=lambda t: [float(c) for c in t.split(",")], help="instead of VERIFY's own")
+    v.add_argument("--steps", type=int, default=20)
+    v.add_argument("--samples", type=int, default=256)
+    v.add_argument("--out")
     args = parser.parse_args()
-    if args.mode == "measure":
-        measure(args)
+    {"measure": measure, "fit": do_fit, "verify": verify}[args.mode](args)
 
 
 if __name__ == "__main__":

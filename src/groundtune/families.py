@@ -25,6 +25,7 @@ class Facts:
     (its preprocessor_config.json), a run's default when it pins none."""
 
     name: str  # groundtune's name of the family: the key of every table that speaks of families
+    model_type: str  # its config.json's model_type (transformers' name)
     coordinates: str  # RESIZED_PIXELS | NORM_1000
     answer: str  # JSON | SPECIAL_TOKENS
     patch_size: int  # the vision tower's patch side, in pixels
@@ -49,11 +50,11 @@ class Facts:
 FAMILIES = {
     f.name: f
     for f in (
-        Facts("qwen2.5-vl", RESIZED_PIXELS, JSON, patch_size=14, min_pixels=3_136, max_pixels=12_845_056, onnx=True),
-        Facts("qwen2-vl", NORM_1000, SPECIAL_TOKENS, patch_size=14, min_pixels=3_136, max_pixels=12_845_056,
+        Facts("qwen2.5-vl", "qwen2_5_vl", RESIZED_PIXELS, JSON, patch_size=14, min_pixels=3_136, max_pixels=12_845_056, onnx=True),
+        Facts("qwen2-vl", "qwen2_vl", NORM_1000, SPECIAL_TOKENS, patch_size=14, min_pixels=3_136, max_pixels=12_845_056,
               onnx=True),
         # no ONNX yet: Qwen3-VL's tower adds learned position tables and feeds several LLM layers (DeepStack)
-        Facts("qwen3-vl", NORM_1000, JSON, patch_size=16, min_pixels=65_536, max_pixels=16_777_216, onnx=False),
+        Facts("qwen3-vl", "qwen3_vl", NORM_1000, JSON, patch_size=16, min_pixels=65_536, max_pixels=16_777_216, onnx=False),
     )
 }
 
@@ -63,3 +64,57 @@ def family(name: str) -> Facts:
     if name not in FAMILIES:
         raise ValueError(f"unknown model family {name!r}; expected one of {', '.join(FAMILIES)}")
     return FAMILIES[name]
+
+
+def family_of_model_type(model_type: str) -> str:
+    """groundtune's name of the family whose config.json says ``model_type``."""
+    for facts in FAMILIES.values():
+        if facts.model_type == model_type:
+            return facts.name
+    raise ValueError(f"model type {model_type!r} is not a Qwen-VL model; groundtune supports "
+                     f"{', '.join(f.model_type for f in FAMILIES.values())}")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A published model's shape (its hub config.json's sizes): to build it randomly initialised where
+    its weights cannot be downloaded (speed and memory do not depend on weight values: ``--model
+    random:qwen2.5-vl-3b``), and for ``groundtune plan`` to size it without downloading anything."""
+
+    family: str
+    hub_id: str
+    text: dict
+    vision: dict
+    tied: bool  # the LM head is the embedding
+
+    def config(self) -> dict:
+        """Its config.json's shape entries (what groundtune.plan reads)."""
+        return {"model_type": family(self.family).model_type, "tie_word_embeddings": self.tied,
+                "text_config": dict(self.text, tie_word_embeddings=self.tied),
+                "vision_config": dict(self.vision, patch_size=family(self.family).patch_size,
+                                      spatial_merge_size=family(self.family).merge_size)}
+
+
+# Qwen2.5-VL's 3B and 7B share one vision tower (its output width is the LLM's) and one rotary layout.
+_QWEN25_TEXT = dict(max_position_embeddings=128000, rms_norm_eps=1e-6,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]})
+_QWEN25_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, temporal_patch_size=2,
+                      window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
+ARCHITECTURES = {
+    "qwen2.5-vl-3b": Architecture("qwen2.5-vl", "Qwen/Qwen2.5-VL-3B-Instruct",
+                                  dict(_QWEN25_TEXT, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                                       num_attention_heads=16, num_key_value_heads=2, vocab_size=151936),
+                                  dict(_QWEN25_VISION, out_hidden_size=2048), tied=True),
+    "qwen2.5-vl-7b": Architecture("qwen2.5-vl", "Qwen/Qwen2.5-VL-7B-Instruct",
+                                  dict(_QWEN25_TEXT, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064),
+                                  dict(_QWEN25_VISION, out_hidden_size=3584), tied=False),
+}
+
+
+def architecture(name: str) -> Architecture | None:
+    """The published architecture ``name`` is (its key, e.g. qwen2.5-vl-3b, or its hub id), or None."""
+    if name in ARCHITECTURES:
+        return ARCHITECTURES[name]
+    by_hub = {a.hub_id.lower(): a for a in ARCHITECTURES.values()}
+    return by_hub.get(name.lower())

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from groundtune import families
 from groundtune.boxes import ResizeSpec
 from groundtune.errors import ConfigError, MissingError, MissingPackageError, ModelError
 from groundtune.models import head, qwen
@@ -146,9 +147,9 @@ def resolve(name: str) -> tuple[str, Path | None]:
     if name == "tiny":
         return "tiny", TINY_DIR
     if name.startswith("random:"):
-        if name[len("random:"):] not in qwen.ARCHITECTURES:
+        if name[len("random:"):] not in families.ARCHITECTURES:
             raise ModelError(f"{name}: known architectures are "
-                             + ", ".join(f"random:{a}" for a in qwen.ARCHITECTURES))
+                             + ", ".join(f"random:{a}" for a in families.ARCHITECTURES))
         return "random", TINY_DIR
     path = Path(name).expanduser()
     if path.is_dir():
@@ -314,9 +315,9 @@ def _random_architecture(arch: str, processor: qwen.Processor, torch_dtype: torc
     """A published architecture, randomly initialised, speaking the tiny model's tokenizer (the real
     one cannot be downloaded here); its embedding keeps the real vocabulary size, so every matrix
     has its real shape and cost."""
-    family_name, text, vision, tied = qwen.ARCHITECTURES[arch]
-    family = qwen.family(family_name)
-    config = family.build_config(processor.config_token_ids(), text, vision, tied)
+    published = families.ARCHITECTURES[arch]
+    family = qwen.family(published.family)
+    config = family.build_config(processor.config_token_ids(), published.text, published.vision, published.tied)
     torch.manual_seed(TINY_SEED)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # init on the GPU: minutes faster
         return family.transformers_class()._from_config(config, dtype=torch_dtype)

@@ -57,7 +57,6 @@ class Family:
     """What groundtune knows of one Qwen-VL family, in transformers 5's names."""
 
     facts: families.Facts  # what the layers below the model know of it too
-    model_type: str  # config.model_type
     model_class: str  # the image-text-to-text model class in transformers
     config_class: str
     vision_attention: str  # class of the vision tower's attention layers (models/attention.py replaces their forward)
@@ -77,6 +76,7 @@ class Family:
 
     # the facts the layers below the model know too, read from groundtune.families
     name = _shared("name")
+    model_type = _shared("model_type")  # config.model_type
     patch_size = _shared("patch_size")
     merge_size = _shared("merge_size")
     factor = _shared("factor")
@@ -139,15 +139,15 @@ class Family:
 FAMILIES = {
     f.name: f
     for f in (
-        Family(families.family("qwen2-vl"), model_type="qwen2_vl", model_class="Qwen2VLForConditionalGeneration",
+        Family(families.family("qwen2-vl"), model_class="Qwen2VLForConditionalGeneration",
                config_class="Qwen2VLConfig", vision_attention="VisionAttention", merger_modules=("merger",)),
-        Family(families.family("qwen2.5-vl"), model_type="qwen2_5_vl",
+        Family(families.family("qwen2.5-vl"),
                model_class="Qwen2_5_VLForConditionalGeneration", config_class="Qwen2_5_VLConfig",
                vision_attention="Qwen2_5_VLVisionAttention", merger_modules=("merger",),
                # its 3,420-wide intermediate is no multiple of 8
                padded_vision_mlp="Qwen2_5_VLMLP"),
         # Qwen3-VL: DeepStack mergers that feed vision features into early LLM layers
-        Family(families.family("qwen3-vl"), model_type="qwen3_vl", model_class="Qwen3VLForConditionalGeneration",
+        Family(families.family("qwen3-vl"), model_class="Qwen3VLForConditionalGeneration",
                config_class="Qwen3VLConfig", vision_attention="Qwen3VLVisionAttention",
                merger_modules=("merger", "deepstack_merger_list"), image_features_alone=False),
     )
@@ -159,25 +159,6 @@ DEFAULT_PROMPT = (
     'Locate every object that matches the description "{phrase}" in the image. '
     "Report bbox coordinates in JSON format."
 )
-
-# Published architectures, for benchmarking them randomly initialised where weights cannot be
-# downloaded (speed and memory do not depend on weight values): `--model random:qwen2.5-vl-3b`.
-# (family, text sizes, vision sizes, tied embeddings). Qwen2.5-VL's 3B and 7B share one vision tower
-# (its output width is the LLM's) and one rotary layout.
-_QWEN25_TEXT = dict(max_position_embeddings=128000, rms_norm_eps=1e-6,
-                    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]})
-_QWEN25_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, temporal_patch_size=2,
-                      window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
-ARCHITECTURES = {
-    "qwen2.5-vl-3b": ("qwen2.5-vl",
-                      dict(_QWEN25_TEXT, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-                           num_attention_heads=16, num_key_value_heads=2, vocab_size=151936),
-                      dict(_QWEN25_VISION, out_hidden_size=2048), True),
-    "qwen2.5-vl-7b": ("qwen2.5-vl",
-                      dict(_QWEN25_TEXT, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                           num_attention_heads=28, num_key_value_heads=4, vocab_size=152064),
-                      dict(_QWEN25_VISION, out_hidden_size=3584), False),
-}
 
 IGNORE_INDEX = -100  # label value that carries no loss (PyTorch cross-entropy's default)
 

@@ -1,0 +1,570 @@
+"""Will a training run fit a card, how fast will it go, and what to change if not (``groundtune plan``).
+
+Predicted before any model loads, from four things groundtune knows without torch: the model's
+architecture (its config.json, or the published shapes in groundtune.families), the run's settings
+(method, batch, recomputed layers, packing, LoRA targets, pixel budget), the data's image sizes
+(each record's width and height) and a card (assets/cards.json: memory, bf16 matmul rate and
+memory bandwidth, each with its source).
+
+Peak GPU memory (what torch's allocator holds at most) is a sum of terms, each a count this module
+computes times a coefficient fitted from measured steps:
+
+    weights      bf16 (or 4-bit NF4 for QLoRA's language model) parameters, counted exactly
+    trained      trainable parameters in fp32 with their gradient and AdamW's two moments (16 bytes)
+    fixed        what every run holds besides (cuBLAS workspaces, kernels' buffers)
+    boundaries   each recomputed decoder layer keeps its input: tokens x hidden
+    layer        a decoder layer's full activations (tokens x (7 hidden + 3 intermediate)), for every layer
+                 kept and the one being recomputed
+    logits       the LM head's scores on the answer tokens (answer tokens x vocabulary)
+    vision       the frozen vision tower's pass (patches x its width)
+    optimizer    full fine-tuning: the optimizer step's own peak once activations are gone (the larger of
+                 it and the activations counts)
+
+The coefficients come from ``bench/plan_check.py fit``: real steps of the 3B and 7B on an H200,
+fitted by least squares and written to assets/plan_model.json with the largest under-prediction seen
+(the margin added before saying "fits") and the CUDA context a card loses to the driver. Speed is
+the measured H200 step scaled to the card: matmul time by the ratio of bf16 rates, the 4-bit
+dequantisation and the optimizer's sweep by the ratio of bandwidths, the per-step overhead unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from groundtune import families
+from groundtune.boxes import ResizeError, smart_resize
+from groundtune.config import TrainConfig
+from groundtune.errors import ConfigError, MissingError
+from groundtune.files import regular_file
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+CARDS_FILE = ASSETS / "cards.json"
+MODEL_FILE = ASSETS / "plan_model.json"  # written by bench/plan_check.py fit
+TINY_CONFIG = ASSETS / "tiny" / "config.json"
+GIB = 2**30
+# bitsandbytes' NF4 with double quantization (QLoRA's base): two weights a byte, an 8-bit scale per 64
+# weights, an fp32 scale per 256 of those
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+PEAK_BATCH_SIGMAS = 3.0  # a batch's tokens: its mean plus three standard deviations (the largest of ~1000 batches)
+MEMORY_TERMS = ("weights", "trained", "fixed", "boundaries", "layer", "logits", "vision", "optimizer")
+TIME_TERMS = ("floor", "llm_matmul", "vision_matmul", "traffic", "dequant", "optimizer_sweep")
+
+__all__ = ["Shape", "Card", "Plan", "plan", "suggestions", "card", "shape_of", "data_tokens", "load_model_file"]
+
+
+# --------------------------------------------------------------------------------------------
+# the model's shape, from its config.json (no torch)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes a plan needs, read from a transformers config of a Qwen-VL model."""
+
+    family: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    vision_width: int
+    vision_params: int  # the whole vision tower, merger included
+
+    @property
+    def layer_linear_params(self) -> int:
+        """The weights of one decoder layer's seven linears (what LoRA adapts and NF4 quantizes)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
+
+    @property
+    def llm_params(self) -> int:
+        """Language-model parameters: the layers (their linears, q/k/v biases, two norms), the
+        embedding, the final norm and the LM head when it is not the embedding."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per_layer = self.layer_linear_params + q + 2 * kv + 2 * self.hidden
+        return self.layers * per_layer + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    def lora_params(self, r: int, targets: list[str], last_n: int = 0) -> int:
+        """Adapter parameters: r x (in + out) for each adapted linear."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        h, i = self.hidden, self.intermediate
+        per_layer = 0
+        if "llm_attn" in targets:
+            per_layer += r * ((h + q) + 2 * (h + kv) + (q + h))
+        if "llm_mlp" in targets:
+            per_layer += r * 3 * (h + i)
+        layers = min(last_n, self.layers) if last_n else self.layers
+        merger = r * (4 * self.vision_width * 2 + 4 * self.vision_width + self.hidden) if "merger" in targets else 0
+        vision = r * self.vision_params // max(1, self.vision_width) // 4 if "vision" in targets else 0
+        return per_layer * layers + merger + vision
+
+
+def _vision_params(family: str, v: dict, out_hidden: int) -> tuple[int, int]:
+    """(width, parameters) of a family's vision tower and merger, from its vision_config."""
+    patch, temporal = v.get("patch_size", 14), v.get("temporal_patch_size", 2)
+    if family == "qwen2-vl":  # LayerNorm, GELU MLP of mlp_ratio x width
+        e = v.get("embed_dim", 1280)
+        m = int(e * v.get("mlp_ratio", 4))
+        block = 4 * e + (3 * e * e + 3 * e) + (e * e + e) + (e * m + m) + (m * e + e)
+        merger = 2 * e + (4 * e) * (4 * e) + 4 * e + 4 * e * out_hidden + out_hidden
+    elif family == "qwen3-vl":  # LayerNorm, GELU MLP; learned positions; DeepStack mergers
+        e, m = v.get("hidden_size", 1152), v.get("intermediate_size", 4304)
+        block = 4 * e + (3 * e * e + 3 * e) + (e * e + e) + (e * m + m) + (m * e + e)
+        one_merger = 8 * e + (4 * e) * (4 * e) + 4 * e + 4 * e * out_hidden + out_hidden
+        merger = one_merger * (1 + len(v.get("deepstack_visual_indexes", [])))
+        merger += v.get("num_position_embeddings", 0) * e
+    else:  # qwen2.5-vl: RMSNorm, gated (SwiGLU) MLP with biases
+        e, m = v.get("hidden_size", 1280), v.get("intermediate_size", 3420)
+        block = 2 * e + (3 * e * e + 3 * e) + (e * e + e) + 2 * (e * m + m) + (m * e + e)
+        merger = e + (4 * e) * (4 * e) + 4 * e + 4 * e * out_hidden + out_hidden
+    embed = 3 * temporal * patch * patch * e + (e if family == "qwen3-vl" else 0)
+    return e, v.get("depth", 32) * block + merger + embed
+
+
+def shape_from_config(config: dict) -> Shape:
+    """A Shape from a Qwen-VL config.json's contents (text_config and vision_config)."""
+    family = families.family_of_model_type(config.get("model_type", ""))
+    text = config.get("text_config") or config
+    vision = config.get("vision_config") or {}
+    hidden, heads = text["hidden_size"], text["num_attention_heads"]
+    width, vparams = _vision_params(family, vision, vision.get("out_hidden_size", hidden))
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return Shape(family=family, hidden=hidden, intermediate=text["intermediate_size"],
+                 layers=text["num_hidden_layers"], heads=heads, kv_heads=text.get("num_key_value_heads", heads),
+                 head_dim=text.get("head_dim") or hidden // heads, vocab=text["vocab_size"], tied=bool(tied),
+                 vision_width=width, vision_params=vparams)
+
+
+def shape_of(model: str) -> Shape:
+    """The Shape of what ``model=`` names: tiny, random:ARCH or a published hub id
+    (groundtune.families.ARCHITECTURES), a folder with a config.json (a run's model/, an export),
+    an adapter folder (its base), or a hub id whose config.json is in the local hub cache."""
+    if model == "tiny":
+        return shape_from_config(json.loads(TINY_CONFIG.read_text()))
+    arch = families.architecture(model.removeprefix("random:"))
+    if arch is not None:
+        return shape_from_config(arch.config())
+    folder = Path(model)
+    for candidate in (folder, folder / "model"):
+        if (candidate / "config.json").is_file():
+            return shape_from_config(json.loads((candidate / "config.json").read_text()))
+        if (candidate / "adapter_config.json").is_file():
+            base = json.loads((candidate / "adapter_config.json").read_text()).get("base_model_name_or_path")
+            if base:
+                return shape_of(base)
+    if folder.exists():
+        raise MissingError(f"{model}: no config.json (nor an adapter's base) in this folder, so its size is unknown")
+    cached = _hub_cached_config(model)
+    if cached is not None:
+        return shape_from_config(json.loads(cached.read_text()))
+    known = ", ".join(a.hub_id for a in families.ARCHITECTURES.values())
+    raise MissingError(f"model={model}: not a folder, and its config.json is not in the local hub cache; "
+                       f"planned without downloading: {known}, tiny, or a folder with a config.json")
+
+
+def _hub_cached_config(repo: str) -> Path | None:
+    import os
+
+    if repo.count("/") != 1:
+        return None
+    home = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache" /
+                                                                     "huggingface")) / "hub")
+    snapshots = home / f"models--{repo.replace('/', '--')}" / "snapshots"
+    found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []
+    return found[-1] if found else None
+
+
+# --------------------------------------------------------------------------------------------
+# cards
+
+
+@dataclass(frozen=True)
+class Card:
+    """A GPU: its memory (GiB, what the driver reports) and rates. ``emulated``: a cap on one
+    process's allocator (bench/plan_check.py's caps), which the CUDA context does not count against."""
+
+    key: str
+    name: str
+    memory_gib: float
+    bf16_tflops: float | None
+    bandwidth_gbs: float | None
+    emulated: bool = False
+
+
+def _cards() -> dict:
+    return json.loads(CARDS_FILE.read_text())
+
+
+def card_names() -> list[str]:
+    return sorted(_cards()["cards"])
+
+
+def card(name: str | None = None, memory_gib: float | None = None) -> Card:
+    """The card ``--gpu NAME`` names (or an alias), or a card of ``memory_gib`` with the speeds of
+    the reference card (``--memory-gib N``); both: that card with that memory."""
+    table = _cards()
+    if memory_gib is not None and not (0 < memory_gib < 1e6):
+        raise ConfigError(f"--memory-gib {memory_gib:g}: expected a positive number of GiB")
+    if name is None:
+        if memory_gib is None:
+            raise ConfigError("name a card (--gpu rtx4090) or its memory (--memory-gib 24)")
+        ref = table["cards"][load_model_file()["reference_card"]]
+        return Card(f"{memory_gib:g}gib", f"a card of {memory_gib:g} GiB (speeds of the {ref['name']})", memory_gib,
+                    ref["bf16_tflops"], ref["bandwidth_gbs"])
+    key = name.strip().lower().replace(" ", "").replace("_", "-").removeprefix("nvidia-")
+    key = table["aliases"].get(key, key)
+    if key not in table["cards"]:
+        raise ConfigError(f"--gpu {name}: unknown card; known: {', '.join(sorted(table['cards']))} "
+                          "(or give --memory-gib N)")
+    c = table["cards"][key]
+    return Card(key, c["name"], memory_gib if memory_gib is not None else c["memory_gib"], c.get("bf16_tflops"),
+                c.get("bandwidth_gbs"))
+
+
+def card_from_device(name: str, total_bytes: int) -> Card:
+    """The card torch sees (``torch.cuda.get_device_properties``): its memory as it reports it; its
+    rates from the table when its name is there, else the reference card's."""
+    table = _cards()
+    simple = name.lower().replace("nvidia", "").replace("geforce", "").strip().replace(" ", "")
+    for key, c in table["cards"].items():
+        if c["name"].lower().replace("nvidia", "").replace("geforce", "").replace(" ", "").startswith(simple):
+            return Card(key, c["name"], total_bytes / GIB, c.get("bf16_tflops"), c.get("bandwidth_gbs"))
+    ref = table["cards"][load_model_file()["reference_card"]]
+    return Card(simple or "gpu", name, total_bytes / GIB, ref["bf16_tflops"], ref["bandwidth_gbs"])
+
+
+# --------------------------------------------------------------------------------------------
+# the data: tokens per sample
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Tokens per sample of a data set at a pixel budget: the mean and spread of the whole
+    sequence, and the mean image tokens (4 patches each) and answer tokens."""
+
+    mean: float
+    std: float
+    largest: float
+    image: float
+    answer: float
+    source: str
+
+    def batch(self, samples: int, packing: bool) -> float:
+        """The tokens of the largest of a run's batches: packed, their sum (mean + 3 sigma of a
+        sum of ``samples``); padded, every row as long as the longest."""
+        if packing:
+            return min(samples * self.largest, samples * self.mean + PEAK_BATCH_SIGMAS * self.std * math.sqrt(samples))
+        return samples * min(self.largest, self.mean + PEAK_BATCH_SIGMAS * self.std)
+
+
+def image_tokens(size: tuple[int, int], shape_family: str, min_pixels: int, max_pixels: int) -> int:
+    facts = families.family(shape_family)
+    try:
+        h, w = smart_resize(size[1], size[0], facts.factor, min_pixels, max_pixels)
+    except ResizeError:
+        return 0
+    return (h // facts.factor) * (w // facts.factor)
+
+
+def data_tokens(sizes: list[tuple[int, int]], boxes: list[int], family: str, min_pixels: int, max_pixels: int,
+                model_file: dict, source: str) -> Tokens:
+    """Tokens per sample of images of ``sizes`` with ``boxes`` targets each: image tokens from the
+    family's resize, the prompt's and a one-box answer's tokens as measured (plan_model.json), an
+    answer's box repeated per target."""
+    text, answer = model_file["text_tokens"], model_file["answer_tokens"]
+    per_box = model_file["answer_tokens_per_box"]
+    image = [image_tokens(s, family, min_pixels, max_pixels) for s in sizes]
+    answers = [answer + per_box * (max(n, 1) - 1) for n in boxes]
+    total = [i + text + a for i, a in zip(image, answers)]
+    return Tokens(mean=statistics.fmean(total), std=statistics.pstdev(total) if len(total) > 1 else 0.0,
+                  largest=max(total), image=statistics.fmean(image), answer=statistics.fmean(answers), source=source)
+
+
+def read_data(path: str | Path) -> tuple[list[tuple[int, int]], list[int]]:
+    """(width, height) and the number of target boxes of each record of a canonical JSONL file."""
+    from groundtune.data.records import iter_jsonl, record_size, sample_boxes
+
+    path = regular_file(Path(path), "data file")
+    sizes, boxes = [], []
+    for line in iter_jsonl(path):
+        record = line.record if hasattr(line, "record") else line
+        if not isinstance(record, dict):
+            continue
+        size = record_size(record)
+        if size is None:
+            continue
+        sizes.append(size)
+        try:
+            boxes.append(len(sample_boxes(record)))
+        except Exception:  # noqa: BLE001 - a record data check would refuse: one box assumed here
+            boxes.append(1)
+    if not sizes:
+        raise MissingError(f"{path}: no record with a width and height (run `groundtune data check {path} --fix "
+                           "OUT.jsonl` to add them)")
+    return sizes, boxes
+
+
+# --------------------------------------------------------------------------------------------
+# the fitted model
+
+
+def load_model_file() -> dict:
+    if not MODEL_FILE.is_file():
+        raise MissingError(f"{MODEL_FILE}: the planner's fitted constants are missing (bench/plan_check.py fit)")
+    return json.loads(MODEL_FILE.read_text())
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The settings a plan reads, from a TrainConfig (``of``) or changed by a suggestion."""
+
+    method: str
+    head: str
+    batch_size: int
+    grad_accum: int
+    gradient_checkpointing: int
+    packing: bool
+    lora_r: int
+    lora_targets: tuple[str, ...]
+    lora_last_n_layers: int
+    min_pixels: int
+    max_pixels: int
+    freeze_vision: bool
+    freeze_merger: bool
+    freeze_llm: bool
+    head_text_loss_weight: float
+    answer_label: bool
+    distributed: str
+    gpus: int
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, family: str, gpus: int = 1) -> "Setting":
+        facts = families.family(family)
+        return cls(method=cfg.method, head=cfg.head, batch_size=int(cfg.batch_size) if cfg.batch_size != "auto"
+                   else 1, grad_accum=cfg.grad_accum, gradient_checkpointing=cfg.gradient_checkpointing,
+                   packing=cfg.packing, lora_r=cfg.lora_r, lora_targets=tuple(cfg.lora_targets),
+                   lora_last_n_layers=cfg.lora_last_n_layers, min_pixels=cfg.min_pixels or facts.min_pixels,
+                   max_pixels=cfg.max_pixels or facts.max_pixels, freeze_vision=cfg.freeze_vision,
+                   freeze_merger=cfg.freeze_merger, freeze_llm=cfg.freeze_llm,
+                   head_text_loss_weight=cfg.head_text_loss_weight, answer_label=cfg.answer_label,
+                   distributed=cfg.distributed, gpus=gpus)
+
+    def recomputed(self, layers: int) -> int:
+        return layers if self.gradient_checkpointing < 0 else min(self.gradient_checkpointing, layers)
+
+
+def counts(shape: Shape, s: Setting, tokens: Tokens) -> dict[str, float]:
+    """The quantities each memory and time term multiplies (bytes, or FLOPs for matmul), for one
+    GPU's micro-batch: the terms of ``MEMORY_TERMS`` and ``TIME_TERMS``."""
+    vision_bytes = shape.vision_params * 2
+    llm_linear = shape.layers * shape.layer_linear_params
+    llm_rest = shape.llm_params - llm_linear
+    if s.method == "full":
+        trained = (0 if s.freeze_llm else shape.llm_params) + (0 if s.freeze_vision else shape.vision_params)
+        frozen_bytes = 2 * ((shape.llm_params if s.freeze_llm else 0) + (shape.vision_params if s.freeze_vision else 0))
+    else:
+        trained = shape.lora_params(s.lora_r, list(s.lora_targets), s.lora_last_n_layers)
+        frozen_bytes = vision_bytes + (2 * llm_rest + NF4_BYTES * llm_linear if s.method == "qlora" else 2 * shape.llm_params)
+    if s.head == "box":  # the head's own weights: a few layers of the LLM's width
+        trained += 8 * shape.hidden * shape.hidden
+    # sharding per GPU: fsdp2 and zero3 split weights, gradients and optimizer state; zero2 the latter two
+    world = max(1, s.gpus)
+    shard_weights = world if s.distributed in ("fsdp2", "zero3") else 1
+    shard_state = world if s.distributed in ("fsdp2", "zero2", "zero3") else 1
+    batch_tokens = tokens.batch(s.batch_size, s.packing)
+    text_answer = s.head == "text" or s.head_text_loss_weight > 0
+    answer_tokens = s.batch_size * tokens.answer if text_answer else 0.0
+    patches = s.batch_size * tokens.image * 4
+    recomputed = s.recomputed(shape.layers)
+    passes = 2 + recomputed / shape.layers + (1 if s.method == "full" else 0)  # forward, input grads, recompute, weight grads
+    return {
+        "weights": frozen_bytes / shard_weights,
+        "trained": trained * 16 / shard_state,
+        "fixed": 1.0,
+        "boundaries": batch_tokens * shape.hidden * 2 * recomputed,
+        "layer": batch_tokens * (7 * shape.hidden + 3 * shape.intermediate) * 2 * (shape.layers - recomputed + 1),
+        "logits": answer_tokens * shape.vocab * 4,
+        "vision": patches * shape.vision_width * 2,
+        "optimizer": trained * 4 / shard_state if s.method == "full" else 0.0,
+        # time terms: per micro-batch (FLOPs of the matmuls, bytes of the activations' traffic and of
+        # QLoRA's dequantisation), per optimizer step (bytes of the optimizer's sweep)
+        "llm_matmul": 2 * llm_linear * batch_tokens * passes + 2 * shape.vocab * shape.hidden * answer_tokens * 3,
+        "vision_matmul": 2 * shape.vision_params * patches,
+        "traffic": batch_tokens * (7 * shape.hidden + 3 * shape.intermediate) * 2 * shape.layers * passes,
+        "dequant": llm_linear * NF4_BYTES * (2 + recomputed / shape.layers) if s.method == "qlora" else 0.0,
+        "optimizer_sweep": trained * 16 / shard_state,
+    }
+
+
+def peak_bytes(c: dict[str, float], coef: dict[str, float]) -> tuple[float, dict[str, float]]:
+    """Peak allocated bytes and its parts: the static terms, plus the larger of the activations and
+    (full fine-tuning) the optimizer step's own peak."""
+    parts = {k: c[k] * coef[k] for k in ("weights", "trained", "fixed", "boundaries", "layer", "logits", "vision")}
+    activations = parts["boundaries"] + parts["layer"] + parts["logits"] + parts["vision"]
+    optimizer = c["optimizer"] * coef["optimizer"]
+    parts["optimizer"] = max(0.0, optimizer - activations)
+    return sum(parts.values()), parts
+
+
+def step_seconds(c: dict[str, float], coef: dict[str, float], grad_accum: int, speed: "CardSpeed") -> float:
+    """One optimizer step: per micro-batch, the larger of a floor (the host's launches, the loader)
+    and the GPU's work: matmuls by the card's bf16 rate, activation traffic and QLoRA's
+    dequantisation by its bandwidth; then the optimizer's sweep, by bandwidth."""
+    gpu = ((c["llm_matmul"] * coef["llm_matmul"] + c["vision_matmul"] * coef["vision_matmul"]) / speed.compute
+           + (c["traffic"] * coef["traffic"] + c["dequant"] * coef["dequant"]) / speed.bandwidth)
+    return grad_accum * max(coef["floor"], gpu) + c["optimizer_sweep"] * coef["optimizer_sweep"] / speed.bandwidth
+
+
+@dataclass(frozen=True)
+class CardSpeed:
+    """A card's rates relative to the reference card the constants were measured on."""
+
+    compute: float
+    bandwidth: float
+
+
+def card_speed(c: Card, model_file: dict) -> CardSpeed:
+    ref = _cards()["cards"][model_file["reference_card"]]
+    tflops = c.bf16_tflops or ref["bf16_tflops"]
+    return CardSpeed(compute=tflops / ref["bf16_tflops"], bandwidth=(c.bandwidth_gbs or ref["bandwidth_gbs"]) /
+                     ref["bandwidth_gbs"])
+
+
+# --------------------------------------------------------------------------------------------
+# the plan
+
+
+@dataclass
+class Plan:
+    """What ``groundtune plan`` prints (``to_json`` for --json)."""
+
+    card: Card
+    setting: Setting
+    tokens: Tokens
+    peak_gib: float
+    parts_gib: dict[str, float]
+    usable_gib: float
+    margin: float
+    fits: bool
+    max_batch_size: int
+    samples_per_s: float
+    epoch_s: float | None
+    samples: int | None
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        verdict = "fits" if self.fits else "does NOT fit"
+        per = f" per GPU ({self.setting.gpus} GPUs, {self.setting.distributed})" if self.setting.gpus > 1 else ""
+        return (f"plan: peak {self.peak_gib:.1f} GiB{per} of {self.usable_gib:.1f} usable on {self.card.name}: "
+                f"{verdict}; largest batch_size that fits: {self.max_batch_size}; "
+                f"~{self.samples_per_s:.1f} samples/s")
+
+    def to_json(self) -> dict:
+        return {"peak_gib": round(self.peak_gib, 2), "fits": self.fits, "max_batch_size": self.max_batch_size,
+                "samples_per_s": round(self.samples_per_s, 2),
+                "epoch_s": None if self.epoch_s is None else round(self.epoch_s, 1),
+                "usable_gib": round(self.usable_gib, 2), "margin": round(self.margin, 3),
+                "parts_gib": {k: round(v, 3) for k, v in self.parts_gib.items()},
+                "card": dataclasses.asdict(self.card), "setting": dataclasses.asdict(self.setting),
+                "tokens_per_sample": round(self.tokens.mean, 1), "tokens_source": self.tokens.source,
+                "samples": self.samples, "notes": self.notes}
+
+
+def usable_gib(c: Card, model_file: dict) -> float:
+    """What the allocator may use: a capped process all of its cap; a real card its memory less the
+    CUDA context (measured on the reference card)."""
+    return c.memory_gib if c.emulated else c.memory_gib - model_file["cuda_context_gib"]
+
+
+def plan(shape: Shape, s: Setting, c: Card, tokens: Tokens, samples: int | None = None,
+         model_file: dict | None = None) -> Plan:
+    mf = model_file or load_model_file()
+    coef, margin = mf["memory"], mf["margin"]
+    peak, parts = peak_bytes(counts(shape, s, tokens), coef)
+    room = usable_gib(c, mf)
+    fits = peak / GIB * (1 + margin) <= room
+    speed = card_speed(c, mf)
+    step = step_seconds(counts(shape, s, tokens), mf["time"], s.grad_accum, speed)
+    rate = s.batch_size * s.grad_accum * max(1, s.gpus) / step
+    notes = []
+    if c.bf16_tflops is None:
+        notes.append(f"{c.name} has no bf16 tensor cores: groundtune trains in bf16 on a GPU, so this card runs it "
+                     "emulated, far slower than predicted (precision=fp32 is the working setting there)")
+    return Plan(card=c, setting=s, tokens=tokens, peak_gib=peak / GIB, parts_gib={k: v / GIB for k, v in parts.items()},
+                usable_gib=room, margin=margin, fits=fits, max_batch_size=max_batch(shape, s, c, tokens, mf),
+                samples_per_s=rate, epoch_s=samples / rate if samples else None, samples=samples, notes=notes)
+
+
+def max_batch(shape: Shape, s: Setting, c: Card, tokens: Tokens, model_file: dict, limit: int = 4096) -> int:
+    """The largest batch_size that fits (0: not even one sample). Memory grows with the batch, so a
+    binary search."""
+    room = usable_gib(c, model_file) * GIB
+    coef, margin = model_file["memory"], model_file["margin"]
+
+    def fits(b: int) -> bool:
+        return peak_bytes(counts(shape, dataclasses.replace(s, batch_size=b), tokens), coef)[0] * (1 + margin) <= room
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+@dataclass
+class Suggestion:
+    change: str  # as key=value settings a user types
+    plan: Plan
+
+
+def suggestions(shape: Shape, s: Setting, c: Card, tokens_at, samples: int | None = None,
+                model_file: dict | None = None, limit: int = 5) -> list[Suggestion]:
+    """The cheapest changes that make a run fit, ranked by predicted speed. ``tokens_at(min_pixels,
+    max_pixels)`` gives the data's tokens at another pixel budget."""
+    mf = model_file or load_model_file()
+    options: list[tuple[str, Setting]] = []
+    steps = s.batch_size * s.grad_accum  # samples per optimizer step, kept where the batch shrinks
+    smaller = [b for b in (s.batch_size // 2, s.batch_size // 4, s.batch_size // 8, s.batch_size // 16, 1) if b >= 1]
+    for b in dict.fromkeys(smaller):
+        if b < s.batch_size:
+            accum = max(1, math.ceil(steps / b))
+            options.append((f"batch_size={b} grad_accum={accum}", dataclasses.replace(s, batch_size=b, grad_accum=accum)))
+    if s.gradient_checkpointing != -1:
+        options.append(("gradient_checkpointing=-1", dataclasses.replace(s, gradient_checkpointing=-1)))
+    for pixels in (802816, 602112, 401408, 200704):
+        if pixels < s.max_pixels:
+            options.append((f"max_pixels={pixels}", dataclasses.replace(s, max_pixels=pixels)))
+    if s.method == "lora":
+        options.append(("method=qlora", dataclasses.replace(s, method="qlora")))
+    if s.method != "full" and set(s.lora_targets) > {"llm_attn"}:
+        options.append(("lora_targets=[llm_attn]", dataclasses.replace(s, lora_targets=("llm_attn",))))
+    # one change, then each with a smaller batch
+    combined = list(options)
+    for change, setting in options:
+        if change.startswith("batch_size"):
+            continue
+        for b in dict.fromkeys(smaller):
+            if b < setting.batch_size:
+                accum = max(1, math.ceil(steps / b))
+                combined.append((f"{change} batch_size={b} grad_accum={accum}",
+                                 dataclasses.replace(setting, batch_size=b, grad_accum=accum)))
+    found = []
+    for change, setting in combined:
+        tokens = tokens_at(setting.min_pixels, setting.max_pixels)
+        p = plan(shape, setting, c, tokens, samples, mf)
+        if p.fits:
+            found.append(Suggestion(change, p))
+    found.sort(key=lambda x: (-x.plan.samples_per_s, len(x.change)))
+    return found[:limit]
