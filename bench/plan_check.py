@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -40,7 +41,10 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
+# as `groundtune train` runs (train/sft.py): set before torch's CUDA allocator starts, in this process
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
 
 from provenance import stamped, unstamped
 from sft_speed import MODELS, _saved_weights, make_refcoco_like

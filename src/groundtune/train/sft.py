@@ -42,6 +42,7 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
           resume_overrides: tuple[str, ...] = ()) -> Path:
     """Run SFT and return the run folder. ``on_step(step, run, model)`` is called after every
     optimizer step (tests use it to drop a STOP file or poison a weight at a known step)."""
+    expandable_gpu_memory()
     return run_stage(TrainConfig, cfg, resume, resume_overrides, _train, on_step)
 
 
@@ -138,6 +139,17 @@ def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData,
 
 # --------------------------------------------------------------------------------------------
 # setup
+
+
+def expandable_gpu_memory() -> None:
+    """Let torch's CUDA allocator grow its blocks in place (expandable segments) unless the user set
+    PYTORCH_CUDA_ALLOC_CONF: without it, a run near the card's limit fails with 1-3 GiB held but
+    unusable between blocks of other sizes (bench/plan_check.py verify, H200 capped at 12-24 GiB).
+    Takes effect when CUDA is first used in this process, as it is here."""
+    import os
+
+    if not torch.cuda.is_initialized():
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 def _describe(samples, train_data: str) -> str:
