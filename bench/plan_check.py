@@ -196,8 +196,9 @@ class _nothing:
 
 
 class _CpuPeak:
-    """The most bytes torch's CPU allocator held at once while inside (torch.profiler's allocation
-    events, summed in order): the CPU's max_memory_allocated, which torch does not keep itself."""
+    """The most bytes torch's CPU allocator held at once while inside: torch.profiler's memory
+    accounting (each op's own allocations less its frees), summed in the order the ops started.
+    The CPU's max_memory_allocated, which torch does not keep itself."""
 
     def __enter__(self):
         self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
@@ -206,11 +207,9 @@ class _CpuPeak:
 
     def __exit__(self, *exc):
         self.prof.__exit__(None, None, None)
-        events = sorted((e for e in self.prof.profiler.function_events if e.name == "[memory]"),
-                        key=lambda e: e.time_range.start)
         held = peak = 0
-        for e in events:
-            held += e.cpu_memory_usage
+        for e in sorted(self.prof.profiler.function_events, key=lambda e: e.time_range.start):
+            held += e.self_cpu_memory_usage
             peak = max(peak, held)
         self.peak = peak
         return False
@@ -412,11 +411,12 @@ def summary(predicted: list[dict], verified: list[dict]) -> dict:
 
 
 def _is_preset(row: dict) -> bool:
+    """The shipped presets' own settings (configs/qwen2.5-vl-3b-lora-24gb, -7b-lora-24gb, -7b-qlora)."""
     s = row["settings"]
-    return ((row["model"] == "3b" and s["method"] == "lora" and s["batch_size"] == 64 and s.get("head", "text") == "text"
-             and s["lora_targets"] == ["llm_attn", "llm_mlp"]) or
-            (row["model"] == "7b" and s["method"] == "lora" and s["batch_size"] == 16 and s.get("head", "text") == "text")
-            or (row["model"] == "7b" and s["method"] == "qlora" and s["batch_size"] == 8 and s["grad_accum"] == 2))
+    return ((row["model"], s["method"], s["batch_size"], s["grad_accum"], s.get("head", "text"), len(s["lora_targets"]),
+             s["max_pixels"], s["gradient_checkpointing"]) in
+            {("3b", "lora", 64, 1, "text", 2, PRESET_PIXELS, -1), ("7b", "lora", 16, 1, "text", 2, PRESET_PIXELS, -1),
+             ("7b", "qlora", 8, 2, "text", 2, PRESET_PIXELS, -1)})
 
 
 # ---------------------------------------------------------------------------------------------

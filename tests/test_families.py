@@ -204,7 +204,7 @@ def test_the_family_table_holds_what_qwen_publishes_and_transformers_builds():
     with pytest.raises(ValueError, match="unknown model family 'llava'"):
         families.family("llava")
     with pytest.raises(ValueError, match="neither"):  # a misspelt convention is refused when the table is read
-        families.Facts("qwen9-vl", "pixels", families.JSON, patch_size=16, min_pixels=1, max_pixels=2, onnx=False)
+        families.Facts("qwen9-vl", "qwen9_vl", "pixels", families.JSON, patch_size=16, min_pixels=1, max_pixels=2, onnx=False)
 
 
 @pytest.mark.parametrize("name, part, layer", [

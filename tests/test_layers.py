@@ -15,6 +15,7 @@ LAYERS = [
     {"errors", "files", "progress", "boxes", "families"},
     {"config"},
     {"data"},
+    {"plan"},  # sizes a run from config.json files and settings: no model, no torch
     {"models"},
     {"infer"},
     {"protocols", "evaluate", "export", "serve", "batching", "onnx_export", "onnx_predict"},  # deploy half, beside evaluate on infer

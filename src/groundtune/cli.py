@@ -1,7 +1,7 @@
 """The command line: an explicit table of commands, each calling one Python function.
 
     groundtune data convert|check|show|synth|refgen
-    groundtune train | rl | eval | predict | export | serve | quickstart
+    groundtune plan | train | rl | eval | predict | export | serve | quickstart
 
 Each handler only turns flags into arguments; the work is in the function it calls, which is
 what Python users call too. Imports are inside handlers so `groundtune --help` starts fast.
@@ -688,6 +688,65 @@ def _limits(args: argparse.Namespace):
 # train, rl, quickstart
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from groundtune import plan
+    from groundtune.config import TrainConfig, load_config, preset_path
+
+    if args.gpus < 1:
+        raise UsageError(f"groundtune plan: --gpus {args.gpus}: expected 1 or more")
+    card = plan.card(args.gpu, args.memory_gib) if (args.gpu or args.memory_gib is not None) else plan.card("rtx4090")
+    if args.data and not os.path.isfile(args.data):
+        raise UsageError(f"groundtune plan: --data {args.data}: no such file")
+    given = dict(o.split("=", 1) for o in args.overrides if "=" in o)
+    overrides = list(args.overrides) + ([] if "train_data" in given else ["train_data=synth:full"])
+    cfg = load_config(TrainConfig, preset_path(args.config), overrides)
+    if cfg.batch_size == "auto":
+        cfg = dataclasses.replace(cfg, batch_size=plan.auto_batch_size(cfg, card, args.gpus))
+    result = plan.plan_run(cfg, card, args.data, args.gpus)
+    if args.json:
+        print(json.dumps({**result.plan.to_json(), "model": result.model,
+                          "suggestions": [{"change": x.change, "peak_gib": round(x.plan.peak_gib, 2),
+                                           "samples_per_s": round(x.plan.samples_per_s, 2)}
+                                          for x in result.suggestions]}, indent=1))
+    else:
+        print(plan.render(result, args.explain))
+    return 0
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="will a training run fit a GPU, how fast will it go, and what to change if not (no model loaded)",
+        description="Predict a run's peak GPU memory (weights, adapters and optimizer, activations, the vision\n"
+        "tower's pass), whether it fits the card, the largest batch_size that does, its samples/s and time\n"
+        "per epoch, and, when it does not fit, the changes that make it fit ranked by speed. From the\n"
+        "model's shape, the settings and the data's image sizes, with constants fitted from real steps on\n"
+        "an H200 (bench/results/plan_check.json); speed scaled to the card by its bf16 rate and bandwidth.\n"
+        "Nothing is loaded and no GPU is needed: it answers in about a second.\n\n"
+        "examples:\n"
+        "  groundtune plan qwen2.5-vl-7b-lora-24gb --gpu rtx3090\n"
+        "  groundtune plan qwen2.5-vl-3b-lora-24gb batch_size=128 --memory-gib 16 --data train.jsonl\n"
+        "  groundtune plan qwen2.5-vl-7b-qlora --gpu l4 --json\n"
+        "  groundtune plan my.yaml --gpu a100-80gb --gpus 8 distributed=fsdp2 --explain",
+        formatter_class=_Formatter,
+    )
+    p.add_argument("config", metavar="CONFIG", help="a YAML file or a preset name (as groundtune train takes)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="settings over the file's, as in train")
+    p.add_argument("--gpu", metavar="NAME", help="the card, e.g. rtx3090, rtx4090, l4, a100-80gb, h100 (default: "
+                   "rtx4090 unless --memory-gib is given); an unknown name lists the known ones")
+    p.add_argument("--memory-gib", type=float, help="the card's memory in GiB (with --gpu: that card with this "
+                   "memory; alone: a card of this memory with the reference card's speeds)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs of the run (per-GPU memory under distributed=fsdp2/"
+                   "zero2/zero3 shards; samples/s of all of them)")
+    p.add_argument("--data", help="canonical JSONL file whose image sizes (width, height) and boxes decide the "
+                   "tokens a sample (default: the config's train_data file, else COCO-sized images)")
+    p.add_argument("--json", action="store_true", help="print JSON (peak_gib, fits, max_batch_size, "
+                   "samples_per_s, epoch_s, parts_gib, suggestions, ...) for scripts")
+    p.add_argument("--explain", action="store_true", help="also print the model's assumptions and the card's "
+                   "sources")
+    p.set_defaults(handler=_plan)
+
+
 def _train(args: argparse.Namespace) -> int:
     """`groundtune train` and `groundtune rl`: the same command line, each with its settings class."""
     from groundtune.config import RLConfig, TrainConfig, load_config, preset_path
@@ -793,6 +852,7 @@ def _add_quickstart(sub: argparse._SubParsersAction) -> None:
 
 COMMANDS = {
     "data": _add_data,
+    "plan": _add_plan,
     "train": _add_train,
     "rl": _add_rl,
     "eval": _add_eval,

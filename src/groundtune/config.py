@@ -162,7 +162,8 @@ class _Optimisation(_Settings):
     warmup_steps: int = setting(0, "linear warmup, then cosine decay to min_lr_ratio * lr")
     min_lr_ratio: float = setting(0.1, "where the cosine decay ends, as a share of each peak learning rate")
     max_steps: int = setting(1000, "optimizer steps; the data is cycled as needed")
-    batch_size: int = setting(8, "samples per micro-batch")
+    batch_size: int | str = setting(8, "samples per micro-batch; groundtune train takes auto: the largest batch "
+                                    "`groundtune plan` says fits the GPU it finds (written to the run's config.yaml)")
     max_grad_norm: float = setting(1.0, "gradient clipping; 0 = off")
     precision: str = setting("auto", "auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
     gradient_checkpointing: int = setting(0, "recompute the last N LLM layers in backward (-1 = all, 0 = off)")
@@ -171,7 +172,13 @@ class _Optimisation(_Settings):
     seed: int = setting(0, "random seed: data order, augmentations, new weights, sampled answers")
 
     def check(self) -> None:
-        _positive(self, "lr", "max_steps", "batch_size")
+        if self.batch_size != "auto" or not isinstance(self, _Step):  # auto: SFT's alone (train/sft.py)
+            if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int):
+                raise ConfigError(f"batch_size={self.batch_size!r}: expected a whole number"
+                                  + (" or auto" if isinstance(self, _Step) else ""))
+            _check_range("batch_size", self.batch_size)
+            _positive(self, "batch_size")
+        _positive(self, "lr", "max_steps")
         _at_least_zero(self, "seed")
         _at_least_zero(self, "lr_vision", "lr_merger", "lr_llm", "weight_decay", "warmup_steps", "max_grad_norm")
         _fraction(self, "min_lr_ratio")

@@ -76,6 +76,8 @@ class Shape:
     tied: bool
     vision_width: int
     vision_params: int  # the whole vision tower, merger included
+    attention_bias: bool = True  # q/k/v biases (Qwen2 and 2.5); Qwen3 has none ...
+    qk_norm: bool = False  # ... and normalises q and k per head instead
 
     @property
     def layer_linear_params(self) -> int:
@@ -85,10 +87,11 @@ class Shape:
 
     @property
     def llm_params(self) -> int:
-        """Language-model parameters: the layers (their linears, q/k/v biases, two norms), the
-        embedding, the final norm and the LM head when it is not the embedding."""
+        """Language-model parameters: the layers (their linears, q/k/v biases or q/k norms, two
+        norms), the embedding, the final norm and the LM head when it is not the embedding."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        per_layer = self.layer_linear_params + q + 2 * kv + 2 * self.hidden
+        per_layer = (self.layer_linear_params + (q + 2 * kv if self.attention_bias else 0)
+                     + (2 * self.head_dim if self.qk_norm else 0) + 2 * self.hidden)
         return self.layers * per_layer + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
 
     def lora_params(self, r: int, targets: list[str], last_n: int = 0) -> int:
@@ -117,9 +120,9 @@ def _vision_params(family: str, v: dict, out_hidden: int) -> tuple[int, int]:
     elif family == "qwen3-vl":  # LayerNorm, GELU MLP; learned positions; DeepStack mergers
         e, m = v.get("hidden_size", 1152), v.get("intermediate_size", 4304)
         block = 4 * e + (3 * e * e + 3 * e) + (e * e + e) + (e * m + m) + (m * e + e)
-        one_merger = 8 * e + (4 * e) * (4 * e) + 4 * e + 4 * e * out_hidden + out_hidden
-        merger = one_merger * (1 + len(v.get("deepstack_visual_indexes", [])))
-        merger += v.get("num_position_embeddings", 0) * e
+        projection = (4 * e) * (4 * e) + 4 * e + 4 * e * out_hidden + out_hidden
+        deepstack = len(v.get("deepstack_visual_indexes", []))  # each normalises the 4 merged patches
+        merger = (2 * e + projection) + deepstack * (8 * e + projection) + v.get("num_position_embeddings", 0) * e
     else:  # qwen2.5-vl: RMSNorm, gated (SwiGLU) MLP with biases
         e, m = v.get("hidden_size", 1280), v.get("intermediate_size", 3420)
         block = 2 * e + (3 * e * e + 3 * e) + (e * e + e) + 2 * (e * m + m) + (m * e + e)
@@ -139,7 +142,8 @@ def shape_from_config(config: dict) -> Shape:
     return Shape(family=family, hidden=hidden, intermediate=text["intermediate_size"],
                  layers=text["num_hidden_layers"], heads=heads, kv_heads=text.get("num_key_value_heads", heads),
                  head_dim=text.get("head_dim") or hidden // heads, vocab=text["vocab_size"], tied=bool(tied),
-                 vision_width=width, vision_params=vparams)
+                 vision_width=width, vision_params=vparams,
+                 attention_bias=text.get("attention_bias", family != "qwen3-vl"), qk_norm=family == "qwen3-vl")
 
 
 def shape_of(model: str) -> Shape:
@@ -193,9 +197,10 @@ class Card:
     key: str
     name: str
     memory_gib: float
-    bf16_tflops: float | None
+    bf16_tflops: float | None  # None: no bf16 tensor cores
     bandwidth_gbs: float | None
     emulated: bool = False
+    fp16_tflops: float | None = None  # the rate such a card's speed is predicted with
 
 
 def _cards() -> dict:
@@ -225,7 +230,7 @@ def card(name: str | None = None, memory_gib: float | None = None) -> Card:
                           "(or give --memory-gib N)")
     c = table["cards"][key]
     return Card(key, c["name"], memory_gib if memory_gib is not None else c["memory_gib"], c.get("bf16_tflops"),
-                c.get("bandwidth_gbs"))
+                c.get("bandwidth_gbs"), fp16_tflops=c.get("fp16_tflops"))
 
 
 def card_from_device(name: str, total_bytes: int) -> Card:
@@ -432,7 +437,7 @@ class CardSpeed:
 
 def card_speed(c: Card, model_file: dict) -> CardSpeed:
     ref = _cards()["cards"][model_file["reference_card"]]
-    tflops = c.bf16_tflops or ref["bf16_tflops"]
+    tflops = c.bf16_tflops or c.fp16_tflops or ref["bf16_tflops"]
     return CardSpeed(compute=tflops / ref["bf16_tflops"], bandwidth=(c.bandwidth_gbs or ref["bandwidth_gbs"]) /
                      ref["bandwidth_gbs"])
 
@@ -531,8 +536,10 @@ class Suggestion:
 
 def suggestions(shape: Shape, s: Setting, c: Card, tokens_at, samples: int | None = None,
                 model_file: dict | None = None, limit: int = 5) -> list[Suggestion]:
-    """The cheapest changes that make a run fit, ranked by predicted speed. ``tokens_at(min_pixels,
-    max_pixels)`` gives the data's tokens at another pixel budget."""
+    """The changes that make a run fit, ranked by predicted speed: the fastest of each kind (a smaller
+    batch with more accumulation, recomputation, a smaller pixel budget, QLoRA, fewer LoRA targets),
+    each alone or with the batch it needs. ``tokens_at(min_pixels, max_pixels)`` gives the data's
+    tokens at another pixel budget."""
     mf = model_file or load_model_file()
     options: list[tuple[str, Setting]] = []
     steps = s.batch_size * s.grad_accum  # samples per optimizer step, kept where the batch shrinks
@@ -543,8 +550,9 @@ def suggestions(shape: Shape, s: Setting, c: Card, tokens_at, samples: int | Non
             options.append((f"batch_size={b} grad_accum={accum}", dataclasses.replace(s, batch_size=b, grad_accum=accum)))
     if s.gradient_checkpointing != -1:
         options.append(("gradient_checkpointing=-1", dataclasses.replace(s, gradient_checkpointing=-1)))
-    for pixels in (802816, 602112, 401408, 200704):
-        if pixels < s.max_pixels:
+    base_tokens = tokens_at(s.min_pixels, s.max_pixels).mean
+    for pixels in (802816, 602112, 401408, 200704):  # only budgets that shrink this data's images (5% fewer tokens)
+        if pixels < s.max_pixels and tokens_at(s.min_pixels, pixels).mean < 0.95 * base_tokens:
             options.append((f"max_pixels={pixels}", dataclasses.replace(s, max_pixels=pixels)))
     if s.method == "lora":
         options.append(("method=qlora", dataclasses.replace(s, method="qlora")))
@@ -567,4 +575,121 @@ def suggestions(shape: Shape, s: Setting, c: Card, tokens_at, samples: int | Non
         if p.fits:
             found.append(Suggestion(change, p))
     found.sort(key=lambda x: (-x.plan.samples_per_s, len(x.change)))
-    return found[:limit]
+    best: dict[str, Suggestion] = {}  # the fastest of each kind of change (with whatever batch it needs)
+    for x in found:
+        best.setdefault(x.change.split(" batch_size=")[0] if not x.change.startswith("batch_size") else "batch", x)
+    return list(best.values())[:limit]
+
+
+# --------------------------------------------------------------------------------------------
+# a run's plan: what `groundtune plan` and `groundtune train` ask
+
+
+@dataclass
+class RunPlan:
+    shape: Shape
+    model: str
+    plan: Plan
+    suggestions: list[Suggestion]
+    model_file: dict
+
+
+def plan_run(cfg: TrainConfig, c: Card, data: str | None = None, gpus: int = 1) -> RunPlan:
+    """The plan of ``cfg`` on card ``c``: its data's image sizes from ``data`` (else cfg.train_data
+    when that is a file, else the COCO-sized images the constants were measured on), and the
+    changes that make it fit when it does not."""
+    mf = load_model_file()
+    shape = shape_of(cfg.model)
+    setting = Setting.of(cfg, shape.family, gpus)
+    path = data or (cfg.train_data if cfg.train_data and ":" not in cfg.train_data else None)
+    if path:
+        sizes, boxes = read_data(path)
+        source = f"{path} ({len(sizes):,} samples)"
+    else:
+        sizes, boxes = [tuple(s) for s in mf["default_images"]], [1] * len(mf["default_images"])
+        source = "COCO-sized images (long side 480-640 px, one box each; --data FILE for yours)"
+
+    def tokens_at(min_pixels: int, max_pixels: int) -> Tokens:
+        return data_tokens(sizes, boxes, shape.family, min_pixels, max_pixels, mf, source)
+
+    p = plan(shape, setting, c, tokens_at(setting.min_pixels, setting.max_pixels), len(sizes) if path else None, mf)
+    return RunPlan(shape, cfg.model, p, [] if p.fits else suggestions(shape, setting, c, tokens_at, p.samples, mf), mf)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def render(r: RunPlan, explain: bool = False) -> str:
+    """The plan as a person reads it at a glance."""
+    p, s, mf = r.plan, r.plan.setting, r.model_file
+    recompute = ("all" if s.gradient_checkpointing < 0 else s.gradient_checkpointing) if s.gradient_checkpointing \
+        else "no"
+    lines = [f"{r.model} ({r.shape.family}), method={s.method}, head={s.head}: batch_size={s.batch_size} x "
+             f"grad_accum={s.grad_accum}, {recompute} layers recomputed, {'packed' if s.packing else 'padded'}, "
+             f"max_pixels={s.max_pixels:,}" + (f", {s.gpus} GPUs ({s.distributed})" if s.gpus > 1 else ""),
+             f"card: {p.card.name}: {p.card.memory_gib:.1f} GiB, {p.usable_gib:.1f} usable"
+             + ("" if p.card.emulated else f" (CUDA context {mf['cuda_context_gib']:.1f})"),
+             f"data: {p.tokens.source}: {p.tokens.mean:.0f} tokens a sample ({p.tokens.image:.0f} image)", "",
+             "peak GPU memory" + (" per GPU" if s.gpus > 1 else "") + ", GiB"]
+    names = {"weights": "weights (bf16" + (", LLM linears NF4)" if s.method == "qlora" else ")"),
+             "trained": "trained params + grads + AdamW", "fixed": "CUDA workspaces, buffers",
+             "boundaries": "recomputed layers' inputs", "layer": "layer activations", "logits": "answer logits",
+             "vision": "vision tower pass", "optimizer": "optimizer step (over activations)"}
+    for key, gib in p.parts_gib.items():
+        if gib >= 0.005:
+            lines.append(f"  {names[key]:36s}{gib:8.2f}")
+    verdict = "FITS" if p.fits else "DOES NOT FIT"
+    lines += [f"  {'peak':36s}{p.peak_gib:8.2f}   + {p.margin:.0%} margin = {p.peak_gib * (1 + p.margin):.2f} "
+              f"of {p.usable_gib:.2f}: {verdict}",
+              f"largest batch_size that fits: {p.max_batch_size}" + ("  (none: see below)" if not p.max_batch_size
+                                                                      else ""),
+              f"speed: ~{p.samples_per_s:.1f} samples/s" + (f", an epoch of {p.samples:,} samples in "
+                                                          f"{_duration(p.epoch_s)}" if p.epoch_s else "")]
+    lines += [f"note: {n}" for n in p.notes]
+    if r.suggestions:
+        lines += ["", "changes that make it fit, fastest first:",
+                  f"  {'change':58s}{'peak GiB':>9s}{'samples/s':>11s}"]
+        lines += [f"  {x.change:58s}{x.plan.peak_gib:9.2f}{x.plan.samples_per_s:11.1f}" for x in r.suggestions]
+    elif not p.fits:
+        lines += ["", "no change groundtune tries makes it fit this card (smaller batches with accumulation, "
+                  "recomputation, smaller pixel budgets, QLoRA, fewer LoRA targets)"]
+    if explain:
+        lines += ["", *explanation(r)]
+    return "\n".join(lines)
+
+
+def explanation(r: RunPlan) -> list[str]:
+    """The model's assumptions, for --explain."""
+    mf, p = r.model_file, r.plan
+    ref = _cards()["cards"][mf["reference_card"]]
+    cards = _cards()["cards"]
+    lines = ["how this was predicted:",
+             f"  constants: {MODEL_FILE.name}, fitted by bench/plan_check.py from real steps of Qwen2.5-VL-3B/7B on "
+             f"an {ref['name']} (bench/results/plan_check.json)",
+             "  peak = weights + trained x 16 B + fixed + the larger of the activations "
+             "(recomputed layers' inputs, layer activations, answer logits, vision pass) and full fine-tuning's "
+             "optimizer step; each term a count of this model and batch times a fitted coefficient:"]
+    lines += [f"    {k}: {v:.4g}" for k, v in mf["memory"].items()]
+    lines += [f"  margin {mf['margin']:.1%}: the largest under-prediction among the measured configurations; "
+              f"fits = peak x (1 + margin) <= usable",
+              f"  CUDA context {mf['cuda_context_gib']:.2f} GiB (measured on the {ref['name']}) is not usable by "
+              "the allocator on a real card",
+              f"  a batch's tokens: its mean plus {PEAK_BATCH_SIGMAS:g} standard deviations (packed); "
+              f"text {mf['text_tokens']:.0f} and answer {mf['answer_tokens']:.0f} tokens a sample as measured "
+              f"(+{mf['answer_tokens_per_box']} per extra box), image tokens from each image's resize",
+              "  speed: the measured step's terms (floor, matmuls, activation traffic, NF4 dequantisation, "
+              f"optimizer sweep) scaled from the {ref['name']} ({ref['bf16_tflops']:g} TFLOP/s, "
+              f"{ref['bandwidth_gbs']:g} GB/s) by bf16 rate for matmuls and bandwidth for the rest"]
+    key = p.card.key if p.card.key in cards else None
+    if key:
+        for what, url in cards[key].get("sources", {}).items():
+            lines.append(f"  {p.card.name} {what}: {url}")
+    return lines
+
+
+def auto_batch_size(cfg: TrainConfig, c: Card, gpus: int = 1) -> int:
+    """batch_size=auto: the largest batch the plan says fits ``c`` (at least 1)."""
+    return max(1, plan_run(dataclasses.replace(cfg, batch_size=1), c, gpus=gpus).plan.max_batch_size)

@@ -43,6 +43,8 @@ def train(cfg: TrainConfig | None = None, resume: str | Path | None = None, on_s
     """Run SFT and return the run folder. ``on_step(step, run, model)`` is called after every
     optimizer step (tests use it to drop a STOP file or poison a weight at a known step)."""
     expandable_gpu_memory()
+    if cfg is not None:
+        cfg = _planned(cfg)
     return run_stage(TrainConfig, cfg, resume, resume_overrides, _train, on_step)
 
 
@@ -139,6 +141,41 @@ def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData,
 
 # --------------------------------------------------------------------------------------------
 # setup
+
+
+def _planned(cfg: TrainConfig) -> TrainConfig:
+    """Before anything loads: batch_size=auto made the largest batch the plan says fits the GPU
+    found (8 on a CPU, which has no plan), and a warning with the plan's summary when the run will
+    not fit that GPU (groundtune/plan.py)."""
+    import os
+    import warnings
+
+    from groundtune import plan
+    from groundtune.errors import GroundtuneError
+
+    gpu = torch.cuda.is_available() and pick_device(cfg.device).type == "cuda"
+    gpus = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.batch_size == "auto":
+        if not gpu:
+            print("batch_size=auto: no GPU, so no plan; batch_size=8")
+            return dataclasses.replace(cfg, batch_size=8)
+        found = plan.card_from_device(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory)
+        size = plan.auto_batch_size(cfg, found, gpus)  # a model the planner cannot size: its error, exit 2
+        print(f"batch_size=auto: {size} (the largest groundtune plan says fits {found.name}, "
+              f"{found.memory_gib:.1f} GiB)")
+        return dataclasses.replace(cfg, batch_size=size)
+    if gpu:
+        try:
+            found = plan.card_from_device(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory)
+            result = plan.plan_run(cfg, found, gpus=gpus)
+        except GroundtuneError:  # a model or data the planner cannot size: training decides
+            return cfg
+        if not result.plan.fits:
+            changes = "; ".join(x.change for x in result.suggestions[:3])
+            warnings.warn(f"this run will likely run out of GPU memory: {result.plan.summary()}"
+                          + (f". Changes that fit: {changes} (groundtune plan CONFIG --explain)" if changes else ""),
+                          stacklevel=3)
+    return cfg
 
 
 def expandable_gpu_memory() -> None:
