@@ -86,15 +86,24 @@ GRID = {
         (dict(batch_size=4, method="qlora", max_pixels=SMALL_PIXELS), 4),
         (dict(batch_size=4, gradient_checkpointing=14), 4),
     ],
-    "tiny": [
-        (dict(batch_size=4, kernels="none", num_workers=0, max_pixels=200704), 3),
-        (dict(batch_size=16, kernels="none", num_workers=0, max_pixels=200704), 3),
-        (dict(batch_size=16, kernels="none", num_workers=0, max_pixels=50176), 3),
-        (dict(batch_size=8, kernels="none", num_workers=0, max_pixels=200704, gradient_checkpointing=0), 3),
-        (dict(batch_size=8, kernels="none", num_workers=0, max_pixels=200704, method="full"), 3),
-        (dict(batch_size=8, kernels="none", num_workers=0, max_pixels=200704, head="box"), 3),
+    "tiny": [  # the CPU: fp32, attention through dense masks (models/attention.py); TINY_CHECK's are held out
+        (dict(batch_size=4, max_pixels=200704), 3),
+        (dict(batch_size=16, max_pixels=200704), 3),
+        (dict(batch_size=8, max_pixels=50176), 3),
+        (dict(batch_size=8, max_pixels=200704, gradient_checkpointing=0), 3),
+        (dict(batch_size=8, max_pixels=200704, method="full"), 3),
+        (dict(batch_size=8, max_pixels=200704, head="box"), 3),
+        (dict(batch_size=8, max_pixels=200704, gradient_checkpointing=2), 3),
+        (dict(batch_size=16, max_pixels=200704, packing=False), 3),
+        (dict(batch_size=4, max_pixels=100352, gradient_checkpointing=0), 3),
+        (dict(batch_size=8, max_pixels=200704), 3),
+        (dict(batch_size=24, max_pixels=100352), 3),
+        (dict(batch_size=12, max_pixels=200704, gradient_checkpointing=2), 3),
+        (dict(batch_size=8, max_pixels=200704, packing=False), 3),
+        (dict(batch_size=16, max_pixels=100352, head="box"), 3),
     ],
 }
+TINY_CHECK = range(9, 14)  # GRID["tiny"]'s rows the CPU fit does not see: its check
 CAPS = (12, 16, 24, 40)
 # what verify checks: (model, settings over BASE, caps); each 20-step run at the largest batch costs
 # a minute at most (the 40 GiB cap's batches would take several: its peaks lie inside the uncapped grid's)
@@ -125,10 +134,8 @@ def run_config(key: str, settings: dict, steps: int, data: Path, weights: dict, 
     from groundtune.config import TrainConfig
     from groundtune.train.sft import train
 
-    values = {**BASE, **settings}
     cuda = torch.cuda.is_available()
-    if not cuda:
-        values.update(precision="fp32")
+    values = {**BASE, **({} if cuda else dict(kernels="none", num_workers=0, precision="fp32")), **settings}
     model = MODELS[key]
     if values["method"] == "qlora" and model.startswith("random:"):
         if key not in weights:  # written once per model: the 4-bit base is made by from_pretrained
@@ -247,8 +254,9 @@ def measure(args) -> None:
         data = make_refcoco_like(Path(tmp), args.samples)
         stats = [data_stats(data, p) for p in (PRESET_PIXELS, SMALL_PIXELS, 200704, 50176)]
         for key in args.models.split(","):
-            for settings, steps in GRID[key]:
-                rows.append(run_config(key, settings, steps, data, weights))
+            for i, (settings, steps) in enumerate(GRID[key][:args.limit]):
+                rows.append(dict(run_config(key, settings, steps, data, weights),
+                                 role="check" if key == "tiny" and i in TINY_CHECK else "fit"))
                 _save({"cuda_context_gib": context, "data": stats, "rows": rows}, args.out)
     _table(rows)
 
@@ -285,7 +293,7 @@ def row_counts(row: dict, model_file: dict, sizes) -> tuple:
 
     shape = plan.shape_of(MODELS[row["model"]])
     cfg = TrainConfig(**{k: v for k, v in row["settings"].items() if k != "precision"}, train_data="synth:full")
-    setting = plan.Setting.of(cfg, shape.family)
+    setting = plan.Setting.of(cfg, shape.family, device="cpu" if row["model"] == "tiny" else "cuda")
     tokens = plan.data_tokens(sizes, [1] * len(sizes), shape.family, setting.min_pixels, setting.max_pixels,
                               model_file, "the bench's samples")
     return shape, setting, tokens, plan.counts(shape, setting, tokens)
@@ -324,6 +332,7 @@ def fit(measured: list[dict], with_time: bool = True) -> tuple[dict, list[dict]]
     rows = [dict(r, provenance=m["provenance"]) for m in measured for r in m["rows"]]
     ok = [r for r in rows if r["status"] == "ok" and r.get("peak_gib") and r["model"] != "tiny"]
     counted = [(r, row_counts(r, model_file, sizes)) for r in ok]
+    tiny = [r for r in rows if r["status"] == "ok" and r.get("peak_gib") and r["model"] == "tiny"]
 
     # memory: activations' coefficients from the adapter runs, where they decide the peak
     adapters = [(r, c) for r, (_, s, _, c) in counted if s.method != "full"]
@@ -338,8 +347,22 @@ def fit(measured: list[dict], with_time: bool = True) -> tuple[dict, list[dict]]
             static = sum(c[k] * model_file["memory"][k] for k in ("weights", "trained", "fixed"))
             model_file["memory"]["optimizer"] = max(model_file["memory"]["optimizer"],
                                                     (r["peak_gib"] * plan.GIB - static) / c["optimizer"])
+    # the CPU (the tiny model, fp32, dense attention): its own fixed bytes and the attention scores'
+    # coefficients, from the rows not held out; every other term as on the GPU
+    if tiny:
+        cpu = [(r, row_counts(r, model_file, sizes)[3]) for r in tiny]
+        fitting = [(r, c) for r, c in cpu if r.get("role") != "check"]
+        cpu_terms = ("fixed_cpu", "attention", "attention_kept", "mask")
+        a = np.array([[c[k] for k in cpu_terms] for _, c in fitting])
+        known = [sum(c[k] * model_file["memory"][k] for k in ("weights", "trained", "boundaries", "layer", "logits",
+                                                              "vision")) for _, c in fitting]
+        y = np.array([r["peak_gib"] * plan.GIB - k for (r, _), k in zip(fitting, known)])
+        w = 1 / np.array([r["peak_gib"] * plan.GIB for r, _ in fitting])
+        x = _nonnegative_least_squares(a * w[:, None], y * w)
+        model_file["memory"].update({k: float(v) for k, v in zip(cpu_terms, x)})
+        counted += [(r, row_counts(r, model_file, sizes)) for r in tiny]
     if with_time:
-        model_file["time"] = fit_time(counted)
+        model_file["time"] = fit_time([(r, c) for r, c in counted if r["model"] != "tiny"])
     else:  # (verify needs memory alone)
         model_file["time"] = {k: 1e-30 for k in plan.TIME_TERMS}
 
@@ -348,12 +371,14 @@ def fit(measured: list[dict], with_time: bool = True) -> tuple[dict, list[dict]]
     for r, (shape, s, tokens, c) in counted:
         peak, _ = plan.peak_bytes(c, model_file["memory"])
         step = plan.step_seconds(c, model_file["time"], s.grad_accum, plan.CardSpeed(1.0, 1.0))
-        predicted.append(dict(r, predicted_peak_gib=round(peak / plan.GIB, 3),
+        gpu = r["model"] != "tiny"  # (a CPU's speed is not predicted)
+        predicted.append(dict(r, predicted_peak_gib=round(peak / plan.GIB, 4),
                               peak_error=round(peak / plan.GIB / r["peak_gib"] - 1, 4),
-                              predicted_samples_per_s=round(s.batch_size * s.grad_accum / step, 3),
+                              predicted_samples_per_s=round(s.batch_size * s.grad_accum / step, 3) if gpu else None,
                               speed_error=round(s.batch_size * s.grad_accum / step / r["samples_per_s"] - 1, 4)
-                              if r.get("samples_per_s") else None))
-    model_file["margin"] = round(max(0.0, max(-p["peak_error"] / (1 + p["peak_error"]) for p in predicted)), 4)
+                              if gpu and r.get("samples_per_s") else None))
+    model_file["margin"] = round(max(0.0, max(-p["peak_error"] / (1 + p["peak_error"]) for p in predicted
+                                              if p["model"] != "tiny")), 4)
     model_file["default_images"] = [list(size) for size in sizes]
     return model_file, predicted
 
@@ -395,15 +420,56 @@ def do_fit(args) -> None:
                                                                            if k != "default_images"},
               "rows": predicted, "verified": verified, "summary": summary(predicted, verified)}
     Path(args.out).write_text(json.dumps(stamped(result), indent=1) + "\n")
+    draw(predicted, REPO / "docs" / "plan-check.png")
     _table(predicted)
     print(json.dumps(result["summary"], indent=1))
 
 
+def draw(predicted: list[dict], out: Path) -> None:
+    """Predicted against measured peak memory, one dot per configuration (colour: method), the
+    diagonal and the +-10% band: docs/plan.md's picture."""
+    from PIL import Image, ImageDraw
+
+    size, pad, top = 560, 60, 60.0  # pixels; the axes run 0..top GiB
+    image = Image.new("RGB", (size, size), "white")
+    d = ImageDraw.Draw(image)
+
+    def at(measured: float, pred: float) -> tuple[float, float]:
+        span = size - 2 * pad
+        return pad + measured / top * span, size - pad - pred / top * span
+
+    d.polygon([at(0, 0), at(top / 1.1, top), at(top, top), at(top, top * 0.9)], fill=(225, 225, 225))
+    d.line([at(0, 0), at(top, top)], fill=(150, 150, 150), width=1)
+    for tick in range(0, int(top) + 1, 10):
+        d.line([at(tick, 0), (at(tick, 0)[0], at(tick, 0)[1] + 5)], fill="black")
+        d.text((at(tick, 0)[0] - 6, at(tick, 0)[1] + 8), str(tick), fill="black")
+        d.line([at(0, tick), (at(0, tick)[0] - 5, at(0, tick)[1])], fill="black")
+        d.text((at(0, tick)[0] - 26, at(0, tick)[1] - 6), str(tick), fill="black")
+    d.line([at(0, 0), at(top, 0)], fill="black")
+    d.line([at(0, 0), at(0, top)], fill="black")
+    d.text((size / 2 - 90, size - 25), "measured peak, GiB (H200)", fill="black")
+    d.text((8, 12), "predicted peak, GiB (groundtune plan)", fill="black")
+    colours = {"lora": (31, 119, 180), "qlora": (44, 160, 44), "full": (214, 39, 40), "box": (255, 127, 14)}
+    for p in (p for p in predicted if p["model"] != "tiny"):  # (the CPU's tiny peaks would sit at 0)
+        kind = "box" if p["settings"].get("head") == "box" else p["settings"]["method"]
+        x, y = at(p["peak_gib"], p["predicted_peak_gib"])
+        d.ellipse([x - 4, y - 4, x + 4, y + 4], fill=colours[kind])
+    for i, (kind, colour) in enumerate(colours.items()):
+        d.ellipse([pad + 10, pad + 8 + 18 * i, pad + 18, pad + 16 + 18 * i], fill=colour)
+        d.text((pad + 24, pad + 5 + 18 * i), "box head" if kind == "box" else kind, fill="black")
+    d.text((pad + 10, pad + 8 + 18 * 4), "grey band: within 10%", fill="black")
+    image.save(out)
+
+
 def summary(predicted: list[dict], verified: list[dict]) -> dict:
     presets = [p for p in predicted if _is_preset(p)]
+    held_out = [p for p in predicted if p["model"] == "tiny" and p.get("role") == "check"]
+    predicted = [p for p in predicted if p["model"] != "tiny"]
     return {"configurations": len(predicted),
             "largest_peak_error": max((abs(p["peak_error"]) for p in predicted), default=None),
             "within_10_percent": sum(abs(p["peak_error"]) <= 0.10 for p in predicted),
+            "cpu_held_out": len(held_out),
+            "cpu_largest_held_out_error": max((abs(p["peak_error"]) for p in held_out), default=None),
             "largest_preset_speed_error": max((abs(p["speed_error"]) for p in presets), default=None),
             "verified_fits": sum(v["status"] == "ok" for v in verified if v.get("role") == "predicted largest"),
             "false_fits": sum(v["status"] != "ok" for v in verified if v.get("role") == "predicted largest"),
@@ -491,6 +557,7 @@ def main() -> None:
     m = sub.add_parser("measure", help="the grid of configurations, uncapped")
     m.add_argument("--models", default="3b,7b")
     m.add_argument("--samples", type=int, default=256)
+    m.add_argument("--limit", type=int, help="only the first N configurations of each model (a smoke test)")
     m.add_argument("--out")
     f = sub.add_parser("fit", help="fit the planner's constants from measure files")
     f.add_argument("files", nargs="+")

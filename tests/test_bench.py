@@ -31,6 +31,7 @@ SMOKE = {
     "memory_probe": (["--model", "tiny", "--batch", "2"], {"stages"}),
     "tiny_breakdown": (["tiny", "--n", "20"], {"tiny"}),
     "tiny_step_profile": (["--batch", "4", "--workers", "1"], {"ladder", "step_s", "full forward ms", "top_ops"}),
+    "plan_check": (["measure", "--models", "tiny", "--samples", "16", "--limit", "2"], {"rows", "data"}),
 }
 
 

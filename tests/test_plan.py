@@ -80,7 +80,7 @@ def test_constants_are_the_fit_of_the_measured_file():
     finally:
         sys.path.remove(str(REPO / "bench"))
     check = json.loads(CHECK.read_text())
-    files = [REPO / "bench" / "results" / "plan" / f"measure_{k}.json" for k in ("3b", "7b", "extra")]
+    files = [REPO / "bench" / "results" / "plan" / f"measure_{k}.json" for k in ("3b", "7b", "extra", "tiny")]
     fitted, predicted = plan_check.fit([json.loads(f.read_text()) for f in files])
     shipped = plan.load_model_file()
     assert fitted["memory"] == pytest.approx(shipped["memory"], rel=1e-6)
@@ -97,7 +97,7 @@ def test_the_measured_file_holds_the_targets():
     each predicted within 10%; no batch the plan said fits ran out of memory under its cap, and
     twice it never fit; the presets' speed within 15%."""
     check = json.loads(CHECK.read_text())
-    rows = check["rows"]
+    rows = [r for r in check["rows"] if r["model"] != "tiny"]
     assert len(rows) >= 24
     assert {r["model"] for r in rows} == {"3b", "7b"}
     assert {r["settings"]["method"] for r in rows} == {"lora", "qlora", "full"}
@@ -112,6 +112,20 @@ def test_the_measured_file_holds_the_targets():
     assert {v["cap_gib"] for v in largest} >= {12, 16, 24}
     presets = [r for r in rows if r["speed_error"] is not None and _preset(r)]
     assert len(presets) == 3 and all(abs(r["speed_error"]) <= 0.15 for r in presets)
+    assert check["summary"]["largest_peak_error"] == max(abs(r["peak_error"]) for r in rows)
+
+
+def test_the_cpu_rows_are_predicted_from_a_fit_that_did_not_see_them():
+    """The CPU's coefficients (its dense attention) come from the tiny rows marked "fit"; the "check"
+    rows, other batches, budgets, recomputation and padding, are predictions, reported as they came."""
+    check = json.loads(CHECK.read_text())
+    tiny = [r for r in check["rows"] if r["model"] == "tiny"]
+    held_out = [r for r in tiny if r["role"] == "check"]
+    fitted = [r for r in tiny if r["role"] == "fit"]
+    assert len(held_out) >= 5 and len(fitted) >= 5
+    settings = [{k: v for k, v in r["settings"].items()} for r in fitted]
+    assert not any(r["settings"] in settings for r in held_out)
+    assert check["summary"]["cpu_largest_held_out_error"] == max(abs(r["peak_error"]) for r in held_out)
 
 
 def _preset(row) -> bool:

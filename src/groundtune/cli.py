@@ -706,7 +706,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**result.plan.to_json(), "model": result.model,
                           "suggestions": [{"change": x.change, "peak_gib": round(x.plan.peak_gib, 2),
-                                           "samples_per_s": round(x.plan.samples_per_s, 2)}
+                                           "samples_per_s": x.plan.samples_per_s and round(x.plan.samples_per_s, 2)}
                                           for x in result.suggestions]}, indent=1))
     else:
         print(plan.render(result, args.explain))

@@ -51,7 +51,9 @@ GIB = 2**30
 # weights, an fp32 scale per 256 of those
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 PEAK_BATCH_SIGMAS = 3.0  # a batch's tokens: its mean plus three standard deviations (the largest of ~1000 batches)
-MEMORY_TERMS = ("weights", "trained", "fixed", "boundaries", "layer", "logits", "vision", "optimizer")
+MEMORY_TERMS = ("weights", "trained", "fixed", "fixed_cpu", "boundaries", "layer", "logits", "vision", "attention",
+                "attention_kept", "mask", "optimizer")
+ACTIVATIONS = ("boundaries", "layer", "logits", "vision", "attention", "attention_kept", "mask")
 TIME_TERMS = ("floor", "llm_matmul", "vision_matmul", "traffic", "dequant", "optimizer_sweep")
 
 __all__ = ["Shape", "Card", "Plan", "plan", "suggestions", "card", "shape_of", "data_tokens", "load_model_file"]
@@ -225,8 +227,14 @@ def card(name: str | None = None, memory_gib: float | None = None) -> Card:
                     ref["bf16_tflops"], ref["bandwidth_gbs"])
     key = name.strip().lower().replace(" ", "").replace("_", "-").removeprefix("nvidia-")
     key = table["aliases"].get(key, key)
+    if key == "cpu":  # a CPU run (fp32, dense attention): its memory is the host's; no speed is predicted
+        import os
+
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+        return Card("cpu", "CPU (host memory)", memory_gib if memory_gib is not None else host, None, None,
+                    emulated=True)
     if key not in table["cards"]:
-        raise ConfigError(f"--gpu {name}: unknown card; known: {', '.join(sorted(table['cards']))} "
+        raise ConfigError(f"--gpu {name}: unknown card; known: {', '.join(sorted(table['cards']))}, cpu "
                           "(or give --memory-gib N)")
     c = table["cards"][key]
     return Card(key, c["name"], memory_gib if memory_gib is not None else c["memory_gib"], c.get("bf16_tflops"),
@@ -348,10 +356,13 @@ class Setting:
     answer_label: bool
     distributed: str
     gpus: int
+    device: str = "cuda"  # cpu: fp32, attention through dense masks (models/attention.py's fallbacks)
+    precision: str = "bf16"
 
     @classmethod
-    def of(cls, cfg: TrainConfig, family: str, gpus: int = 1) -> "Setting":
+    def of(cls, cfg: TrainConfig, family: str, gpus: int = 1, device: str = "cuda") -> "Setting":
         facts = families.family(family)
+        precision = cfg.precision if cfg.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
         return cls(method=cfg.method, head=cfg.head, batch_size=int(cfg.batch_size) if cfg.batch_size != "auto"
                    else 1, grad_accum=cfg.grad_accum, gradient_checkpointing=cfg.gradient_checkpointing,
                    packing=cfg.packing, lora_r=cfg.lora_r, lora_targets=tuple(cfg.lora_targets),
@@ -359,7 +370,7 @@ class Setting:
                    max_pixels=cfg.max_pixels or facts.max_pixels, freeze_vision=cfg.freeze_vision,
                    freeze_merger=cfg.freeze_merger, freeze_llm=cfg.freeze_llm,
                    head_text_loss_weight=cfg.head_text_loss_weight, answer_label=cfg.answer_label,
-                   distributed=cfg.distributed, gpus=gpus)
+                   distributed=cfg.distributed, gpus=gpus, device=device, precision=precision)
 
     def recomputed(self, layers: int) -> int:
         return layers if self.gradient_checkpointing < 0 else min(self.gradient_checkpointing, layers)
@@ -368,15 +379,18 @@ class Setting:
 def counts(shape: Shape, s: Setting, tokens: Tokens) -> dict[str, float]:
     """The quantities each memory and time term multiplies (bytes, or FLOPs for matmul), for one
     GPU's micro-batch: the terms of ``MEMORY_TERMS`` and ``TIME_TERMS``."""
-    vision_bytes = shape.vision_params * 2
+    value = 4 if s.precision == "fp32" else 2  # bytes of a weight or an activation
+    vision_bytes = shape.vision_params * value
     llm_linear = shape.layers * shape.layer_linear_params
     llm_rest = shape.llm_params - llm_linear
     if s.method == "full":
         trained = (0 if s.freeze_llm else shape.llm_params) + (0 if s.freeze_vision else shape.vision_params)
-        frozen_bytes = 2 * ((shape.llm_params if s.freeze_llm else 0) + (shape.vision_params if s.freeze_vision else 0))
+        frozen_bytes = value * ((shape.llm_params if s.freeze_llm else 0) + (shape.vision_params if s.freeze_vision
+                                                                            else 0))
     else:
         trained = shape.lora_params(s.lora_r, list(s.lora_targets), s.lora_last_n_layers)
-        frozen_bytes = vision_bytes + (2 * llm_rest + NF4_BYTES * llm_linear if s.method == "qlora" else 2 * shape.llm_params)
+        frozen_bytes = vision_bytes + (2 * llm_rest + NF4_BYTES * llm_linear if s.method == "qlora"
+                                       else value * shape.llm_params)
     if s.head == "box":  # the head's own weights: a few layers of the LLM's width
         trained += 8 * shape.hidden * shape.hidden
     # sharding per GPU: fsdp2 and zero3 split weights, gradients and optimizer state; zero2 the latter two
@@ -389,14 +403,22 @@ def counts(shape: Shape, s: Setting, tokens: Tokens) -> dict[str, float]:
     patches = s.batch_size * tokens.image * 4
     recomputed = s.recomputed(shape.layers)
     passes = 2 + recomputed / shape.layers + (1 if s.method == "full" else 0)  # forward, input grads, recompute, weight grads
+    cpu = s.device == "cpu"
+    # a CPU attends through dense (row x row) scores: a packed batch is one row; a layer not
+    # recomputed keeps its own for the backward
+    rows, row = (1, batch_tokens) if s.packing else (s.batch_size, batch_tokens / s.batch_size)
     return {
         "weights": frozen_bytes / shard_weights,
         "trained": trained * 16 / shard_state,
-        "fixed": 1.0,
-        "boundaries": batch_tokens * shape.hidden * 2 * recomputed,
-        "layer": batch_tokens * (7 * shape.hidden + 3 * shape.intermediate) * 2 * (shape.layers - recomputed + 1),
+        "fixed": 0.0 if cpu else 1.0,
+        "fixed_cpu": 1.0 if cpu else 0.0,
+        "boundaries": batch_tokens * shape.hidden * value * recomputed,
+        "layer": batch_tokens * (7 * shape.hidden + 3 * shape.intermediate) * value * (shape.layers - recomputed + 1),
         "logits": answer_tokens * shape.vocab * 4,
-        "vision": patches * shape.vision_width * 2,
+        "vision": patches * shape.vision_width * value,
+        "attention": rows * shape.heads * row * row * value if cpu else 0.0,  # the layer being computed
+        "mask": rows * row * row * (1 if s.packing else value) if cpu else 0.0,  # one for all layers: bool or additive
+        "attention_kept": rows * shape.heads * row * row * value * (shape.layers - recomputed) if cpu else 0.0,
         "optimizer": trained * 4 / shard_state if s.method == "full" else 0.0,
         # time terms: per micro-batch (FLOPs of the matmuls, bytes of the activations' traffic and of
         # QLoRA's dequantisation), per optimizer step (bytes of the optimizer's sweep)
@@ -411,8 +433,8 @@ def counts(shape: Shape, s: Setting, tokens: Tokens) -> dict[str, float]:
 def peak_bytes(c: dict[str, float], coef: dict[str, float]) -> tuple[float, dict[str, float]]:
     """Peak allocated bytes and its parts: the static terms, plus the larger of the activations and
     (full fine-tuning) the optimizer step's own peak."""
-    parts = {k: c[k] * coef[k] for k in ("weights", "trained", "fixed", "boundaries", "layer", "logits", "vision")}
-    activations = parts["boundaries"] + parts["layer"] + parts["logits"] + parts["vision"]
+    parts = {k: c[k] * coef.get(k, 0.0) for k in ("weights", "trained", "fixed", "fixed_cpu", *ACTIVATIONS)}
+    activations = sum(parts[k] for k in ACTIVATIONS)
     optimizer = c["optimizer"] * coef["optimizer"]
     parts["optimizer"] = max(0.0, optimizer - activations)
     return sum(parts.values()), parts
@@ -459,7 +481,7 @@ class Plan:
     margin: float
     fits: bool
     max_batch_size: int
-    samples_per_s: float
+    samples_per_s: float | None  # None: not predicted (a CPU)
     epoch_s: float | None
     samples: int | None
     notes: list[str] = field(default_factory=list)
@@ -467,13 +489,13 @@ class Plan:
     def summary(self) -> str:
         verdict = "fits" if self.fits else "does NOT fit"
         per = f" per GPU ({self.setting.gpus} GPUs, {self.setting.distributed})" if self.setting.gpus > 1 else ""
+        speed = f"; ~{self.samples_per_s:.1f} samples/s" if self.samples_per_s else ""
         return (f"plan: peak {self.peak_gib:.1f} GiB{per} of {self.usable_gib:.1f} usable on {self.card.name}: "
-                f"{verdict}; largest batch_size that fits: {self.max_batch_size}; "
-                f"~{self.samples_per_s:.1f} samples/s")
+                f"{verdict}; largest batch_size that fits: {self.max_batch_size}{speed}")
 
     def to_json(self) -> dict:
         return {"peak_gib": round(self.peak_gib, 2), "fits": self.fits, "max_batch_size": self.max_batch_size,
-                "samples_per_s": round(self.samples_per_s, 2),
+                "samples_per_s": None if self.samples_per_s is None else round(self.samples_per_s, 2),
                 "epoch_s": None if self.epoch_s is None else round(self.epoch_s, 1),
                 "usable_gib": round(self.usable_gib, 2), "margin": round(self.margin, 3),
                 "parts_gib": {k: round(v, 3) for k, v in self.parts_gib.items()},
@@ -495,16 +517,16 @@ def plan(shape: Shape, s: Setting, c: Card, tokens: Tokens, samples: int | None 
     peak, parts = peak_bytes(counts(shape, s, tokens), coef)
     room = usable_gib(c, mf)
     fits = peak / GIB * (1 + margin) <= room
-    speed = card_speed(c, mf)
-    step = step_seconds(counts(shape, s, tokens), mf["time"], s.grad_accum, speed)
-    rate = s.batch_size * s.grad_accum * max(1, s.gpus) / step
-    notes = []
-    if c.bf16_tflops is None:
-        notes.append(f"{c.name} has no bf16 tensor cores: groundtune trains in bf16 on a GPU, so this card runs it "
-                     "emulated, far slower than predicted (precision=fp32 is the working setting there)")
+    rate, notes = None, []
+    if s.device != "cpu":  # the step's time was measured on a GPU; a CPU's is not predicted
+        step = step_seconds(counts(shape, s, tokens), mf["time"], s.grad_accum, card_speed(c, mf))
+        rate = s.batch_size * s.grad_accum * max(1, s.gpus) / step
+    if c.bf16_tflops is None and s.device != "cpu":
+        notes.append(f"{c.name} has no bf16 tensor cores: its speed is predicted from its fp16 rate; bf16 runs "
+                     "there far slower, if at all")
     return Plan(card=c, setting=s, tokens=tokens, peak_gib=peak / GIB, parts_gib={k: v / GIB for k, v in parts.items()},
                 usable_gib=room, margin=margin, fits=fits, max_batch_size=max_batch(shape, s, c, tokens, mf),
-                samples_per_s=rate, epoch_s=samples / rate if samples else None, samples=samples, notes=notes)
+                samples_per_s=rate, epoch_s=samples / rate if samples and rate else None, samples=samples, notes=notes)
 
 
 def max_batch(shape: Shape, s: Setting, c: Card, tokens: Tokens, model_file: dict, limit: int = 4096) -> int:
@@ -574,7 +596,7 @@ def suggestions(shape: Shape, s: Setting, c: Card, tokens_at, samples: int | Non
         p = plan(shape, setting, c, tokens, samples, mf)
         if p.fits:
             found.append(Suggestion(change, p))
-    found.sort(key=lambda x: (-x.plan.samples_per_s, len(x.change)))
+    found.sort(key=lambda x: (-(x.plan.samples_per_s or 0), x.plan.peak_gib, len(x.change)))
     best: dict[str, Suggestion] = {}  # the fastest of each kind of change (with whatever batch it needs)
     for x in found:
         best.setdefault(x.change.split(" batch_size=")[0] if not x.change.startswith("batch_size") else "batch", x)
@@ -600,7 +622,7 @@ def plan_run(cfg: TrainConfig, c: Card, data: str | None = None, gpus: int = 1) 
     changes that make it fit when it does not."""
     mf = load_model_file()
     shape = shape_of(cfg.model)
-    setting = Setting.of(cfg, shape.family, gpus)
+    setting = Setting.of(cfg, shape.family, gpus, device="cpu" if c.key == "cpu" else "cuda")
     path = data or (cfg.train_data if cfg.train_data and ":" not in cfg.train_data else None)
     if path:
         sizes, boxes = read_data(path)
@@ -634,8 +656,10 @@ def render(r: RunPlan, explain: bool = False) -> str:
              + ("" if p.card.emulated else f" (CUDA context {mf['cuda_context_gib']:.1f})"),
              f"data: {p.tokens.source}: {p.tokens.mean:.0f} tokens a sample ({p.tokens.image:.0f} image)", "",
              "peak GPU memory" + (" per GPU" if s.gpus > 1 else "") + ", GiB"]
-    names = {"weights": "weights (bf16" + (", LLM linears NF4)" if s.method == "qlora" else ")"),
+    names = {"weights": f"weights ({s.precision}" + (", LLM linears NF4)" if s.method == "qlora" else ")"),
              "trained": "trained params + grads + AdamW", "fixed": "CUDA workspaces, buffers",
+             "fixed_cpu": "buffers", "attention": "attention scores (dense, CPU)",
+             "attention_kept": "attention scores kept (layers not recomputed)", "mask": "attention mask (CPU)",
              "boundaries": "recomputed layers' inputs", "layer": "layer activations", "logits": "answer logits",
              "vision": "vision tower pass", "optimizer": "optimizer step (over activations)"}
     for key, gib in p.parts_gib.items():
@@ -646,13 +670,15 @@ def render(r: RunPlan, explain: bool = False) -> str:
               f"of {p.usable_gib:.2f}: {verdict}",
               f"largest batch_size that fits: {p.max_batch_size}" + ("  (none: see below)" if not p.max_batch_size
                                                                       else ""),
-              f"speed: ~{p.samples_per_s:.1f} samples/s" + (f", an epoch of {p.samples:,} samples in "
-                                                          f"{_duration(p.epoch_s)}" if p.epoch_s else "")]
+              (f"speed: ~{p.samples_per_s:.1f} samples/s" + (f", an epoch of {p.samples:,} samples in "
+                                                           f"{_duration(p.epoch_s)}" if p.epoch_s else ""))
+              if p.samples_per_s else "speed: not predicted on a CPU"]
     lines += [f"note: {n}" for n in p.notes]
     if r.suggestions:
         lines += ["", "changes that make it fit, fastest first:",
                   f"  {'change':58s}{'peak GiB':>9s}{'samples/s':>11s}"]
-        lines += [f"  {x.change:58s}{x.plan.peak_gib:9.2f}{x.plan.samples_per_s:11.1f}" for x in r.suggestions]
+        lines += [f"  {x.change:58s}{x.plan.peak_gib:9.2f}{x.plan.samples_per_s or float('nan'):11.1f}"
+                  for x in r.suggestions]
     elif not p.fits:
         lines += ["", "no change groundtune tries makes it fit this card (smaller batches with accumulation, "
                   "recomputation, smaller pixel budgets, QLoRA, fewer LoRA targets)"]
