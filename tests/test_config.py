@@ -41,7 +41,7 @@ def test_numbers_given_for_float_are_accepted():
         (["train_data=x", "method=full", "freeze_vision=true", "freeze_merger=true", "freeze_llm=true"],
          "trains nothing"),
         (["train_data=x", "batch_size=0"], "batch_size=0"),
-        (["train_data=x", "batch_size=two"], "batch_size='two'.*int"),
+        (["train_data=x", "batch_size=two"], "batch_size='two'.*whole number"),
         (["train_data=x", "prompt=Find it"], r"\{phrase\}"),
         (["train_data=x", "min_pixels=100", "max_pixels=10"], "min_pixels=100"),
         (["train_data=x", "hflip_prob=2"], "hflip_prob"),

@@ -56,6 +56,7 @@ RULES = [
     (r"^torchrun .*device=cpu", "test_cpu_torchrun_line_runs", ""),
     (r"quickstart-every|every/", "test_every_commands_run", ""),
     (r"^groundtune data ", "test_data_commands_run", ""),
+    (r"^groundtune plan ", "test_plan_commands_run", ""),
     (r"^groundtune quickstart$", "test_quickstart_command_runs", ""),
     (r"^groundtune train --help$", "test_train_help_runs", ""),
     (r"head=box|quickstart/box", "test_box_head_commands_run", ""),
@@ -205,7 +206,7 @@ def test_readme_is_a_front_page():
     commands = re.search(r"^## Commands\n(.*?)^## ", README, re.S | re.M).group(1)
     named = re.findall(r"^\| `([^`]+)`", commands, re.M)
     assert named == [*(f"groundtune data {c}" for c in ("convert", "check", "show", "synth", "refgen")),
-                     *(f"groundtune {c}" for c in ("train", "rl", "eval", "predict", "export", "serve", "quickstart")),
+                     *(f"groundtune {c}" for c in ("plan", "train", "rl", "eval", "predict", "export", "serve", "quickstart")),
                      "torchrun"]
     assert all("](docs/" in row for row in commands.splitlines() if row.startswith("| `"))
 
@@ -283,6 +284,28 @@ def test_presets_named_in_the_docs_exist():
 
 
 # --------------------------------------------------------------------------------------------
+# Plan: every command of docs/plan.md, and the answer its page shows
+
+
+def test_plan_commands_run(tmp_path, monkeypatch, capsys):
+    from groundtune.data.records import write_samples
+
+    monkeypatch.chdir(tmp_path)
+    write_samples(tmp_path / "train.jsonl", [{"id": str(i), "image": f"{i}.jpg", "width": 640, "height": 427,
+                                              "phrase": "a dog", "bbox": [1, 1, 20, 20], "split": "train",
+                                              "source": "mine"} for i in range(50)])
+    commands = _commands("test_plan_commands_run")
+    assert len(commands) == 6
+    for command in commands:
+        assert _run(command) == 0, command
+    capsys.readouterr()
+    # the page's example answer is what the command prints today
+    page = (ROOT / "docs" / "plan.md").read_text()
+    shown = re.search(r"^```\n(Qwen/.*?)^```", page, re.S | re.M).group(1)
+    assert main(["plan", "qwen2.5-vl-3b-lora-24gb", "batch_size=128", "--gpu", "rtx4090"]) == 0
+    assert capsys.readouterr().out == shown
+
+
 # Data: every command of docs/data.md, and its pictures' captions
 
 
