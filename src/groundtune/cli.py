@@ -727,7 +727,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "  groundtune plan qwen2.5-vl-7b-lora-24gb --gpu rtx3090\n"
         "  groundtune plan qwen2.5-vl-3b-lora-24gb batch_size=128 --memory-gib 16 --data train.jsonl\n"
         "  groundtune plan qwen2.5-vl-7b-qlora --gpu l4 --json\n"
-        "  groundtune plan my.yaml --gpu a100-80gb --gpus 8 distributed=fsdp2 --explain",
+        "  groundtune plan my.yaml distributed=fsdp2 --gpu a100-80gb --gpus 8 --explain\n\n"
+        "key=value settings go before the flags.",
         formatter_class=_Formatter,
     )
     p.add_argument("config", metavar="CONFIG", help="a YAML file or a preset name (as groundtune train takes)")
