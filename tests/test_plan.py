@@ -58,17 +58,19 @@ def test_other_families_shapes_count_their_parameters(family, tmp_path):
     assert config["model_type"] == families.family(family).model_type
 
 
-def test_lora_parameter_count_matches_peft():
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen2-vl", "qwen3-vl"])
+def test_lora_parameter_count_matches_peft(family, tmp_path):
+    from family_models import build_family_folder
+
     from groundtune.models import adapt
     from groundtune.models.loading import load_model
 
-    gm = load_model("tiny", device="cpu")
-    for targets in (["llm_attn", "llm_mlp"], ["llm_attn"]):
+    model = "tiny" if family == "qwen2.5-vl" else str(build_family_folder(family, tmp_path / family))
+    for targets in (["llm_attn", "llm_mlp"], ["llm_attn"], ["merger"], ["vision", "llm_mlp"]):
         cfg = TrainConfig(train_data="synth:full", lora_targets=targets, lora_r=8)
-        model = adapt.prepare_for_training(load_model("tiny", device="cpu").model, cfg)
-        trained = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and "lora_" in n)
-        assert plan.shape_of("tiny").lora_params(8, targets) == trained
-    del gm
+        adapted = adapt.prepare_for_training(load_model(model, device="cpu").model, cfg)
+        trained = sum(p.numel() for n, p in adapted.named_parameters() if p.requires_grad and "lora_" in n)
+        assert plan.shape_of(model).lora_params(8, targets) == trained, targets
 
 
 def test_constants_are_the_fit_of_the_measured_file():
@@ -115,6 +117,23 @@ def test_the_measured_file_holds_the_targets():
     assert check["summary"]["largest_peak_error"] == max(abs(r["peak_error"]) for r in rows)
 
 
+def test_the_verified_batches_are_what_the_shipped_plan_says():
+    """The capped runs verified the batches the plan gave then: the shipped constants must give the
+    same ones, or the verification no longer speaks for them (re-run bench/plan_check.py verify)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import plan_check
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    shipped, sizes = plan.load_model_file(), plan_check.bench_sizes()
+    verified = [v for v in json.loads(CHECK.read_text())["verified"] if v["role"] == "predicted largest"]
+    for v in verified:
+        shape, setting, tokens, _ = plan_check.row_counts(v, shipped, sizes)
+        capped = plan.Card("cap", "cap", v["cap_gib"], None, None, emulated=True)
+        assert plan.max_batch(shape, dataclasses.replace(setting, batch_size=1), capped, tokens, shipped) \
+            == v["predicted_largest"] == v["settings"]["batch_size"], v["settings"]
+
+
 def test_the_cpu_rows_are_predicted_from_a_fit_that_did_not_see_them():
     """The CPU's coefficients (its dense attention) come from the tiny rows marked "fit"; the "check"
     rows, other batches, budgets, recomputation and padding, are predictions, reported as they came."""
@@ -138,6 +157,15 @@ def _preset(row) -> bool:
 
 def _cfg(name: str, *overrides: str) -> TrainConfig:
     return load_config(TrainConfig, preset_path(name), ["train_data=synth:full", *overrides])
+
+
+def test_the_card_torch_names_is_found_in_the_table():
+    for name, key in (("NVIDIA GeForce RTX 4090", "rtx4090"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+                      ("NVIDIA H200", "h200"), ("Tesla T4", "t4"), ("NVIDIA L4", "l4")):
+        found = plan.card_from_device(name, 24 * 2**30)
+        assert found.key == key and found.memory_gib == 24, name
+    unknown = plan.card_from_device("NVIDIA Future GPU", 8 * 2**30)  # the reference card's rates, its memory
+    assert unknown.memory_gib == 8 and unknown.bf16_tflops == plan.card("h200").bf16_tflops
 
 
 def test_the_largest_batch_fits_and_one_more_does_not():

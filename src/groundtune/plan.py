@@ -19,9 +19,11 @@ computes times a coefficient fitted from measured steps:
     vision       the frozen vision tower's pass (patches x its width)
     optimizer    full fine-tuning: the optimizer step's own peak once activations are gone (the larger of
                  it and the activations counts)
+    on a CPU (fp32; attention through dense masks, models/attention.py): fixed_cpu, attention (the scores of
+                 the layer being computed), attention_kept (those of layers not recomputed), mask (one for all)
 
-The coefficients come from ``bench/plan_check.py fit``: real steps of the 3B and 7B on an H200,
-fitted by least squares and written to assets/plan_model.json with the largest under-prediction seen
+The coefficients come from ``bench/plan_check.py fit``: real steps of the 3B and 7B on an H200 (and
+of the tiny model on a CPU for the CPU's terms), fitted by least squares and written to assets/plan_model.json with the largest under-prediction seen
 (the margin added before saying "fits") and the CUDA context a card loses to the driver. Speed is
 the measured H200 step scaled to the card: matmul time by the ratio of bf16 rates, the 4-bit
 dequantisation and the optimizer's sweep by the ratio of bandwidths, the per-step overhead unchanged.
@@ -78,6 +80,8 @@ class Shape:
     tied: bool
     vision_width: int
     vision_params: int  # the whole vision tower, merger included
+    vision_linear_io: int = 0  # in + out summed over the vision blocks' linears (LoRA: r x this)
+    merger_linear_io: int = 0  # ... over the mergers' linears
     attention_bias: bool = True  # q/k/v biases (Qwen2 and 2.5); Qwen3 has none ...
     qk_norm: bool = False  # ... and normalises q and k per head instead
 
@@ -106,31 +110,34 @@ class Shape:
         if "llm_mlp" in targets:
             per_layer += r * 3 * (h + i)
         layers = min(last_n, self.layers) if last_n else self.layers
-        merger = r * (4 * self.vision_width * 2 + 4 * self.vision_width + self.hidden) if "merger" in targets else 0
-        vision = r * self.vision_params // max(1, self.vision_width) // 4 if "vision" in targets else 0
+        merger = r * self.merger_linear_io if "merger" in targets else 0
+        vision = r * self.vision_linear_io if "vision" in targets else 0
         return per_layer * layers + merger + vision
 
 
-def _vision_params(family: str, v: dict, out_hidden: int) -> tuple[int, int]:
-    """(width, parameters) of a family's vision tower and merger, from its vision_config."""
+def _vision_params(family: str, v: dict, out_hidden: int) -> tuple[int, int, int, int]:
+    """(width, parameters, the summed in + out sizes of the blocks' linears, of the mergers' linears)
+    of a family's vision tower, from its vision_config: what LoRA on "vision" and "merger" adapts."""
     patch, temporal = v.get("patch_size", 14), v.get("temporal_patch_size", 2)
     if family == "qwen2-vl":  # LayerNorm, GELU MLP of mlp_ratio x width
         e = v.get("embed_dim", 1280)
         m = int(e * v.get("mlp_ratio", 4))
-        block = 4 * e + (3 * e * e + 3 * e) + (e * e + e) + (e * m + m) + (m * e + e)
-        merger = 2 * e + (4 * e) * (4 * e) + 4 * e + 4 * e * out_hidden + out_hidden
-    elif family == "qwen3-vl":  # LayerNorm, GELU MLP; learned positions; DeepStack mergers
-        e, m = v.get("hidden_size", 1152), v.get("intermediate_size", 4304)
-        block = 4 * e + (3 * e * e + 3 * e) + (e * e + e) + (e * m + m) + (m * e + e)
-        projection = (4 * e) * (4 * e) + 4 * e + 4 * e * out_hidden + out_hidden
-        deepstack = len(v.get("deepstack_visual_indexes", []))  # each normalises the 4 merged patches
-        merger = (2 * e + projection) + deepstack * (8 * e + projection) + v.get("num_position_embeddings", 0) * e
-    else:  # qwen2.5-vl: RMSNorm, gated (SwiGLU) MLP with biases
-        e, m = v.get("hidden_size", 1280), v.get("intermediate_size", 3420)
-        block = 2 * e + (3 * e * e + 3 * e) + (e * e + e) + 2 * (e * m + m) + (m * e + e)
-        merger = e + (4 * e) * (4 * e) + 4 * e + 4 * e * out_hidden + out_hidden
+    else:
+        e, m = v.get("hidden_size", 1280 if family == "qwen2.5-vl" else 1152), v.get("intermediate_size", 3420)
+    gated = family == "qwen2.5-vl"  # RMSNorm and a SwiGLU MLP with biases; the others LayerNorm and GELU
+    mlp = 2 * (e * m + m) + (m * e + e) if gated else (e * m + m) + (m * e + e)
+    block = (2 if gated else 4) * e + (3 * e * e + 3 * e) + (e * e + e) + mlp
+    block_io = (e + 3 * e) + (e + e) + ((3 if gated else 2) * (e + m))
+    projection = (4 * e) * (4 * e) + 4 * e + 4 * e * out_hidden + out_hidden
+    projection_io = (4 * e + 4 * e) + (4 * e + out_hidden)
+    mergers = 1 + (len(v.get("deepstack_visual_indexes", [])) if family == "qwen3-vl" else 0)
+    if family == "qwen3-vl":  # learned positions; DeepStack mergers, each normalising the 4 merged patches
+        merger = (2 * e + projection) + (mergers - 1) * (8 * e + projection) + v.get("num_position_embeddings", 0) * e
+    else:
+        merger = (e if gated else 2 * e) + projection
     embed = 3 * temporal * patch * patch * e + (e if family == "qwen3-vl" else 0)
-    return e, v.get("depth", 32) * block + merger + embed
+    depth = v.get("depth", 32)
+    return e, depth * block + merger + embed, depth * block_io, mergers * projection_io
 
 
 def shape_from_config(config: dict) -> Shape:
@@ -139,12 +146,12 @@ def shape_from_config(config: dict) -> Shape:
     text = config.get("text_config") or config
     vision = config.get("vision_config") or {}
     hidden, heads = text["hidden_size"], text["num_attention_heads"]
-    width, vparams = _vision_params(family, vision, vision.get("out_hidden_size", hidden))
+    width, vparams, vision_io, merger_io = _vision_params(family, vision, vision.get("out_hidden_size", hidden))
     tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     return Shape(family=family, hidden=hidden, intermediate=text["intermediate_size"],
                  layers=text["num_hidden_layers"], heads=heads, kv_heads=text.get("num_key_value_heads", heads),
                  head_dim=text.get("head_dim") or hidden // heads, vocab=text["vocab_size"], tied=bool(tied),
-                 vision_width=width, vision_params=vparams,
+                 vision_width=width, vision_params=vparams, vision_linear_io=vision_io, merger_linear_io=merger_io,
                  attention_bias=text.get("attention_bias", family != "qwen3-vl"), qk_norm=family == "qwen3-vl")
 
 
@@ -245,10 +252,17 @@ def card_from_device(name: str, total_bytes: int) -> Card:
     """The card torch sees (``torch.cuda.get_device_properties``): its memory as it reports it; its
     rates from the table when its name is there, else the reference card's."""
     table = _cards()
+    key = name.strip().lower().replace(" ", "-").removeprefix("nvidia-").replace("geforce-", "")
+    key = table["aliases"].get(key, key)  # "NVIDIA A100-SXM4-80GB", "NVIDIA GeForce RTX 4090", "Tesla T4"
+    if key in table["cards"]:
+        c = table["cards"][key]
+        return Card(key, c["name"], total_bytes / GIB, c.get("bf16_tflops"), c.get("bandwidth_gbs"),
+                    fp16_tflops=c.get("fp16_tflops"))
     simple = name.lower().replace("nvidia", "").replace("geforce", "").strip().replace(" ", "")
     for key, c in table["cards"].items():
         if c["name"].lower().replace("nvidia", "").replace("geforce", "").replace(" ", "").startswith(simple):
-            return Card(key, c["name"], total_bytes / GIB, c.get("bf16_tflops"), c.get("bandwidth_gbs"))
+            return Card(key, c["name"], total_bytes / GIB, c.get("bf16_tflops"), c.get("bandwidth_gbs"),
+                        fp16_tflops=c.get("fp16_tflops"))
     ref = table["cards"][load_model_file()["reference_card"]]
     return Card(simple or "gpu", name, total_bytes / GIB, ref["bf16_tflops"], ref["bandwidth_gbs"])
 
@@ -413,7 +427,9 @@ def counts(shape: Shape, s: Setting, tokens: Tokens) -> dict[str, float]:
         "fixed": 0.0 if cpu else 1.0,
         "fixed_cpu": 1.0 if cpu else 0.0,
         "boundaries": batch_tokens * shape.hidden * value * recomputed,
-        "layer": batch_tokens * (7 * shape.hidden + 3 * shape.intermediate) * value * (shape.layers - recomputed + 1),
+        # every layer kept, and the one being recomputed in the backward (when any is)
+        "layer": batch_tokens * (7 * shape.hidden + 3 * shape.intermediate) * value
+                 * (shape.layers - recomputed + (1 if recomputed else 0)),
         "logits": answer_tokens * shape.vocab * 4,
         "vision": patches * shape.vision_width * value,
         "attention": rows * shape.heads * row * row * value if cpu else 0.0,  # the layer being computed
