@@ -24,21 +24,19 @@ import json
 from pathlib import Path
 
 from transformers import Qwen2_5_VLTextConfig
+
+from groundtune.families import ARCHITECTURES
 from provenance import stamped
 
 NS = (1, 2, 4, 8, 16, 32, 64)
 GIB = 2**30
 
-# The real text towers (hub config.json of Qwen/Qwen2.5-VL-{3B,7B}-Instruct; groundtune/models/qwen.py
-# builds the same). head_dim = hidden / heads = 128 in both. The vision tower is frozen in every case.
-CONFIGS = {
-    "3b": Qwen2_5_VLTextConfig(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-                               num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
-                               tie_word_embeddings=True),
-    "7b": Qwen2_5_VLTextConfig(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                               tie_word_embeddings=False),
-}
+# The real text towers (hub config.json of Qwen/Qwen2.5-VL-{3B,7B}-Instruct: groundtune.families'
+# published architectures, which --model random:qwen2.5-vl-3b builds). head_dim = hidden / heads = 128 in
+# both. The vision tower is frozen in every case.
+CONFIGS = {size: Qwen2_5_VLTextConfig(**ARCHITECTURES[f"qwen2.5-vl-{size}"].text,
+                                      tie_word_embeddings=ARCHITECTURES[f"qwen2.5-vl-{size}"].tied)
+           for size in ("3b", "7b")}
 
 
 def linears(c) -> list[tuple[int, int]]:
