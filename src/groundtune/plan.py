@@ -405,8 +405,8 @@ def counts(shape: Shape, s: Setting, tokens: Tokens) -> dict[str, float]:
         trained = shape.lora_params(s.lora_r, list(s.lora_targets), s.lora_last_n_layers)
         frozen_bytes = vision_bytes + (2 * llm_rest + NF4_BYTES * llm_linear if s.method == "qlora"
                                        else value * shape.llm_params)
-    if s.head == "box":  # the head's own weights: a few layers of the LLM's width
-        trained += 8 * shape.hidden * shape.hidden
+    if s.head == "box":  # the head's own weights, counted as 8 hidden^2 (above its few million: the
+        trained += 8 * shape.hidden * shape.hidden  # fit took the box-head rows with this count)
     # sharding per GPU: fsdp2 and zero3 split weights, gradients and optimizer state; zero2 the latter two
     world = max(1, s.gpus)
     shard_weights = world if s.distributed in ("fsdp2", "zero3") else 1
