@@ -31,11 +31,11 @@ run out of memory: the plan's largest batch is then within a power of two of the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 import traceback
@@ -162,7 +162,7 @@ def run_config(key: str, settings: dict, steps: int, data: Path, weights: dict, 
             torch.cuda.reset_peak_memory_stats()
         cpu_peak = _CpuPeak() if not cuda else None
         try:
-            with cpu_peak or _nothing():
+            with cpu_peak or contextlib.nullcontext():
                 train(cfg, on_step=on_step)
             row["status"] = "finished"  # (never: _Done stops it first)
         except _Done:
@@ -192,14 +192,6 @@ def run_config(key: str, settings: dict, steps: int, data: Path, weights: dict, 
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps({k: v for k, v in row.items() if k != "where"}), flush=True)
     return row
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 class _CpuPeak:

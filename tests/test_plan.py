@@ -23,14 +23,27 @@ REPO = Path(__file__).resolve().parent.parent
 CHECK = REPO / "bench" / "results" / "plan_check.json"
 
 
-def _meta_counts(config) -> tuple[int, int]:
+def _plan_check():
+    """bench/plan_check.py, the script that measures and fits what the planner ships."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import plan_check
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    return plan_check
+
+
+def _meta_counts(config) -> tuple[int, int, int]:
+    """(language model, vision tower, its mergers) parameters of the model transformers builds."""
     from groundtune.models import qwen
 
+    family = qwen.family_of(config)
     with torch.device("meta"):
-        model = qwen.family_of(config).transformers_class()._from_config(config)
+        model = family.transformers_class()._from_config(config)
     named = dict(model.named_parameters())
     return (sum(p.numel() for n, p in named.items() if "visual" not in n),
-            sum(p.numel() for n, p in named.items() if "visual" in n))
+            sum(p.numel() for n, p in named.items() if "visual" in n),
+            sum(p.numel() for n, p in named.items() if family.part_of(n) == "merger"))
 
 
 @pytest.mark.parametrize("name", list(families.ARCHITECTURES))
@@ -41,7 +54,7 @@ def test_published_shapes_count_the_parameters_transformers_builds(name):
     ids = {"end_of_text": 0, "im_end": 1, "image": 2, "video": 3, "vision_start": 4, "vision_end": 5}
     config = qwen.family(arch.family).build_config(ids, arch.text, arch.vision, arch.tied)
     shape = plan.shape_of(arch.hub_id)
-    assert (shape.llm_params, shape.vision_params) == _meta_counts(config)
+    assert (shape.llm_params, shape.vision_params, shape.merger_params) == _meta_counts(config)
 
 
 @pytest.mark.parametrize("family", ["qwen2-vl", "qwen3-vl"])
@@ -54,7 +67,8 @@ def test_other_families_shapes_count_their_parameters(family, tmp_path):
     from transformers import AutoConfig
 
     assert shape.family == family
-    assert (shape.llm_params, shape.vision_params) == _meta_counts(AutoConfig.from_pretrained(folder))
+    assert (shape.llm_params, shape.vision_params, shape.merger_params) == _meta_counts(
+        AutoConfig.from_pretrained(folder))
     assert config["model_type"] == families.family(family).model_type
 
 
@@ -76,11 +90,7 @@ def test_lora_parameter_count_matches_peft(family, tmp_path):
 def test_constants_are_the_fit_of_the_measured_file():
     """plan_model.json is what bench/plan_check.py fit makes of plan_check.json's measured rows: no
     constant typed in."""
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import plan_check
-    finally:
-        sys.path.remove(str(REPO / "bench"))
+    plan_check = _plan_check()
     check = json.loads(CHECK.read_text())
     files = [REPO / "bench" / "results" / "plan" / f"measure_{k}.json" for k in ("3b", "7b", "extra", "tiny")]
     fitted, predicted = plan_check.fit([json.loads(f.read_text()) for f in files])
@@ -112,7 +122,7 @@ def test_the_measured_file_holds_the_targets():
     assert largest and all(v["status"] == "ok" and v["steps"] == 20 for v in largest)
     assert twice and all(v["status"] == "oom" for v in twice)
     assert {v["cap_gib"] for v in largest} >= {12, 16, 24}
-    presets = [r for r in rows if r["speed_error"] is not None and _preset(r)]
+    presets = [r for r in rows if r["speed_error"] is not None and _plan_check()._is_preset(r)]
     assert len(presets) == 3 and all(abs(r["speed_error"]) <= 0.15 for r in presets)
     assert check["summary"]["largest_peak_error"] == max(abs(r["peak_error"]) for r in rows)
 
@@ -120,11 +130,7 @@ def test_the_measured_file_holds_the_targets():
 def test_the_verified_batches_are_what_the_shipped_plan_says():
     """The capped runs verified the batches the plan gave then: the shipped constants must give the
     same ones, or the verification no longer speaks for them (re-run bench/plan_check.py verify)."""
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import plan_check
-    finally:
-        sys.path.remove(str(REPO / "bench"))
+    plan_check = _plan_check()
     shipped, sizes = plan.load_model_file(), plan_check.bench_sizes()
     verified = [v for v in json.loads(CHECK.read_text())["verified"] if v["role"] == "predicted largest"]
     for v in verified:
@@ -145,14 +151,6 @@ def test_the_cpu_rows_are_predicted_from_a_fit_that_did_not_see_them():
     settings = [{k: v for k, v in r["settings"].items()} for r in fitted]
     assert not any(r["settings"] in settings for r in held_out)
     assert check["summary"]["cpu_largest_held_out_error"] == max(abs(r["peak_error"]) for r in held_out)
-
-
-def _preset(row) -> bool:
-    s = row["settings"]
-    return ((row["model"], s["method"], s["batch_size"], s["grad_accum"], s.get("head", "text"), len(s["lora_targets"]),
-             s["max_pixels"], s["gradient_checkpointing"]) in
-            {("3b", "lora", 64, 1, "text", 2, 1003520, -1), ("7b", "lora", 16, 1, "text", 2, 1003520, -1),
-             ("7b", "qlora", 8, 2, "text", 2, 1003520, -1)})
 
 
 def _cfg(name: str, *overrides: str) -> TrainConfig:

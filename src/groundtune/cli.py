@@ -700,9 +700,7 @@ def _plan(args: argparse.Namespace) -> int:
     given = dict(o.split("=", 1) for o in args.overrides if "=" in o)
     overrides = list(args.overrides) + ([] if "train_data" in given else ["train_data=synth:full"])
     cfg = load_config(TrainConfig, preset_path(args.config), overrides)
-    if cfg.batch_size == "auto":
-        cfg = dataclasses.replace(cfg, batch_size=plan.auto_batch_size(cfg, card, args.gpus))
-    result = plan.plan_run(cfg, card, args.data, args.gpus)
+    result = plan.plan_run(cfg, card, args.data, args.gpus)  # batch_size=auto: planned at the largest that fits
     if args.json:
         print(json.dumps({**result.plan.to_json(), "model": result.model,
                           "suggestions": [{"change": x.change, "peak_gib": round(x.plan.peak_gib, 2),

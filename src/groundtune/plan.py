@@ -53,9 +53,9 @@ GIB = 2**30
 # weights, an fp32 scale per 256 of those
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 PEAK_BATCH_SIGMAS = 3.0  # a batch's tokens: its mean plus three standard deviations (the largest of ~1000 batches)
-MEMORY_TERMS = ("weights", "trained", "fixed", "fixed_cpu", "boundaries", "layer", "logits", "vision", "attention",
-                "attention_kept", "mask", "optimizer")
+STATIC = ("weights", "trained", "fixed", "fixed_cpu")  # held for the whole step
 ACTIVATIONS = ("boundaries", "layer", "logits", "vision", "attention", "attention_kept", "mask")
+MEMORY_TERMS = (*STATIC, *ACTIVATIONS, "optimizer")
 TIME_TERMS = ("floor", "llm_matmul", "vision_matmul", "traffic", "dequant", "optimizer_sweep")
 
 __all__ = ["Shape", "Card", "Plan", "plan", "suggestions", "card", "shape_of", "data_tokens", "load_model_file"]
@@ -80,6 +80,7 @@ class Shape:
     tied: bool
     vision_width: int
     vision_params: int  # the whole vision tower, merger included
+    merger_params: int = 0  # ... of which the mergers
     vision_linear_io: int = 0  # in + out summed over the vision blocks' linears (LoRA: r x this)
     merger_linear_io: int = 0  # ... over the mergers' linears
     attention_bias: bool = True  # q/k/v biases (Qwen2 and 2.5); Qwen3 has none ...
@@ -115,9 +116,10 @@ class Shape:
         return per_layer * layers + merger + vision
 
 
-def _vision_params(family: str, v: dict, out_hidden: int) -> tuple[int, int, int, int]:
-    """(width, parameters, the summed in + out sizes of the blocks' linears, of the mergers' linears)
-    of a family's vision tower, from its vision_config: what LoRA on "vision" and "merger" adapts."""
+def _vision_params(family: str, v: dict, out_hidden: int) -> tuple[int, int, int, int, int]:
+    """(width, parameters, the mergers' parameters, the summed in + out sizes of the blocks' linears,
+    of the mergers' linears) of a family's vision tower, from its vision_config: what full
+    fine-tuning and LoRA on "vision" and "merger" train."""
     patch, temporal = v.get("patch_size", 14), v.get("temporal_patch_size", 2)
     if family == "qwen2-vl":  # LayerNorm, GELU MLP of mlp_ratio x width
         e = v.get("embed_dim", 1280)
@@ -131,13 +133,15 @@ def _vision_params(family: str, v: dict, out_hidden: int) -> tuple[int, int, int
     projection = (4 * e) * (4 * e) + 4 * e + 4 * e * out_hidden + out_hidden
     projection_io = (4 * e + 4 * e) + (4 * e + out_hidden)
     mergers = 1 + (len(v.get("deepstack_visual_indexes", [])) if family == "qwen3-vl" else 0)
-    if family == "qwen3-vl":  # learned positions; DeepStack mergers, each normalising the 4 merged patches
-        merger = (2 * e + projection) + (mergers - 1) * (8 * e + projection) + v.get("num_position_embeddings", 0) * e
+    if family == "qwen3-vl":  # DeepStack mergers, each normalising the 4 merged patches
+        merger = (2 * e + projection) + (mergers - 1) * (8 * e + projection)
     else:
         merger = (e if gated else 2 * e) + projection
-    embed = 3 * temporal * patch * patch * e + (e if family == "qwen3-vl" else 0)
+    embed = 3 * temporal * patch * patch * e
+    if family == "qwen3-vl":  # the patch embedding's bias and the learned position table
+        embed += e + v.get("num_position_embeddings", 0) * e
     depth = v.get("depth", 32)
-    return e, depth * block + merger + embed, depth * block_io, mergers * projection_io
+    return e, depth * block + merger + embed, merger, depth * block_io, mergers * projection_io
 
 
 def shape_from_config(config: dict) -> Shape:
@@ -146,12 +150,12 @@ def shape_from_config(config: dict) -> Shape:
     text = config.get("text_config") or config
     vision = config.get("vision_config") or {}
     hidden, heads = text["hidden_size"], text["num_attention_heads"]
-    width, vparams, vision_io, merger_io = _vision_params(family, vision, vision.get("out_hidden_size", hidden))
+    width, vparams, mparams, vision_io, merger_io = _vision_params(family, vision, vision.get("out_hidden_size", hidden))
     tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     return Shape(family=family, hidden=hidden, intermediate=text["intermediate_size"],
                  layers=text["num_hidden_layers"], heads=heads, kv_heads=text.get("num_key_value_heads", heads),
                  head_dim=text.get("head_dim") or hidden // heads, vocab=text["vocab_size"], tied=bool(tied),
-                 vision_width=width, vision_params=vparams, vision_linear_io=vision_io, merger_linear_io=merger_io,
+                 vision_width=width, vision_params=vparams, merger_params=mparams, vision_linear_io=vision_io, merger_linear_io=merger_io,
                  attention_bias=text.get("attention_bias", family != "qwen3-vl"), qk_norm=family == "qwen3-vl")
 
 
@@ -183,15 +187,17 @@ def shape_of(model: str) -> Shape:
 
 
 def _hub_cached_config(repo: str) -> Path | None:
-    import os
+    """The config.json of hub repo ``repo`` in the local hub cache (its main revision), else None."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
 
     if repo.count("/") != 1:
         return None
-    home = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache" /
-                                                                     "huggingface")) / "hub")
-    snapshots = home / f"models--{repo.replace('/', '--')}" / "snapshots"
-    found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []
-    return found[-1] if found else None
+    try:
+        found = try_to_load_from_cache(repo, "config.json")
+    except HFValidationError:  # not a repo id a hub could hold
+        return None
+    return Path(found) if isinstance(found, str) else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,8 +222,11 @@ def _cards() -> dict:
     return json.loads(CARDS_FILE.read_text())
 
 
-def card_names() -> list[str]:
-    return sorted(_cards()["cards"])
+def _table_card(key: str, memory_gib: float | None = None) -> Card:
+    """The card ``key`` of the table, with ``memory_gib`` instead of its own memory when given."""
+    c = _cards()["cards"][key]
+    return Card(key, c["name"], memory_gib if memory_gib is not None else c["memory_gib"], c.get("bf16_tflops"),
+                c.get("bandwidth_gbs"), fp16_tflops=c.get("fp16_tflops"))
 
 
 def card(name: str | None = None, memory_gib: float | None = None) -> Card:
@@ -243,9 +252,7 @@ def card(name: str | None = None, memory_gib: float | None = None) -> Card:
     if key not in table["cards"]:
         raise ConfigError(f"--gpu {name}: unknown card; known: {', '.join(sorted(table['cards']))}, cpu "
                           "(or give --memory-gib N)")
-    c = table["cards"][key]
-    return Card(key, c["name"], memory_gib if memory_gib is not None else c["memory_gib"], c.get("bf16_tflops"),
-                c.get("bandwidth_gbs"), fp16_tflops=c.get("fp16_tflops"))
+    return _table_card(key, memory_gib)
 
 
 def card_from_device(name: str, total_bytes: int) -> Card:
@@ -255,14 +262,11 @@ def card_from_device(name: str, total_bytes: int) -> Card:
     key = name.strip().lower().replace(" ", "-").removeprefix("nvidia-").replace("geforce-", "")
     key = table["aliases"].get(key, key)  # "NVIDIA A100-SXM4-80GB", "NVIDIA GeForce RTX 4090", "Tesla T4"
     if key in table["cards"]:
-        c = table["cards"][key]
-        return Card(key, c["name"], total_bytes / GIB, c.get("bf16_tflops"), c.get("bandwidth_gbs"),
-                    fp16_tflops=c.get("fp16_tflops"))
+        return _table_card(key, total_bytes / GIB)
     simple = name.lower().replace("nvidia", "").replace("geforce", "").strip().replace(" ", "")
     for key, c in table["cards"].items():
         if c["name"].lower().replace("nvidia", "").replace("geforce", "").replace(" ", "").startswith(simple):
-            return Card(key, c["name"], total_bytes / GIB, c.get("bf16_tflops"), c.get("bandwidth_gbs"),
-                        fp16_tflops=c.get("fp16_tflops"))
+            return _table_card(key, total_bytes / GIB)
     ref = table["cards"][load_model_file()["reference_card"]]
     return Card(simple or "gpu", name, total_bytes / GIB, ref["bf16_tflops"], ref["bandwidth_gbs"])
 
@@ -316,22 +320,17 @@ def data_tokens(sizes: list[tuple[int, int]], boxes: list[int], family: str, min
 
 def read_data(path: str | Path) -> tuple[list[tuple[int, int]], list[int]]:
     """(width, height) and the number of target boxes of each record of a canonical JSONL file."""
-    from groundtune.data.records import iter_jsonl, record_size, sample_boxes
+    from groundtune.data.records import iter_jsonl, record_size
 
     path = regular_file(Path(path), "data file")
     sizes, boxes = [], []
     for line in iter_jsonl(path):
-        record = line.record if hasattr(line, "record") else line
-        if not isinstance(record, dict):
-            continue
-        size = record_size(record)
-        if size is None:
+        size = record_size(line.record) if line.record is not None else None
+        if size is None:  # a line data check refuses: no size to plan with
             continue
         sizes.append(size)
-        try:
-            boxes.append(len(sample_boxes(record)))
-        except Exception:  # noqa: BLE001 - a record data check would refuse: one box assumed here
-            boxes.append(1)
+        targets = line.record.get("bboxes")  # a set (or none: one answer's worth of tokens); else "bbox"
+        boxes.append(len(targets) if isinstance(targets, list) else 1)
     if not sizes:
         raise MissingError(f"{path}: no record with a width and height (run `groundtune data check {path} --fix "
                            "OUT.jsonl` to add them)")
@@ -367,7 +366,6 @@ class Setting:
     freeze_merger: bool
     freeze_llm: bool
     head_text_loss_weight: float
-    answer_label: bool
     distributed: str
     gpus: int
     device: str = "cuda"  # cpu: fp32, attention through dense masks (models/attention.py's fallbacks)
@@ -383,8 +381,7 @@ class Setting:
                    lora_last_n_layers=cfg.lora_last_n_layers, min_pixels=cfg.min_pixels or facts.min_pixels,
                    max_pixels=cfg.max_pixels or facts.max_pixels, freeze_vision=cfg.freeze_vision,
                    freeze_merger=cfg.freeze_merger, freeze_llm=cfg.freeze_llm,
-                   head_text_loss_weight=cfg.head_text_loss_weight, answer_label=cfg.answer_label,
-                   distributed=cfg.distributed, gpus=gpus, device=device, precision=precision)
+                   head_text_loss_weight=cfg.head_text_loss_weight, distributed=cfg.distributed, gpus=gpus, device=device, precision=precision)
 
     def recomputed(self, layers: int) -> int:
         return layers if self.gradient_checkpointing < 0 else min(self.gradient_checkpointing, layers)
@@ -398,9 +395,10 @@ def counts(shape: Shape, s: Setting, tokens: Tokens) -> dict[str, float]:
     llm_linear = shape.layers * shape.layer_linear_params
     llm_rest = shape.llm_params - llm_linear
     if s.method == "full":
-        trained = (0 if s.freeze_llm else shape.llm_params) + (0 if s.freeze_vision else shape.vision_params)
-        frozen_bytes = value * ((shape.llm_params if s.freeze_llm else 0) + (shape.vision_params if s.freeze_vision
-                                                                            else 0))
+        parts = {"llm": (shape.llm_params, s.freeze_llm), "merger": (shape.merger_params, s.freeze_merger),
+                 "vision": (shape.vision_params - shape.merger_params, s.freeze_vision)}
+        trained = sum(n for n, frozen in parts.values() if not frozen)
+        frozen_bytes = value * sum(n for n, frozen in parts.values() if frozen)
     else:
         trained = shape.lora_params(s.lora_r, list(s.lora_targets), s.lora_last_n_layers)
         frozen_bytes = vision_bytes + (2 * llm_rest + NF4_BYTES * llm_linear if s.method == "qlora"
@@ -449,7 +447,7 @@ def counts(shape: Shape, s: Setting, tokens: Tokens) -> dict[str, float]:
 def peak_bytes(c: dict[str, float], coef: dict[str, float]) -> tuple[float, dict[str, float]]:
     """Peak allocated bytes and its parts: the static terms, plus the larger of the activations and
     (full fine-tuning) the optimizer step's own peak."""
-    parts = {k: c[k] * coef.get(k, 0.0) for k in ("weights", "trained", "fixed", "fixed_cpu", *ACTIVATIONS)}
+    parts = {k: c[k] * coef.get(k, 0.0) for k in (*STATIC, *ACTIVATIONS)}
     activations = sum(parts[k] for k in ACTIVATIONS)
     optimizer = c["optimizer"] * coef["optimizer"]
     parts["optimizer"] = max(0.0, optimizer - activations)
@@ -530,12 +528,13 @@ def plan(shape: Shape, s: Setting, c: Card, tokens: Tokens, samples: int | None 
          model_file: dict | None = None) -> Plan:
     mf = model_file or load_model_file()
     coef, margin = mf["memory"], mf["margin"]
-    peak, parts = peak_bytes(counts(shape, s, tokens), coef)
+    counted = counts(shape, s, tokens)
+    peak, parts = peak_bytes(counted, coef)
     room = usable_gib(c, mf)
     fits = peak / GIB * (1 + margin) <= room
     rate, notes = None, []
     if s.device != "cpu":  # the step's time was measured on a GPU; a CPU's is not predicted
-        step = step_seconds(counts(shape, s, tokens), mf["time"], s.grad_accum, card_speed(c, mf))
+        step = step_seconds(counted, mf["time"], s.grad_accum, card_speed(c, mf))
         rate = s.batch_size * s.grad_accum * max(1, s.gpus) / step
     if c.bf16_tflops is None and s.device != "cpu":
         notes.append(f"{c.name} has no bf16 tensor cores: its speed is predicted from its fp16 rate; bf16 runs "
@@ -635,7 +634,8 @@ class RunPlan:
 def plan_run(cfg: TrainConfig, c: Card, data: str | None = None, gpus: int = 1) -> RunPlan:
     """The plan of ``cfg`` on card ``c``: its data's image sizes from ``data`` (else cfg.train_data
     when that is a file, else the COCO-sized images the constants were measured on), and the
-    changes that make it fit when it does not."""
+    changes that make it fit when it does not. batch_size=auto is planned with the largest batch
+    that fits (``plan.setting.batch_size``)."""
     mf = load_model_file()
     shape = shape_of(cfg.model)
     setting = Setting.of(cfg, shape.family, gpus, device="cpu" if c.key == "cpu" else "cuda")
@@ -650,8 +650,11 @@ def plan_run(cfg: TrainConfig, c: Card, data: str | None = None, gpus: int = 1) 
     def tokens_at(min_pixels: int, max_pixels: int) -> Tokens:
         return data_tokens(sizes, boxes, shape.family, min_pixels, max_pixels, mf, source)
 
-    p = plan(shape, setting, c, tokens_at(setting.min_pixels, setting.max_pixels), len(sizes) if path else None, mf)
-    return RunPlan(shape, cfg.model, p, [] if p.fits else suggestions(shape, setting, c, tokens_at, p.samples, mf), mf)
+    tokens, samples = tokens_at(setting.min_pixels, setting.max_pixels), len(sizes) if path else None
+    p = plan(shape, setting, c, tokens, samples, mf)
+    if cfg.batch_size == "auto":  # (planned at batch 1 above) the largest that fits, at least 1
+        p = plan(shape, dataclasses.replace(setting, batch_size=max(1, p.max_batch_size)), c, tokens, samples, mf)
+    return RunPlan(shape, cfg.model, p, [] if p.fits else suggestions(shape, p.setting, c, tokens_at, samples, mf), mf)
 
 
 def _duration(seconds: float) -> str:
@@ -734,4 +737,4 @@ def explanation(r: RunPlan) -> list[str]:
 
 def auto_batch_size(cfg: TrainConfig, c: Card, gpus: int = 1) -> int:
     """batch_size=auto: the largest batch the plan says fits ``c`` (at least 1)."""
-    return max(1, plan_run(dataclasses.replace(cfg, batch_size=1), c, gpus=gpus).plan.max_batch_size)
+    return plan_run(dataclasses.replace(cfg, batch_size="auto"), c, gpus=gpus).plan.setting.batch_size

@@ -153,28 +153,27 @@ def _planned(cfg: TrainConfig) -> TrainConfig:
     from groundtune import plan
     from groundtune.errors import GroundtuneError
 
-    gpu = torch.cuda.is_available() and pick_device(cfg.device).type == "cuda"
-    gpus = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.batch_size == "auto":
-        if not gpu:
+    if not (torch.cuda.is_available() and pick_device(cfg.device).type == "cuda"):
+        if cfg.batch_size == "auto":
             print("batch_size=auto: no GPU, so no plan; batch_size=8")
             return dataclasses.replace(cfg, batch_size=8)
-        found = plan.card_from_device(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory)
+        return cfg
+    found = plan.card_from_device(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory)
+    gpus = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.batch_size == "auto":
         size = plan.auto_batch_size(cfg, found, gpus)  # a model the planner cannot size: its error, exit 2
         print(f"batch_size=auto: {size} (the largest groundtune plan says fits {found.name}, "
               f"{found.memory_gib:.1f} GiB)")
         return dataclasses.replace(cfg, batch_size=size)
-    if gpu:
-        try:
-            found = plan.card_from_device(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory)
-            result = plan.plan_run(cfg, found, gpus=gpus)
-        except GroundtuneError:  # a model or data the planner cannot size: training decides
-            return cfg
-        if not result.plan.fits:
-            changes = "; ".join(x.change for x in result.suggestions[:3])
-            warnings.warn(f"this run will likely run out of GPU memory: {result.plan.summary()}"
-                          + (f". Changes that fit: {changes} (groundtune plan CONFIG --explain)" if changes else ""),
-                          stacklevel=3)
+    try:
+        result = plan.plan_run(cfg, found, gpus=gpus)
+    except GroundtuneError:  # a model or data the planner cannot size: training decides
+        return cfg
+    if not result.plan.fits:
+        changes = "; ".join(x.change for x in result.suggestions[:3])
+        warnings.warn(f"this run will likely run out of GPU memory: {result.plan.summary()}"
+                      + (f". Changes that fit: {changes} (groundtune plan CONFIG --explain)" if changes else ""),
+                      stacklevel=3)
     return cfg
 
 
