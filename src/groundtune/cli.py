@@ -696,7 +696,8 @@ def _plan(args: argparse.Namespace) -> int:
         raise UsageError(f"groundtune plan: --gpus {args.gpus}: expected 1 or more")
     card = plan.card(args.gpu, args.memory_gib) if (args.gpu or args.memory_gib is not None) else plan.card("rtx4090")
     if args.data and not os.path.isfile(args.data):
-        raise UsageError(f"groundtune plan: --data {args.data}: no such file")
+        what = "a folder, not a JSONL file" if os.path.isdir(args.data) else "no such file"
+        raise UsageError(f"groundtune plan: --data {args.data}: {what}")
     given = dict(o.split("=", 1) for o in args.overrides if "=" in o)
     overrides = list(args.overrides) + ([] if "train_data" in given else ["train_data=synth:full"])
     cfg = load_config(TrainConfig, preset_path(args.config), overrides)
