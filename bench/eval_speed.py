@@ -14,7 +14,9 @@ read to the last box parsed (the model already loaded). Variants:
   attention installed, at its default batch of 16 and at --batch;
 - engine: `evaluate.evaluate(batch_size=--batch)`: encoding in DataLoader workers, images by size,
   packed prefill, static KV cache, CUDA-graph decode steps (engine-first-call: the same, timing
-  the captures too); engine-eager: the same with every decode step issued from Python.
+  the captures too); engine-eager: the same with every decode step issued from Python;
+  engine-row-inline: each batch put in one row (pixels concatenated) by the engine after the
+  batch before, instead of by the read-ahead thread while the GPU answers it (infer.ROW_AHEAD).
 Answers are forced to --new-tokens tokens (random weights seldom stop). The "natural" variants
 (predict-before and engine) use a model made to stop: its end-of-turn logit raised along the
 prompts' mean hidden direction until answers average ~20 tokens, so rows end at different steps.
@@ -234,6 +236,9 @@ def bench_model(key: str, samples, data, args) -> list[dict]:
     answers = add("engine", through_eval, gm, args.batch, reference)
     if answers and before:
         rows[-1]["same_as_predict_before"] = round(sum(a == b for a, b in zip(answers, before)) / len(answers), 4)
+    infer.ROW_AHEAD = False  # each batch put in one row by the engine, after the batch before (as before)
+    add("engine-row-inline", through_eval, gm, args.batch, reference)
+    infer.ROW_AHEAD = True
     for batch in (b for b in args.engine_batches if b != args.batch):
         add(f"engine-b{batch}", through_eval, gm, batch, reference)
     engine_module.GRAPHS_ENABLED = False  # the same engine, every decode step issued from Python

@@ -19,7 +19,9 @@ Reported per implementation: rollouts/s, and the step split into generation / re
   engine kept for the run (each prompt prefilled once for its G answers, CUDA-graph decode);
 - groundtune-before: the same with rollouts by transformers' `generate`, as before the engine;
 - groundtune-vision-per-row: the engine's rollouts, but the update runs the vision tower once per
-  row (each of the G copies of an image), as before the update shared it per prompt.
+  row (each of the G copies of an image), as before the update shared it per prompt;
+- groundtune-padded-update: the engine's rollouts, the update on padded rows that share only the
+  vision pass, as before the answers to a prompt shared it in one row (``qwen.collate_answers``).
 """
 
 from __future__ import annotations
@@ -134,9 +136,10 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--impls", default="plain,groundtune-before,groundtune",
+    parser.add_argument("--impls", default="plain,groundtune-padded-update,groundtune",
                         help="plain, groundtune-before (rollouts by transformers' generate), groundtune (the engine), "
-                             "groundtune-vision-per-row (the update without its shared vision pass)")
+                             "groundtune-vision-per-row (the update without its shared vision pass), "
+                             "groundtune-padded-update (the update on padded rows, as before the shared row)")
     parser.add_argument("--out")
     args = parser.parse_args()
     cfg = RLConfig(train_data="x", batch_size=args.prompts, group_size=args.group, max_new_tokens=args.new_tokens,
@@ -165,6 +168,8 @@ def main() -> None:
             # the update's vision pass once per row: the shared pass switched off for this variant only
             qwen.shared_image_inputs = ((lambda core, inputs, image_of_row: inputs)
                                         if impl == "groundtune-vision-per-row" else shared_images)
+            # the padded update (the vision-per-row variant's too): each answer's row carries its prompt
+            rl.SHARED_ANSWER_ROWS = impl not in ("groundtune-vision-per-row", "groundtune-padded-update")
             times = []
             for s in range(args.steps + 1):  # the first step warms up
                 pairs = [samples[i] for i in range(s * args.prompts, (s + 1) * args.prompts)]

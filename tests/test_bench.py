@@ -25,7 +25,7 @@ SMOKE = {
                    "--variants", "naive,gt-b4-no-ckpt,preset:quickstart"],
                   {"naive", "gt-b4-no-ckpt", "preset:quickstart"}),
     "eval_speed": (["--models", "tiny", "--samples", "24", "--batch", "8"],
-                   {"plain", "predict-before", "engine", "engine-eager", "breakdown"}),
+                   {"plain", "predict-before", "engine", "engine-row-inline", "engine-eager", "breakdown"}),
     "head_speed": (["--models", "tiny", "--samples", "16", "--batch", "8"], {"text", "box", "box_vs_text"}),
     "rl_speed": (["--model", "tiny", "--steps", "2"], {"impl", "rollouts_per_s"}),
     "memory_probe": (["--model", "tiny", "--batch", "2"], {"stages"}),

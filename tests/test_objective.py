@@ -128,3 +128,47 @@ def test_answers_to_one_image_share_its_vision_pass(any_family_model):
     shares = qwen.family(gm.family).image_features_alone
     assert len(vision_rows) == 2
     assert vision_rows[0] == (2 if shares else 6) and vision_rows[1] == 6
+
+
+def test_answers_to_one_prompt_share_it_in_one_row(any_family_model):
+    """RL's update: G answers to each of two prompts in ONE row (qwen.collate_answers), each
+    prompt and its image run once for its answers, give the padded batch's log-probabilities and
+    gradients (the vision LoRA's included), with every layer recomputed in backward: the
+    recomputation attends as the forward did."""
+    from groundtune.train.objective import answer_logprobs
+
+    gm = load_model(any_family_model, device="cpu", dtype="fp32")
+    cfg = TrainConfig(train_data="x", method="lora", lora_targets=["llm_attn", "llm_mlp", "vision"],
+                      gradient_checkpointing=-1)
+    model = adapt.prepare_for_training(gm.model, cfg)
+    speedups.install(model)
+    model.train()
+    sequences, prompt_tokens = [], 0
+    for i, size in enumerate([(112, 112), (168, 84)]):
+        image, record = synth.make_sample(4, i, width=size[0], height=size[1])
+        prompt = qwen.encode(gm.processor, qwen.resize_image(image, gm.resize)[0],
+                             qwen.prompt_text(gm.processor, record["phrase"], gm.prompt))
+        prompt_tokens += len(prompt["input_ids"])
+        # answers of different lengths; the first two of each prompt begin alike
+        for answer in ([300 + i, 301, 302], [300 + i, 301], [310 + i, 305, 306, 307]):
+            sequences.append(qwen.with_answer_ids(gm.processor, prompt, answer))
+    padded, row = qwen.collate(sequences, gm.processor.pad_token_id), qwen.collate_answers(sequences)
+    # each prompt once, then its answers' own tokens (3 + 2 + 4); each image once
+    assert row["input_ids"].shape[1] == prompt_tokens + 2 * 9
+    assert len(row["image_grid_thw"]) == 2
+
+    def logprobs_and_grads(batch):
+        model.zero_grad()
+        logprobs, owner = answer_logprobs(model, batch)
+        (logprobs * torch.linspace(1, 2, len(logprobs))).sum().backward()  # every token weighs differently
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return logprobs.detach(), owner, grads
+
+    ours, our_owner, our_grads = logprobs_and_grads(row)
+    theirs, their_owner, their_grads = logprobs_and_grads(padded)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert torch.equal(our_owner, their_owner)
+    assert our_grads.keys() == their_grads.keys() and any("visual" in n for n in our_grads)
+    for name in their_grads:  # the shared tokens' gradients are summed in another order: fp32 rounding
+        scale = float(their_grads[name].abs().max())
+        torch.testing.assert_close(our_grads[name], their_grads[name], rtol=1e-4, atol=1e-4 * scale)

@@ -41,12 +41,15 @@ from groundtune.data.records import atomic_write, image_path, iter_jsonl, missin
 from groundtune.data.samples import ignore_stop_signals
 from groundtune.errors import DataError
 from groundtune.models import head, qwen
+from groundtune.models.adapt import base_model
+from groundtune.models.attention import attached, keeps_packed_samples_apart, shares_prefixes
 from groundtune.models.engine import Engine, evaluating
 from groundtune.progress import track
 
 T = TypeVar("T")
 
 READ_AHEAD = True  # benchmarks switch it off to measure what it gives (predict_records, _read_ahead)
+ROW_AHEAD = True  # ... and this: the next batch put in one row in that thread (_gathered), not by the engine
 
 
 @dataclass(frozen=True)
@@ -250,31 +253,42 @@ def predict_records(gm, records: list[dict], data_path, batch_size: int = InferS
         prefetch_factor=-(-2 * runs_per_batch // workers) if workers else None,
         worker_init_fn=ignore_stop_signals if workers else None,
     ))
-    arriving = (list(itertools.islice(items, len(runs))) for runs in batches)
+    one_row = ROW_AHEAD and shares_prefixes(base_model(gm.model))
+    arriving = (_gathered(list(itertools.islice(items, len(runs))), one_row) for runs in batches)
     if workers and READ_AHEAD:  # a thread takes the next batch off the workers' queue while the GPU answers
         arriving = _read_ahead(arriving)
     if progress:
         arriving = track(arriving, f"{progress} ({batch_size}/batch)", total=len(batches))
     answering, decoding = engine_for(gm), Decoding.greedy(max_new_tokens)
     predictions: list[Prediction | None] = [None] * len(records)
-    for batch in arriving:
-        encoded, sizes, indices = [], [], []
-        for item in batch:
-            if "error" in item:
-                raise DataError(item["error"])
-            encoded += item["encoded"]
-            sizes += [item["sizes"]] * len(item["indices"])
-            indices += item["indices"]
-        answers = generate(gm, encoded, sizes, decoding, engine=answering)
+    for encoded, sizes, indices, row in arriving:
+        answers = generate(gm, encoded, sizes, decoding, engine=answering, row=row)
         for index, (_, prediction) in zip(indices, answers):
             predictions[index] = prediction
     return predictions
 
 
+def _gathered(items: list[dict], one_row: bool) -> tuple[list[dict], list[tuple], list[int], qwen.SharedRow | None]:
+    """One batch's items from the encoding processes -> its prompts, sizes, record indices and,
+    for a model that takes them so (``one_row``), the prompts in one row (``qwen.collate_shared``;
+    on a GPU machine in page-locked memory)."""
+    encoded, sizes, indices = [], [], []
+    for item in items:
+        if "error" in item:
+            raise DataError(item["error"])
+        encoded += item["encoded"]
+        sizes += [item["sizes"]] * len(item["indices"])
+        indices += item["indices"]
+    row = (qwen.collate_shared(encoded, qwen.image_groups(encoded), pinned=torch.cuda.is_available())
+           if one_row and encoded else None)
+    return encoded, sizes, indices, row
+
+
 def _read_ahead(batches: Iterator[T]) -> Iterator[T]:
-    """``batches``, each next one fetched in a thread while the caller works on the current one:
+    """``batches``, each next one made in a thread while the caller works on the current one:
     receiving a batch's items from the encoding processes (~70 ms for 64 prompts of the 3B, most
-    of it rebuilding their tensors) then overlaps the GPU's work instead of following it."""
+    of it rebuilding their tensors) and putting them in one row (~0.1-0.2 s: ~200 MB of pixels)
+    then overlap the GPU's work instead of following it."""
     with ThreadPoolExecutor(max_workers=1) as fetcher:
         upcoming = fetcher.submit(next, batches, None)
         while (batch := upcoming.result()) is not None:
@@ -415,31 +429,33 @@ def encode_prompts(gm, chunk: list[tuple[Image.Image, str]],
 
 
 def generate(gm, encoded: list[dict], sizes: list[tuple], decoding: Decoding, num_samples: int = 1,
-             engine: Engine | None = None) -> list[tuple[list[int], Prediction]]:
+             engine: Engine | None = None, row: qwen.SharedRow | None = None) -> list[tuple[list[int], Prediction]]:
     """Answer encoded prompts in one batch with ``decoding``: greedy, or ``num_samples`` sampled
     answers per prompt (RL rollouts). Returns, prompt by prompt and sample by sample, the answer's
     token ids (up to and including its end-of-turn token, exactly as generated) and what they say.
-    ``engine`` (``engine_for``) answers; without one, transformers' ``generate`` does."""
+    ``engine`` (``engine_for``) answers; without one, transformers' ``generate`` does. ``row``:
+    the prompts already in one row (``qwen.collate_shared``), for the engine or a box head."""
     if num_samples > 1 and not decoding.do_sample:
         raise ValueError(f"{num_samples} answers per prompt need sampling: greedy gives the same one each time")
     if head.head_of(gm.model) is not None:
         if num_samples > 1:
             raise ValueError("a box head answers each prompt in one forward pass: there is nothing to sample")
-        return [([], prediction) for prediction in head_boxes(gm, encoded, sizes)]
+        return [([], prediction) for prediction in head_boxes(gm, encoded, sizes, row)]
     with evaluating(gm.model):
         if engine is not None:
-            answers = engine.generate(encoded, decoding.max_new_tokens, decoding.choose, num_samples)
+            answers = engine.generate(encoded, decoding.max_new_tokens, decoding.choose, num_samples,
+                                      row if num_samples == 1 else None)
         else:
             answers = plain_generate(gm, encoded, decoding, num_samples)
     results = []
-    for row, ids in enumerate(answers):
-        original, resized = sizes[row // num_samples]
+    for answer, ids in enumerate(answers):
+        original, resized = sizes[answer // num_samples]
         end = answer_length(ids, gm.processor)
         results.append((ids[: end + 1], read_answer(ids, gm.processor, gm.family, original, resized)))  # + its stop token
     return results
 
 
-def head_boxes(gm, encoded: list[dict], sizes: list[tuple]) -> list[Prediction]:
+def head_boxes(gm, encoded: list[dict], sizes: list[tuple], row: qwen.SharedRow | None = None) -> list[Prediction]:
     """A box-head model's answers (models/head.py): the prompts in one forward pass, the head's K
     slots on each prompt's last hidden state and its image's tokens, the slots whose objectness
     reaches the head's threshold kept (``head_answer``).
@@ -449,21 +465,18 @@ def head_boxes(gm, encoded: list[dict], sizes: list[tuple]) -> list[Prediction]:
     through the vision tower and the language model once for all of them (``qwen.collate_shared``),
     and every prompt still gets the states it would get alone. Otherwise (transformers' own
     attention) the prompts are packed in one row where that attention keeps them apart, else
-    right-padded."""
-    from groundtune.models.adapt import base_model
-    from groundtune.models.attention import attached, keeps_packed_samples_apart, shares_prefixes
-
+    right-padded. ``row``: the prompts already in one row (``predict_records``)."""
     core = base_model(gm.model)
     layout, image_of_sample = contextlib.nullcontext(), None
     if shares_prefixes(core):
-        row = qwen.collate_shared(encoded, qwen.image_groups(encoded))
+        row = row or qwen.collate_shared(encoded, qwen.image_groups(encoded))
         batch, layout, image_of_sample = row.inputs, attached(row.layout.to(gm.device)), row.images
         query = torch.zeros(len(encoded), dtype=torch.long), torch.tensor(row.last)
     else:
         packed = keeps_packed_samples_apart(core)
         batch = qwen.collate_packed(encoded) if packed else qwen.collate(encoded, gm.processor.pad_token_id, "right")
         query = head.query_positions(batch)
-    batch = {k: v.to(gm.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    batch = {k: v.to(gm.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     tokens = head.image_tokens(batch, core.config, image_of_sample)
     box_head = head.head_of(gm.model)
     with evaluating(gm.model), torch.inference_mode(), layout:

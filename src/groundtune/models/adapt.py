@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from groundtune.config import TrainConfig
 from groundtune.errors import ConfigError
-from groundtune.models import head
+from groundtune.models import attention, head
 from groundtune.models.qwen import family_of
 
 
@@ -111,7 +111,9 @@ def checkpoint_last_layers(model, n: int) -> int:
         @functools.wraps(layer.forward)
         def forward(*args, _layer=layer, **kwargs):
             if _layer.training and torch.is_grad_enabled():
-                return checkpoint(_layer._groundtune_inner, *args, use_reentrant=False, **kwargs)
+                # context_fn: the recomputation attends as the forward did (attention.recompute_contexts)
+                return checkpoint(_layer._groundtune_inner, *args, use_reentrant=False,
+                                  context_fn=attention.recompute_contexts, **kwargs)
             return _layer._groundtune_inner(*args, **kwargs)
 
         layer.forward = forward

@@ -268,13 +268,21 @@ def shares_prefixes(model) -> bool:
 def attached(cache):
     """Our language-model attention goes to ``cache.attend`` while the engine runs the model
     (``models.engine.KVCache``, read and written instead of transformers' cache objects) or for
-    one forward pass over prompts that share their beginnings (``SharedPrefixes``)."""
+    one forward pass over prompts that share their beginnings (``SharedPrefixes``: inference's
+    phrases of one image, an RL update's answers to one prompt)."""
     global _attached_cache
     previous, _attached_cache = _attached_cache, cache
     try:
         yield cache
     finally:
         _attached_cache = previous
+
+
+def recompute_contexts():
+    """``torch.utils.checkpoint``'s ``context_fn`` for a recomputed layer: the backward pass
+    recomputes it after ``attached`` has ended, so whatever the forward saw attached (a row of RL
+    answers that share their prompts, ``SharedPrefixes``) is attached again for the recomputation."""
+    return contextlib.nullcontext(), attached(_attached_cache)
 
 
 def _block_causal_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:

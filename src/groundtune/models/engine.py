@@ -187,11 +187,14 @@ class Engine:
         return self.steps[key]
 
     @torch.inference_mode()
-    def generate(self, prompts: list[dict], max_new_tokens: int, choose, num_samples: int = 1) -> list[list[int]]:
+    def generate(self, prompts: list[dict], max_new_tokens: int, choose, num_samples: int = 1,
+                 row: qwen.SharedRow | None = None) -> list[list[int]]:
         """Answer encoded prompts (``qwen.encode`` without an answer): ``num_samples`` rows each,
         row after row of one prompt. ``choose`` turns (rows, vocab) float logits into the next
         token of each row (greedy or sampled: infer.Decoding). Returns each row's generated ids,
-        ``max_new_tokens`` of them, padding after its first stop token."""
+        ``max_new_tokens`` of them, padding after its first stop token. ``row``: the prompts
+        already in one row (``qwen.collate_shared``), put there by a thread while the GPU answered
+        the batch before (``infer.predict_records``)."""
         lengths = [len(p["input_ids"]) for p in prompts]
         prompt_columns = max(lengths)
         rows = len(prompts) * num_samples
@@ -207,8 +210,11 @@ class Engine:
 
         # 1. prefill, one packed row, the phrases asked of one image sharing its tokens
         # (qwen.collate_shared); each row's prompt columns come from its prompt's tokens, right-aligned
-        row = qwen.collate_shared(prompts, qwen.image_groups(prompts))
-        packed = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in row.inputs.items()}
+        if row is None:
+            row = qwen.collate_shared(prompts, qwen.image_groups(prompts))
+        # (pixels in page-locked memory are copied beside the host's work; the other tensors are small)
+        packed = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                  for k, v in row.inputs.items()}
         index = torch.zeros(len(prompts), prompt_columns, dtype=torch.long)  # before a prompt: masked anyway
         for i, tokens in enumerate(row.tokens):
             index[i, prompt_columns - len(tokens):] = torch.tensor(tokens)

@@ -540,7 +540,7 @@ class SharedRow:
         return [positions[-1] for positions in self.tokens]
 
 
-def collate_shared(samples: list[dict[str, torch.Tensor]], groups: list[list[int]]) -> SharedRow:
+def collate_shared(samples: list[dict[str, torch.Tensor]], groups: list[list[int]], pinned: bool = False) -> SharedRow:
     """Prompts (no labels) in ONE row, as ``collate_packed`` puts them, except that the prompts of a
     group (``image_groups``: one image, several phrases) share the tokens they begin with: the
     system turn, the image, the words before the phrase. The row holds those once, then each
@@ -548,7 +548,8 @@ def collate_shared(samples: list[dict[str, torch.Tensor]], groups: list[list[int
     positions it has alone, so every prompt's states are those it would have alone (a test checks
     it), and an image of ~400 tokens is run through the vision tower and the language model once
     for all its phrases. A group whose shared beginning would not hold the whole image is packed
-    prompt by prompt."""
+    prompt by prompt. ``pinned``: the images' pixels put in page-locked memory (a GPU batch's
+    ~200 MB then reach the GPU without a second copy, and without holding up the host)."""
     row_tokens, queries, keys, key_bounds = [], [0], [], [0]
     tokens: list[list[int]] = [[] for _ in samples]
     images = [0] * len(samples)
@@ -578,13 +579,40 @@ def collate_shared(samples: list[dict[str, torch.Tensor]], groups: list[list[int
         "input_ids": torch.cat([s["input_ids"][a:b] for s, a, b in row_tokens])[None],
         "mm_token_type_ids": torch.cat([s["mm_token_type_ids"][a:b] for s, a, b in row_tokens])[None],
         "position_ids": torch.cat([s["position_ids"][:, a:b] for s, a, b in row_tokens], dim=1)[:, None],
-        "pixel_values": torch.cat(pixels),
+        "pixel_values": _cat(pixels, pinned),
         "image_grid_thw": torch.cat(grids),
         # marks the row as packed for transformers; the attention itself follows the layout
         "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
         "max_length_q": int((bounds[1:] - bounds[:-1]).max()), "max_length_k": int((bounds[1:] - bounds[:-1]).max()),
     }
     return SharedRow(inputs, SharedPrefixes(queries, keys, key_bounds), tokens, images)
+
+
+def _cat(tensors: list[torch.Tensor], pinned: bool) -> torch.Tensor:
+    if not pinned:
+        return torch.cat(tensors)
+    rows = sum(len(t) for t in tensors)
+    return torch.cat(tensors, out=torch.empty((rows, *tensors[0].shape[1:]), dtype=tensors[0].dtype, pin_memory=True))
+
+
+def collate_answers(samples: list[dict[str, torch.Tensor]]) -> dict:
+    """Answered samples (with labels: an RL update's G answers to each prompt) in ONE row, as
+    ``collate_shared`` puts prompts: the answers to one prompt share its tokens, the image's
+    included, which go through the vision tower and the language model once for all of them
+    (and the first tokens the answers have in common, once). Besides the model's inputs, what
+    ``train/objective.py`` reads in place of ``labels``: ``layout`` (the attention to attach),
+    and for every labelled token, sample by sample, the row position whose state predicts it
+    (``answer_index``), the token (``answer_targets``) and its sample (``answer_owner``)."""
+    row = collate_shared(samples, image_groups(samples))
+    index, targets, owner = [], [], []
+    for i, (sample, positions) in enumerate(zip(samples, row.tokens)):
+        following = sample["labels"][1:]  # the state at token t predicts token t + 1
+        labelled = (following != IGNORE_INDEX).nonzero()[:, 0]
+        index.append(torch.tensor(positions)[labelled])
+        targets.append(following[labelled])
+        owner.append(torch.full((len(labelled),), i))
+    return {**row.inputs, "layout": row.layout, "answer_index": torch.cat(index),
+            "answer_targets": torch.cat(targets), "answer_owner": torch.cat(owner)}
 
 
 def _shared_length(group: list[dict[str, torch.Tensor]]) -> int:

@@ -10,14 +10,20 @@ tests/test_objective.py checks value and gradients), a fraction of the memory an
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from groundtune.errors import TrainingError
 from groundtune.models import head, qwen
 from groundtune.models.adapt import base_model
-from groundtune.models.attention import keeps_packed_samples_apart
+from groundtune.models.attention import attached, keeps_packed_samples_apart, shares_prefixes
 from groundtune.models.qwen import IGNORE_INDEX
+
+# what a batch carries besides the model's inputs: the targets, and a row of answers' layout and answer
+# positions (qwen.collate_answers)
+NOT_MODEL_INPUTS = ("labels", "box_target", "box_count", "layout", "answer_index", "answer_targets", "answer_owner")
 
 
 def answer_logprobs(model, batch: dict[str, torch.Tensor],
@@ -28,23 +34,34 @@ def answer_logprobs(model, batch: dict[str, torch.Tensor],
     image per row): row i shows the image of row ``image_of_row[i]``, as the G answers of an RL
     prompt do; each image then goes through the vision tower once (``qwen.shared_image_inputs``)."""
     core = base_model(model)
-    return _answer_logprobs(core, hidden_states(core, batch, image_of_row), batch["labels"])
+    return _answer_logprobs(core, hidden_states(core, batch, image_of_row), batch)
 
 
 def hidden_states(core, batch: dict[str, torch.Tensor], image_of_row: list[int] | None = None) -> torch.Tensor:
-    """The language model's last hidden states of ``batch`` (batch, length, hidden)."""
+    """The language model's last hidden states of ``batch`` (batch, length, hidden). A row of
+    answers that share their prompts (``qwen.collate_answers``) is attended as its ``layout`` says
+    (attached for the forward pass; a recomputed layer attaches it again, ``adapt``)."""
     if "cu_seq_lens_q" in batch and not keeps_packed_samples_apart(core):
         raise TrainingError("a packed batch on a model whose attention would cross its samples: install "
                             "groundtune's attention first (models.speedups.install), as groundtune train does")
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", "box_target", "box_count")}
+    inputs = {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
     if image_of_row is not None and qwen.family_of(core).image_features_alone:
         inputs = qwen.shared_image_inputs(core, inputs, image_of_row)
-    # no KV cache: nothing reuses it, and a recomputed (checkpointed) layer would extend it twice
-    return core.model(**inputs, use_cache=False).last_hidden_state
+    layout = batch.get("layout")
+    if layout is not None and not shares_prefixes(core):
+        raise TrainingError("a row of answers that share their prompts needs groundtune's attention "
+                            "(models.speedups.install)")
+    with attached(layout.to(inputs["input_ids"].device)) if layout is not None else contextlib.nullcontext():
+        # no KV cache: nothing reuses it, and a recomputed (checkpointed) layer would extend it twice
+        return core.model(**inputs, use_cache=False).last_hidden_state
 
 
-def _answer_logprobs(core, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    targets = labels[:, 1:]  # position t predicts token t + 1
+def _answer_logprobs(core, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    if "answer_index" in batch:  # one row of answers (qwen.collate_answers): where each token is predicted
+        logits = core.get_output_embeddings()(hidden[0, batch["answer_index"]])
+        logprobs = -F.cross_entropy(logits.float(), batch["answer_targets"], reduction="none")
+        return logprobs, batch["answer_owner"]
+    targets = batch["labels"][:, 1:]  # position t predicts token t + 1
     answer = targets != IGNORE_INDEX
     logits = core.get_output_embeddings()(hidden[:, :-1][answer])  # the LM head on answer tokens only
     logprobs = -F.cross_entropy(logits.float(), targets[answer], reduction="none")
@@ -78,7 +95,7 @@ class BoxObjective(torch.nn.Module):
         hidden = hidden_states(core, batch)
         tokens = head.image_tokens(batch, core.config)
         boxes, logits = head.read(head.head_of(self.model), hidden, head.query_positions(batch), tokens)
-        return boxes, logits, (_answer_logprobs(core, hidden, batch["labels"])[0] if self.text else None)
+        return boxes, logits, (_answer_logprobs(core, hidden, batch)[0] if self.text else None)
 
 
 def box_head_loss(objective: BoxObjective, batch: dict[str, torch.Tensor], samples: int, tokens: int,
@@ -108,4 +125,6 @@ def answer_loss(model, batch: dict[str, torch.Tensor], tokens: int | None = None
 def answer_tokens(batch: dict[str, torch.Tensor]) -> int:
     """The labelled positions ``answer_logprobs`` scores in ``batch`` (read from its labels, on
     whatever device they are)."""
+    if "answer_targets" in batch:
+        return len(batch["answer_targets"])
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) if "labels" in batch else 0

@@ -18,8 +18,8 @@ One step, as the code below reads:
   3. advantages: GRPO's group normalisation, (r - mean) / std over a prompt's answers, or REINFORCE
      with a moving-average baseline per prompt (``advantage=ema``, the seed design's variant);
   4. update: ``inner_updates`` gradient steps on the clipped policy-ratio objective, plus
-     ``kl_coef`` x KL to the starting policy (the answers of one prompt share one vision pass of
-     its image where the family allows: train/objective.py).
+     ``kl_coef`` x KL to the starting policy; the answers to one prompt share it (one row,
+     ``qwen.collate_answers``: the prompt and its image run once for its G answers).
 With ``curriculum=true`` (the seed design's), step 1 draws only prompts that can still teach: one
 whose last group was solved (every answer at IoU >= 0.5) or hopeless (none) sits out its next turn
 in the prompt order, and is back on the turn after, when the policy may have changed.
@@ -53,7 +53,8 @@ from groundtune.config import RLConfig
 from groundtune.data.records import sample_boxes
 from groundtune.data.samples import FileSamples, ResumableBatches
 from groundtune.errors import ConfigError, DataError
-from groundtune.models import adapt, head, qwen, speedups
+from groundtune.models import adapt, attention, head, qwen, speedups
+from groundtune.models.adapt import base_model
 from groundtune.models.loading import GroundingModel, load_model, pick_device, resolve
 from groundtune.progress import progress_bar
 from groundtune.train import distributed
@@ -64,6 +65,7 @@ from groundtune.train.parallel import Parallel
 from groundtune.train.rewards import RewardWeights, reward
 
 REFERENCE = "reference"  # the frozen copy of an SFT run's adapter, for the KL term
+SHARED_ANSWER_ROWS = True  # bench/rl_speed.py switches it off to time the update with padded rows
 
 
 @dataclass
@@ -301,9 +303,13 @@ def update(parallel: Parallel, reference, batch: Rollouts, adv: torch.Tensor, op
     chunks = [list(range(i, min(i + cfg.micro_batch, len(batch.sequences))))
               for i in range(0, len(batch.sequences), cfg.micro_batch)]
     group_size = batch.rewards.shape[1]
-    # the answers of one prompt show one image: the first of them in a chunk lends it to the rest
+    # The answers to one prompt share it: in one row (qwen.collate_answers) the prompt, its image
+    # included, goes through the model once for all of them. Without groundtune's attention (a
+    # model on transformers' flash-attention) they are padded rows that share the vision pass only:
+    # the first answer of a prompt in a chunk lends its image to the rest.
+    one_row = SHARED_ANSWER_ROWS and attention.shares_prefixes(base_model(model))
     prompt_of = [[r // group_size for r in rows] for rows in chunks]
-    image_of_row = [[prompts.index(p) for p in prompts] for prompts in prompt_of]
+    image_of_row = [None if one_row else [prompts.index(p) for p in prompts] for prompts in prompt_of]
     per_answer_adv = adv.flatten()
     total_tokens = total_tokens or int(batch.lengths.sum())
     old, ref = {}, {}
@@ -311,8 +317,8 @@ def update(parallel: Parallel, reference, batch: Rollouts, adv: torch.Tensor, op
     for inner in range(cfg.inner_updates):
         loss_sum = kl_sum = clipped = 0.0
         for c, rows in enumerate(chunks):
-            micro = qwen.collate([batch.sequences[r] for r in rows], pad_token_id)
-            micro = to_device(micro, device)
+            answers = [batch.sequences[r] for r in rows]
+            micro = to_device(qwen.collate_answers(answers) if one_row else qwen.collate(answers, pad_token_id), device)
             if inner == 0 and cfg.kl_coef > 0:
                 with torch.no_grad(), autocast, reference():
                     ref[c] = objective(micro, image_of_row[c])[0].float()
