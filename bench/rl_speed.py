@@ -140,10 +140,11 @@ def main() -> None:
                         help="plain, groundtune-before (rollouts by transformers' generate), groundtune (the engine), "
                              "groundtune-vision-per-row (the update without its shared vision pass), "
                              "groundtune-padded-update (the update on padded rows, as before the shared row)")
+    parser.add_argument("--micro-batch", type=int, default=8, help="answers per forward/backward pass of the update")
     parser.add_argument("--out")
     args = parser.parse_args()
     cfg = RLConfig(train_data="x", batch_size=args.prompts, group_size=args.group, max_new_tokens=args.new_tokens,
-                   micro_batch=8, temperature=1.0)
+                   micro_batch=args.micro_batch, temperature=1.0)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         data = make_refcoco_like(Path(tmp), args.prompts * (args.steps + 1))
@@ -179,6 +180,7 @@ def main() -> None:
             mean = {k: sum(t[k] for t in times) / len(times) for k in times[0]}
             total = mean["generate_s"] + mean["reward_s"] + mean["update_s"]
             row = {"impl": impl, "model": args.model, "prompts": args.prompts, "group": args.group,
+                   "micro_batch": args.micro_batch,
                    "new_tokens": args.new_tokens, **{k: round(v, 4) for k, v in mean.items()},
                    "step_s": round(total, 4), "rollouts_per_s": round(args.prompts * args.group / total, 2),
                    "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None}
