@@ -16,7 +16,9 @@ read to the last box parsed (the model already loaded). Variants:
   packed prefill, static KV cache, CUDA-graph decode steps (engine-first-call: the same, timing
   the captures too); engine-eager: the same with every decode step issued from Python;
   engine-row-inline: each batch put in one row (pixels concatenated) by the engine after the
-  batch before, instead of by the read-ahead thread while the GPU answers it (infer.ROW_AHEAD).
+  batch before, instead of by the read-ahead thread while the GPU answers it (infer.ROW_AHEAD);
+  engine-compiled: the engine with the vision tower compiled (eval --compile; GPU only; its first
+  call, which compiles, timed apart).
 Answers are forced to --new-tokens tokens (random weights seldom stop). The "natural" variants
 (predict-before and engine) use a model made to stop: its end-of-turn logit raised along the
 prompts' mean hidden direction until answers average ~20 tokens, so rows end at different steps.
@@ -247,6 +249,9 @@ def bench_model(key: str, samples, data, args) -> list[dict]:
     rows.append({"model": key, "variant": "breakdown", "batch": args.batch, **breakdown(gm, samples, data, args.batch, args.new_tokens)})
     if torch.cuda.is_available():
         rows.append({"model": key, "variant": "profile", "batch": args.batch, **profile(gm, samples, data, args.batch)})
+        kernels.compile_vision_blocks(gm.model)  # what eval --compile adds (a GPU's: inductor)
+        add("engine-compiled-first-call", through_eval, gm, args.batch, reference)  # compiles
+        add("engine-compiled", through_eval, gm, args.batch, reference)
     if args.natural and key != "tiny":
         mean_length = round(make_it_stop(gm, samples, data, 20.0, args.new_tokens), 1)
         natural = add("before-natural", loop_in_process, gm, args.batch, None, mean_answer_tokens=mean_length)

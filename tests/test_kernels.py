@@ -1,6 +1,7 @@
 """The kernels: fused LoRA layers and the padded vision MLP compute what peft's and transformers'
 layers compute; without liger-kernel or a GPU, kernels=auto leaves the model as it is and
-kernels=liger says what is missing; compiled decoder layers compute the same loss and gradients."""
+kernels=liger says what is missing; compiled decoder layers compute the same loss and gradients,
+compiled vision blocks the same features and answers."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from groundtune.errors import GroundtuneError
 from groundtune.data import synth
 from groundtune.train.batches import encode_sample
 from groundtune.models import adapt, kernels, qwen
+from groundtune.models.adapt import base_model
 from groundtune.models.loading import load_model
 from groundtune.train.objective import answer_loss
 
@@ -25,8 +27,37 @@ def _batch(gm):
 def test_kernels_setting_is_checked():
     with pytest.raises(ConfigError, match="kernels='fast'"):
         TrainConfig(train_data="synth:full", kernels="fast")
-    with pytest.raises(ConfigError, match="compile=true with kernels=auto"):
-        TrainConfig(train_data="synth:full", kernels="auto", compile=True)
+    # compile and liger-kernel combine: the vision blocks are compiled, the LLM's layers fused by liger
+    assert TrainConfig(train_data="synth:full", kernels="auto", compile=True).compile
+
+
+@pytest.mark.slow
+def test_compiled_vision_blocks_give_the_same_answers_and_features(any_family_model):
+    """eval --compile (and compile=true in training) compiles every vision block, dynamic shapes:
+    images of other sizes go through the same compiled code and get the features and answers
+    the blocks give uncompiled (``aot_eager``: what inductor compiles, without a C++ compiler)."""
+    from groundtune import infer
+
+    gm = infer.load(any_family_model, device="cpu")
+    images = [synth.make_sample(5, i, width=w, height=h)[0] for i, (w, h) in enumerate([(112, 112), (168, 84), (84, 140)])]
+    phrases = ["the red circle", "the blue square", "the green triangle"]
+    encoded, _ = infer.encode_prompts(gm, list(zip(images, phrases)))
+    visual = base_model(gm.model).model.visual
+
+    def features():
+        with torch.no_grad():
+            return [visual(e["pixel_values"], grid_thw=e["image_grid_thw"]).pooler_output for e in encoded]
+
+    eager, eager_answers = features(), [p.raw for p in infer.predict(gm, images, phrases, max_new_tokens=8)]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    blocks = qwen.family_of(gm.model).vision_block_list(gm.model)
+    assert kernels.compile_vision_blocks(gm.model, backend="aot_eager") == len(blocks)
+    compiled = features()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the compiled code ran
+    for ours, theirs in zip(compiled, eager):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert [p.raw for p in infer.predict(gm, images, phrases, max_new_tokens=8)] == eager_answers
 
 
 def test_fused_kernels_fall_back_where_liger_cannot_run():

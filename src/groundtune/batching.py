@@ -141,7 +141,7 @@ def _detach_from_server() -> None:
 # The model's process
 
 
-def _model_process(model: str, device: str, limits, max_new_tokens: int, make_encoder, inbox, outbox,
+def _model_process(model: str, device: str, limits, max_new_tokens: int, compile: bool, make_encoder, inbox, outbox,
                    ready) -> None:
     """The model, in a process of its own so that nothing competes with its thread for the
     interpreter (the server's event loop did: a batch took ~30% longer on the CPU). Loads
@@ -162,7 +162,7 @@ def _model_process(model: str, device: str, limits, max_new_tokens: int, make_en
     _detach_from_server()
     quiet_libraries()
     try:
-        gm = infer.load(model, device=device)
+        gm = infer.load(model, device=device, compile=compile)
     except BaseException as e:  # noqa: BLE001 - said by the server, which exits with it
         try:
             pickle.dumps(e)
@@ -255,7 +255,7 @@ class Model:
     the memory decoding ``data`` will hold, read from its header. Either raises the caller's
     mistake as the server says it (serve.RequestError)."""
 
-    def __init__(self, model: str, device: str, limits, max_new_tokens: int, make_encoder):
+    def __init__(self, model: str, device: str, limits, max_new_tokens: int, make_encoder, compile: bool = False):
         import multiprocessing
 
         from groundtune import infer
@@ -266,7 +266,7 @@ class Model:
         self.inbox, self.outbox = self.context.Queue(), self.context.Queue()
         ours, theirs = self.context.Pipe()
         self.process = self.context.Process(target=_model_process, name="groundtune-model",
-                                            args=(model, device, limits, max_new_tokens, make_encoder, self.inbox,
+                                            args=(model, device, limits, max_new_tokens, compile, make_encoder, self.inbox,
                                                   self.outbox, theirs))
         self.process.start()
         theirs.close()

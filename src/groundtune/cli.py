@@ -425,6 +425,7 @@ def _eval(args: argparse.Namespace) -> int:
         device=args.device,
         max_new_tokens=args.max_new_tokens,
         protocol=args.protocol,
+        compile=args.compile,
     )
     return 0
 
@@ -446,7 +447,7 @@ def _predict(args: argparse.Namespace) -> int:
 
     if args.jsonl is not None:
         records = infer.read_queries(args.jsonl)  # a bad file is said before the model loads
-        gm = infer.load(args.model, device=args.device)
+        gm = infer.load(args.model, device=args.device, compile=args.compile)
         n = infer.predict_jsonl(gm, args.jsonl, args.out, batch_size=args.batch_size,
                                 max_new_tokens=args.max_new_tokens, records=records)
         print(f"wrote {n} predictions to {args.out}", file=sys.stderr)
@@ -508,6 +509,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                    "docs/eval-and-inference.md). Recorded in the report.")
     _infer_flag(p, "max_new_tokens")
     _infer_flag(p, "device")
+    _infer_flag(p, "compile")
     p.set_defaults(handler=_eval)
 
 
@@ -518,6 +520,9 @@ def _infer_flag(p: argparse.ArgumentParser, name: str, when: str = "") -> None:
     from groundtune.config import InferSettings
 
     f = next(f for f in dataclasses.fields(InferSettings) if f.name == name)
+    if isinstance(f.default, bool):  # a switch (--compile)
+        p.add_argument("--" + name.replace("_", "-"), action="store_true", help=when + f.metadata["help"])
+        return
     p.add_argument("--" + name.replace("_", "-"), type=_positive_int if isinstance(f.default, int) else str,
                    default=f.default, help=when + f.metadata["help"])
 
@@ -549,6 +554,7 @@ def _add_predict(sub: argparse._SubParsersAction) -> None:
     _infer_flag(p, "batch_size", when="with --jsonl: ")
     _infer_flag(p, "max_new_tokens")
     _infer_flag(p, "device")
+    _infer_flag(p, "compile", when="with --jsonl: ")
     p.set_defaults(handler=_predict)
 
 
@@ -666,13 +672,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        default=f.default / MB if in_mb else f.default, help=f.metadata["help"])
     _infer_flag(p, "max_new_tokens")
     _infer_flag(p, "device")
+    _infer_flag(p, "compile")
     p.set_defaults(handler=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from groundtune.serve import serve
 
-    serve(args.model, args.host, args.port, args.api_key, _limits(args), args.device, args.max_new_tokens)
+    serve(args.model, args.host, args.port, args.api_key, _limits(args), args.device, args.max_new_tokens,
+          args.compile)
     return 0
 
 

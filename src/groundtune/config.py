@@ -200,14 +200,11 @@ class _Step(_Settings):
     grad_accum: int = setting(1, "micro-batches per optimizer step")
     packing: bool = setting(False, "a micro-batch in one row, no padding, attention within each sample: on a GPU one "
                             "variable-length flash call per layer (the fast setting); on a CPU a dense mask (slow)")
-    compile: bool = setting(False, "torch.compile the LLM decoder layers: fewer kernel launches, slower first steps")
+    compile: bool = setting(False, "torch.compile the vision blocks, and the LLM decoder layers where liger-kernel "
+                            "does not run (it fuses those itself): fewer kernels, slower first steps")
 
     def check(self) -> None:
         _positive(self, "grad_accum")
-        if self.compile and self.kernels != "none":
-            # measured on an H200: liger-kernel 0.8.5's RMSNorm fails to build inside torch 2.11's compile
-            raise ConfigError(f"compile=true with kernels={self.kernels}: liger-kernel's Triton kernels do not "
-                              "compile inside torch.compile; use one of them (kernels=none or compile=false)")
 
 
 @dataclass
@@ -317,7 +314,8 @@ class _Update(_Settings):
     inner_updates: int = setting(1, "gradient steps per batch of answers; the clipped ratio acts from the second on")
     clip: float = setting(0.2, "policy-ratio clip range, PPO's epsilon")
     kl_coef: float = setting(0.0, "KL penalty to the starting policy (the SFT model); 0 = none, no reference pass")
-    micro_batch: int = setting(16, "answers per forward/backward pass of the update (memory, not results)")
+    micro_batch: int = setting(32, "answers per forward/backward pass of the update (memory, not results; the "
+                               "answers to a prompt share one row: its tokens count once)")
     curriculum: bool = setting(False, "a prompt whose last group was all solved or all hopeless sits out its next turn")
 
     def check(self) -> None:
@@ -359,8 +357,8 @@ class RLConfig(_Loop, _Update, _Reward, _Rollouts, _Optimisation, _Lora, _Target
         "method": "rl always trains a LoRA adapter (the reference policy for kl_coef is the same weights with "
                   "the adapter off)",
         "grad_accum": "micro_batch bounds the update's memory",
-        "packing": "the update runs on padded micro-batches",
-        "compile": "generation with compiled layers is not measured yet",
+        "packing": "the update puts the answers to a prompt in one row itself (the prompt once, then each answer)",
+        "compile": "rollouts and updates with compiled layers are not measured yet",
         "hflip_prob": "augmentations would change the truth rewards are scored on",
         "scale_crop_prob": "augmentations would change the truth rewards are scored on",
         "min_pixels": "the pixel budget is the starting model's, as it was trained",
@@ -407,6 +405,8 @@ class InferSettings:
     max_new_tokens: int = setting(MAX_NEW_TOKENS, "longest answer in tokens (greedy decoding; a longer one is cut "
                                                   "and usually unparsable)")
     device: str = setting("auto", "auto, cpu, cuda, cuda:1, ...")
+    compile: bool = setting(False, "torch.compile the vision tower on a GPU (nothing on a CPU): ~10 s more on the "
+                                   "first batches, then faster prefills (docs/eval-and-inference.md)")
 
 
 def _adapter_folder(model: str) -> Path | None:

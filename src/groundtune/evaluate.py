@@ -424,7 +424,8 @@ pre {{ white-space: pre-wrap; word-break: break-all; background: #f4f4f4; font-s
 def run_eval(model: str, data, limit: int | None = None, out=None, gallery=None, compare: str | None = None,
              batch_size: int = InferSettings.batch_size, max_pixels: int | None = None,
              min_pixels: int | None = None, device: str = InferSettings.device,
-             max_new_tokens: int = InferSettings.max_new_tokens, protocol: str = "groundtune") -> dict:
+             max_new_tokens: int = InferSettings.max_new_tokens, protocol: str = "groundtune",
+             compile: bool = InferSettings.compile) -> dict:
     """Evaluate ``model`` (and ``compare`` on the same samples) on a canonical JSONL file, print
     the metrics (and the published figure beside them where one matches: protocols.published), and
     write report.json / the gallery when asked. Returns the report."""
@@ -436,7 +437,7 @@ def run_eval(model: str, data, limit: int | None = None, out=None, gallery=None,
         resolve(name)
     reports = []
     for i, name in enumerate(names):
-        gm = infer.load(name, device, min_pixels, max_pixels, who="eval")
+        gm = infer.load(name, device, min_pixels, max_pixels, who="eval", compile=compile)
         report, rows = evaluate(gm, samples, data, batch_size=batch_size, limit=limit, max_new_tokens=max_new_tokens,
                                 protocol=protocol)
         beside = published_beside(report, samples[:limit] if limit is not None else samples, data)

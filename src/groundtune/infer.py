@@ -165,17 +165,19 @@ def read_answer(
 
 
 def load(name: str, device: str = InferSettings.device, min_pixels: int | None = None, max_pixels: int | None = None,
-         who: str = "predict"):
+         who: str = "predict", compile: bool = InferSettings.compile):
     """A model ready for inference: loaded (``models.loading.load_model``) with its own pixel budget,
     overridden where ``min_pixels``/``max_pixels`` are given (``who`` warns: it is not what the
     model was trained at), and the speed-ups installed, liger-kernel's fused kernels included
     where they can run: a decode step of the 3B at batch 64 is ~1,700 kernels, most of them the
-    small elementwise ones of RMSNorm, M-RoPE and SwiGLU that those fuse."""
+    small elementwise ones of RMSNorm, M-RoPE and SwiGLU that those fuse. ``compile``: the vision
+    tower compiled too, on a GPU (its fp32 norms, rotary embedding and casts were ~40% of the 3B's
+    prefill on an H200; compiled, eval answered 1.1x the samples a second, after ~10 s)."""
     from groundtune.models import speedups
     from groundtune.models.loading import load_model, with_resize
 
     gm = with_resize(load_model(name, device=device), min_pixels, max_pixels, who)
-    speedups.install(gm.model, kernels_mode="auto")
+    speedups.install(gm.model, kernels_mode="auto", compile=compile and gm.device.type == "cuda", compile_layers=False)
     return gm
 
 

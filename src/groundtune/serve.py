@@ -666,7 +666,7 @@ def _chat_settings(body: dict, model_name: str, max_new_tokens: int) -> int:
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           limits: Limits = Limits(), device: str = InferSettings.device,
-          max_new_tokens: int = InferSettings.max_new_tokens) -> None:
+          max_new_tokens: int = InferSettings.max_new_tokens, compile: bool = InferSettings.compile) -> None:
     """Load ``model`` and serve it until interrupted."""
     try:
         import uvicorn
@@ -674,7 +674,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
         raise MissingPackageError('groundtune serve needs FastAPI and uvicorn: pip install "groundtune[serve]"') from None
     listening = _listen(host, port)  # before the model loads: a taken port is said at once
     prepare_decoding()
-    answering = Model(model, device, limits, max_new_tokens, Encoder)
+    answering = Model(model, device, limits, max_new_tokens, Encoder, compile)
     try:
         app = create_app(answering, model, limits, api_key)
         if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:

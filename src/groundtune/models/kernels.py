@@ -9,11 +9,13 @@ Always on, where they apply (``fuse_lora_layers``, ``pad_vision_mlp``):
   intermediate is no multiple of 8, so cuBLAS falls back to slower kernels for all three of its
   matmuls); zero-padded to 3,424 the arithmetic is the same (the four extra columns are 0 in, 0 out).
 
-Optional, as settings of ``groundtune train``; both cut the launches of a step that is otherwise
-bound by them (field-notes, "Speed"; docs/benchmarks-history.md):
+Optional, as settings of ``groundtune train`` (and ``--compile`` of eval, predict and serve); both
+cut the launches and memory round trips of elementwise work (field-notes, "Speed";
+docs/benchmarks-history.md):
 
     kernels: none | liger | auto   # auto: liger-kernel when it is installed and the model is on a GPU
-    compile: false | true          # torch.compile each decoder layer (the first steps are slower)
+    compile: false | true          # torch.compile each vision block, and each decoder layer where
+                                   # liger-kernel does not run (the first steps are slower)
 
 liger-kernel is an extra (``pip install 'groundtune[gpu]'``): its kernels are Triton, GPU only.
 Without it, or on CPU, ``kernels=auto`` leaves transformers' modules as they are.
@@ -178,6 +180,17 @@ def apply_fused_kernels(model, mode: str) -> bool:
     # swiglu keeps liger's per-family default (on for Qwen2/2.5-VL, off for Qwen3-VL)
     patch(rope=True, rms_norm=True, cross_entropy=False, fused_linear_cross_entropy=False, model=base_model(model))
     return True
+
+
+def compile_vision_blocks(model, backend: str = "inductor") -> int:
+    """torch.compile every block of the vision tower, with dynamic shapes (patch counts vary from
+    batch to batch): its norms and rotary embedding (computed in fp32, as transformers writes them),
+    casts and residual adds fuse into a few kernels around the matmuls, which they outweighed in
+    the prefill's profile. Returns the number of blocks compiled."""
+    blocks = family_of(model).vision_block_list(model)
+    for block in blocks:
+        block.compile(dynamic=True, backend=backend)
+    return len(blocks)
 
 
 def compile_decoder_layers(model, backend: str = "inductor") -> int:

@@ -65,6 +65,7 @@ class Family:
     # Module paths, the same in the three families (transformers 5):
     vision_tower: str = "visual"  # model.visual: the vision tower, merger included
     decoder_layers: str = "language_model.layers"  # the LLM's decoder layers, each with self_attn and mlp
+    vision_blocks: str = "visual.blocks"  # the vision tower's transformer blocks
     lm_head: str = "lm_head"
     # apply_rotary_pos_emb_vision: the function of the modeling module our vision attention calls
     vision_rotary: str = "apply_rotary_pos_emb_vision"
@@ -117,10 +118,17 @@ class Family:
 
     def decoder_layer_list(self, model) -> torch.nn.ModuleList:
         """The LLM's decoder layers of ``model`` (a PEFT wrapper included)."""
+        return self._module_list(model, self.decoder_layers)
+
+    def vision_block_list(self, model) -> torch.nn.ModuleList:
+        """The vision tower's blocks of ``model`` (a PEFT wrapper included)."""
+        return self._module_list(model, self.vision_blocks)
+
+    def _module_list(self, model, path: str) -> torch.nn.ModuleList:
         for name, module in model.named_modules():
-            if name.endswith(self.decoder_layers) and isinstance(module, torch.nn.ModuleList):
+            if name.endswith(path) and isinstance(module, torch.nn.ModuleList):
                 return module
-        raise ModelError(f"no {self.decoder_layers} in this model; is it a {self.name} model?")
+        raise ModelError(f"no {path} in this model; is it a {self.name} model?")
 
     def build_config(self, token_ids: dict[str, int], text: dict, vision: dict, tie_word_embeddings: bool):
         """A transformers config of this family: ``text``/``vision`` give the sizes, ``token_ids`` the

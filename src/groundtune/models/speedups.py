@@ -1,14 +1,14 @@
 """Every speed-up that replaces part of transformers' or peft's code, installed by ONE explicit call
 on a model (nothing is patched when a groundtune module is imported or a model is loaded):
 
-    speedups.install(model)                                         # eval, predict, serve
-    speedups.install(model, kernels=cfg.kernels, compile=cfg.compile)  # training, after LoRA is added
+    speedups.install(model, "auto", compile=compile, compile_layers=False)  # eval, predict, serve
+    speedups.install(model, cfg.kernels, compile=cfg.compile)               # training, after LoRA is added
 
 What it installs (each tested equal to the library's own computation):
 - models/attention.py: the vision tower's attention as one variable-length call per layer, and the
   language model's attention within each sample of a packed row;
 - models/kernels.py: the vision MLP at an aligned width (the families that need it), LoRA layers
-  as one fused function, and optionally liger-kernel's fused kernels or torch.compile.
+  as one fused function, and optionally liger-kernel's fused kernels and torch.compile.
 
 These replace the forward of classes transformers defines, so they depend on those classes' names,
 fields and signatures. ``install`` refuses a transformers version outside TESTED_TRANSFORMERS, and
@@ -65,10 +65,14 @@ def check_family_code(family) -> None:
             f"no longer takes {', '.join(VISION_ATTENTION_ARGS)}; groundtune's vision attention cannot replace it")
 
 
-def install(model, kernels_mode: str = "none", compile: bool = False, say=None) -> dict[str, int]:
+def install(model, kernels_mode: str = "none", compile: bool = False, compile_layers: bool = True,
+            say=None) -> dict[str, int]:
     """Install the speed-ups on ``model`` (a Qwen-VL model, or the PEFT model to train); returns
     how many layers each replaced. ``kernels_mode``/``compile``: the training settings of the
-    same names. ``say`` reports the optional ones (liger-kernel, compile) when given."""
+    same names: ``compile`` compiles the vision blocks, and the decoder layers where liger-kernel
+    does not run and ``compile_layers`` (generation keeps them as they are: its decode step
+    attends through the engine's cache by layer index, which compiled layers would recompile
+    for). ``say`` reports the optional ones (liger-kernel, compile) when given."""
     check_transformers()
     family = family_of(model)
     check_family_code(family)
@@ -77,10 +81,17 @@ def install(model, kernels_mode: str = "none", compile: bool = False, say=None) 
         "padded_vision_mlp": kernels.pad_vision_mlp(model, family.padded_vision_mlp),
         "fused_lora": kernels.fuse_lora_layers(model),
     }
-    if kernels.apply_fused_kernels(model, kernels_mode) and say is not None:
+    fused = kernels.apply_fused_kernels(model, kernels_mode)
+    if fused and say is not None:
         say("kernels: liger-kernel's fused RMSNorm, SwiGLU and M-RoPE")
     if compile:
-        counts["compiled_layers"] = kernels.compile_decoder_layers(model)
+        counts["compiled_vision_blocks"] = kernels.compile_vision_blocks(model)
+        # liger-kernel 0.8.5's Triton kernels do not build inside torch 2.11's compile: where they run,
+        # they fuse the language model's elementwise work, and its layers stay uncompiled
+        if compile_layers and not fused:
+            counts["compiled_layers"] = kernels.compile_decoder_layers(model)
         if say is not None:
-            say(f"kernels: {counts['compiled_layers']} decoder layers compiled (the first steps are slower)")
+            say(f"kernels: {counts['compiled_vision_blocks']} vision blocks"
+                + (f" and {counts['compiled_layers']} decoder layers" if "compiled_layers" in counts else "")
+                + " compiled (the first steps are slower)")
     return counts
