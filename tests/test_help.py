@@ -74,9 +74,9 @@ def test_every_setting_has_a_help():
 
 
 @pytest.mark.parametrize("argv, names", [
-    (["eval", "--model", "m", "--data", "d"], ["batch_size", "max_new_tokens", "device"]),
-    (["predict", "--model", "m"], ["batch_size", "max_new_tokens", "device"]),
-    (["serve", "--model", "m"], ["batch_size", "max_new_tokens", "device"]),
+    (["eval", "--model", "m", "--data", "d"], ["batch_size", "max_new_tokens", "device", "compile"]),
+    (["predict", "--model", "m"], ["batch_size", "max_new_tokens", "device", "compile"]),
+    (["serve", "--model", "m"], ["batch_size", "max_new_tokens", "device", "compile"]),
     (["data", "refgen", "--from", "coco", "--out", "x"], ["batch_size", "device"]),
 ])
 def test_the_commands_that_answer_take_their_flags_from_infer_settings(argv, names):
