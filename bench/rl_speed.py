@@ -30,13 +30,15 @@ import argparse
 import dataclasses
 import functools
 import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 from sft_speed import MODELS, make_refcoco_like
-from provenance import stamped
+from provenance import stamped, unstamped
 
 from groundtune import infer
 from groundtune.boxes import iou, parse_answer
@@ -145,51 +147,11 @@ def main() -> None:
     args = parser.parse_args()
     cfg = RLConfig(train_data="x", batch_size=args.prompts, group_size=args.group, max_new_tokens=args.new_tokens,
                    micro_batch=args.micro_batch, temperature=1.0)
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        data = make_refcoco_like(Path(tmp), args.prompts * (args.steps + 1))
-        samples = open_samples(str(data), 0)
-        for impl in args.impls.split(","):
-            gm = load_model(MODELS[args.model])  # no speed-up installed: transformers' own attention
-            model = adapt.add_lora(gm.model, cfg)
-            if impl == "plain":
-                model.gradient_checkpointing_enable()
-                model.enable_input_require_grads()
-            else:
-                adapt.checkpoint_last_layers(model, -1)
-                speedups.install(model)
-            adapt.keep_trainable_fp32(model)
-            gm = dataclasses.replace(gm, model=model)
-            if impl == "plain":
-                step = plain_step
-            elif impl == "groundtune-before":  # rollouts through transformers' generate, as before the engine
-                step = groundtune_step
-            else:  # the run's engine, as train/rl.py keeps it: prefill shared by each group, graph decode
-                step = functools.partial(groundtune_step, engine=infer.engine_for(gm))
-            # the update's vision pass once per row: the shared pass switched off for this variant only
-            qwen.shared_image_inputs = ((lambda core, inputs, image_of_row: inputs)
-                                        if impl == "groundtune-vision-per-row" else shared_images)
-            # the padded update (the vision-per-row variant's too): each answer's row carries its prompt
-            rl.SHARED_ANSWER_ROWS = impl not in ("groundtune-vision-per-row", "groundtune-padded-update")
-            times = []
-            for s in range(args.steps + 1):  # the first step warms up
-                pairs = [samples[i] for i in range(s * args.prompts, (s + 1) * args.prompts)]
-                t = step(gm, model, pairs, cfg)
-                if s:
-                    times.append(t)
-            mean = {k: sum(t[k] for t in times) / len(times) for k in times[0]}
-            total = mean["generate_s"] + mean["reward_s"] + mean["update_s"]
-            row = {"impl": impl, "model": args.model, "prompts": args.prompts, "group": args.group,
-                   "micro_batch": args.micro_batch,
-                   "new_tokens": args.new_tokens, **{k: round(v, 4) for k, v in mean.items()},
-                   "step_s": round(total, 4), "rollouts_per_s": round(args.prompts * args.group / total, 2),
-                   "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None}
-            results.append(row)
-            print(json.dumps(row), flush=True)
-            del gm, model, step  # the step holds the engine, which holds the model
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
+    impls = args.impls.split(",")
+    if len(impls) > 1:  # each in a process of its own: what one leaves on the GPU slowed the next by a third
+        results = [row for impl in impls for row in in_fresh_process(impl)]
+    else:
+        results = measure(impls[0], args, cfg)
     base = results[0]["step_s"]
     print(f"\n{'impl':12s}{'rollouts/s':>11s}{'generate':>10s}{'reward':>8s}{'update':>8s}{'x plain':>9s}")
     for r in results:
@@ -197,6 +159,68 @@ def main() -> None:
               f"{r['update_s']:8.3f}{base / r['step_s']:9.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps(stamped(results), indent=1) + "\n")
+
+
+def in_fresh_process(impl: str) -> list[dict]:
+    """This script's rows for one implementation, measured by a new process (the same arguments)."""
+    argv, skip = [], False
+    for arg in sys.argv[1:]:  # every argument but --impls and --out
+        if skip:
+            skip = False
+        elif arg in ("--impls", "--out"):
+            skip = True
+        elif not arg.startswith(("--impls=", "--out=")):
+            argv.append(arg)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        subprocess.run([sys.executable, __file__, *argv, "--impls", impl, "--out", str(out)])
+        if not out.exists():
+            return [{"impl": impl, "error": "no result", "step_s": float("nan"), "rollouts_per_s": float("nan"),
+                     "generate_s": float("nan"), "reward_s": float("nan"), "update_s": float("nan")}]
+        return unstamped(json.loads(out.read_text()))
+
+
+def measure(impl: str, args, cfg: RLConfig) -> list[dict]:
+    """One implementation's mean step over --steps steps (after one to warm up), in this process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        data = make_refcoco_like(Path(tmp), args.prompts * (args.steps + 1))
+        samples = open_samples(str(data), 0)
+        gm = load_model(MODELS[args.model])  # no speed-up installed: transformers' own attention
+        model = adapt.add_lora(gm.model, cfg)
+        if impl == "plain":
+            model.gradient_checkpointing_enable()
+            model.enable_input_require_grads()
+        else:
+            adapt.checkpoint_last_layers(model, -1)
+            speedups.install(model)
+        adapt.keep_trainable_fp32(model)
+        gm = dataclasses.replace(gm, model=model)
+        if impl == "plain":
+            step = plain_step
+        elif impl == "groundtune-before":  # rollouts through transformers' generate, as before the engine
+            step = groundtune_step
+        else:  # the run's engine, as train/rl.py keeps it: prefill shared by each group, graph decode
+            step = functools.partial(groundtune_step, engine=infer.engine_for(gm))
+        # the update's vision pass once per row: the shared pass switched off for this variant only
+        qwen.shared_image_inputs = ((lambda core, inputs, image_of_row: inputs)
+                                    if impl == "groundtune-vision-per-row" else shared_images)
+        # the padded update (the vision-per-row variant's too): each answer's row carries its prompt
+        rl.SHARED_ANSWER_ROWS = impl not in ("groundtune-vision-per-row", "groundtune-padded-update")
+        times = []
+        for s in range(args.steps + 1):  # the first step warms up
+            pairs = [samples[i] for i in range(s * args.prompts, (s + 1) * args.prompts)]
+            t = step(gm, model, pairs, cfg)
+            if s:
+                times.append(t)
+        mean = {k: sum(t[k] for t in times) / len(times) for k in times[0]}
+        total = mean["generate_s"] + mean["reward_s"] + mean["update_s"]
+        row = {"impl": impl, "model": args.model, "prompts": args.prompts, "group": args.group,
+               "micro_batch": args.micro_batch,
+               "new_tokens": args.new_tokens, **{k: round(v, 4) for k, v in mean.items()},
+               "step_s": round(total, 4), "rollouts_per_s": round(args.prompts * args.group / total, 2),
+               "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None}
+        print(json.dumps(row), flush=True)
+    return [row]
 
 
 if __name__ == "__main__":
