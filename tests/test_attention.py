@@ -158,6 +158,26 @@ def test_shared_prefixes_kernel_equals_the_fallback_on_the_gpu():
 
 
 @cuda_only
+def test_shared_prefixes_kernel_gradients_equal_the_fallbacks_on_the_gpu():
+    """An RL update's row of answers sharing their prompt (qwen.collate_answers) trains through the
+    kernel: its gradients reach the shared keys and values from every piece that reads them, as
+    the CPU fallback's do."""
+    torch.manual_seed(0)
+    layout = _shared_prefix_layout()
+    tensors = [torch.randn(1, 4, 115, 64), torch.randn(1, 2, 115, 64), torch.randn(1, 2, 115, 64)]
+    weight = torch.randn(1, 115, 4, 64)
+
+    def grads(device, dtype):
+        q, k, v = (t.to(device, dtype).requires_grad_() for t in tensors)
+        out, _ = layout.to(device).attend(0, q, k, v, scale=0.125)
+        (out.float() * weight.to(device)).sum().backward()
+        return [t.grad.float().cpu() for t in (q, k, v)]
+
+    for got, want in zip(grads("cuda", torch.bfloat16), grads("cpu", torch.float32)):
+        torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+
+
+@cuda_only
 def test_packed_training_loss_equals_the_padded_loss_on_the_gpu(any_family_model):
     from groundtune.config import TrainConfig
     from groundtune.data import synth
