@@ -474,7 +474,7 @@ def _is_preset(row: dict) -> bool:
     return ((row["model"], s["method"], s["batch_size"], s["grad_accum"], s.get("head", "text"), len(s["lora_targets"]),
              s["max_pixels"], s["gradient_checkpointing"]) in
             {("3b", "lora", 64, 1, "text", 2, PRESET_PIXELS, -1), ("7b", "lora", 16, 1, "text", 2, PRESET_PIXELS, -1),
-             ("7b", "qlora", 8, 2, "text", 2, PRESET_PIXELS, -1)})
+             ("7b", "qlora", 32, 1, "text", 2, PRESET_PIXELS, -1)})
 
 
 # ---------------------------------------------------------------------------------------------
