@@ -174,10 +174,11 @@ def test_rows_stop_at_their_own_end(tiny):
     assert all(tiny.processor.pad_token_id not in a for a in answers[1:])
 
 
-def test_records_come_back_in_their_order_from_worker_processes(tiny, tmp_path):
+def test_records_come_back_in_their_order_from_worker_processes(tiny, tmp_path, monkeypatch):
     """Answered largest image first, in two worker processes, the predictions come back in the
     file's order: equal to answering each record alone. Some images are asked several phrases,
-    lines apart in the file: encoded once, prefilled together, each answered as alone."""
+    lines apart in the file: encoded once, prefilled together, each answered as alone. Each next
+    batch is put in its row by the read-ahead thread; made by the engine instead, the same."""
     records = []
     for i, (w, h) in enumerate(SIZES):
         image, record = synth.make_sample(seed=4, index=i, width=w, height=h)
@@ -190,6 +191,9 @@ def test_records_come_back_in_their_order_from_worker_processes(tiny, tmp_path):
     in_workers = infer.predict_records(tiny, records, data, batch_size=4, max_new_tokens=12, workers=2)
     alone = [infer.predict_records(tiny, [r], data, batch_size=1, max_new_tokens=12, workers=0)[0] for r in records]
     assert in_workers == alone
+    monkeypatch.setattr(infer, "ROW_AHEAD", False)
+    assert infer.predict_records(tiny, records, data, batch_size=4, max_new_tokens=12, workers=2) == alone
+    monkeypatch.undo()
     assert len({p.raw for p in alone}) >= len(SIZES) - 1
     report, rows = evaluate.evaluate(tiny, records, data, batch_size=4, max_new_tokens=12, progress=False)
     assert [r["raw"] for r in rows] == [p.raw for p in alone]

@@ -405,8 +405,8 @@ class InferSettings:
     max_new_tokens: int = setting(MAX_NEW_TOKENS, "longest answer in tokens (greedy decoding; a longer one is cut "
                                                   "and usually unparsable)")
     device: str = setting("auto", "auto, cpu, cuda, cuda:1, ...")
-    compile: bool = setting(False, "torch.compile the vision tower on a GPU (nothing on a CPU): ~10 s more on the "
-                                   "first batches, then faster prefills (docs/eval-and-inference.md)")
+    compile: bool = setting(False, "torch.compile the vision tower on a GPU (nothing on a CPU): seconds more on the "
+                                   "first batch, then faster prefills (docs/eval-and-inference.md)")
 
 
 def _adapter_folder(model: str) -> Path | None:

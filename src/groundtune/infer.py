@@ -172,7 +172,8 @@ def load(name: str, device: str = InferSettings.device, min_pixels: int | None =
     where they can run: a decode step of the 3B at batch 64 is ~1,700 kernels, most of them the
     small elementwise ones of RMSNorm, M-RoPE and SwiGLU that those fuse. ``compile``: the vision
     tower compiled too, on a GPU (its fp32 norms, rotary embedding and casts were ~40% of the 3B's
-    prefill on an H200; compiled, eval answered 1.1x the samples a second, after ~10 s)."""
+    prefill on an H200; compiled, eval answered 1.02x and 1.11x the samples a second in two runs,
+    after 5-8 s of compiling)."""
     from groundtune.models import speedups
     from groundtune.models.loading import load_model, with_resize
 
@@ -256,7 +257,8 @@ def predict_records(gm, records: list[dict], data_path, batch_size: int = InferS
         worker_init_fn=ignore_stop_signals if workers else None,
     ))
     one_row = ROW_AHEAD and shares_prefixes(base_model(gm.model))
-    arriving = (_gathered(list(itertools.islice(items, len(runs))), one_row) for runs in batches)
+    pinned = gm.device.type == "cuda"
+    arriving = (_gathered(list(itertools.islice(items, len(runs))), one_row, pinned) for runs in batches)
     if workers and READ_AHEAD:  # a thread takes the next batch off the workers' queue while the GPU answers
         arriving = _read_ahead(arriving)
     if progress:
@@ -270,10 +272,11 @@ def predict_records(gm, records: list[dict], data_path, batch_size: int = InferS
     return predictions
 
 
-def _gathered(items: list[dict], one_row: bool) -> tuple[list[dict], list[tuple], list[int], qwen.SharedRow | None]:
+def _gathered(items: list[dict], one_row: bool,
+              pinned: bool) -> tuple[list[dict], list[tuple], list[int], qwen.SharedRow | None]:
     """One batch's items from the encoding processes -> its prompts, sizes, record indices and,
     for a model that takes them so (``one_row``), the prompts in one row (``qwen.collate_shared``;
-    on a GPU machine in page-locked memory)."""
+    ``pinned``: its pixels in page-locked memory, for a model on a GPU)."""
     encoded, sizes, indices = [], [], []
     for item in items:
         if "error" in item:
@@ -281,8 +284,7 @@ def _gathered(items: list[dict], one_row: bool) -> tuple[list[dict], list[tuple]
         encoded += item["encoded"]
         sizes += [item["sizes"]] * len(item["indices"])
         indices += item["indices"]
-    row = (qwen.collate_shared(encoded, qwen.image_groups(encoded), pinned=torch.cuda.is_available())
-           if one_row and encoded else None)
+    row = qwen.collate_shared(encoded, qwen.image_groups(encoded), pinned) if one_row and encoded else None
     return encoded, sizes, indices, row
 
 
@@ -471,7 +473,8 @@ def head_boxes(gm, encoded: list[dict], sizes: list[tuple], row: qwen.SharedRow 
     core = base_model(gm.model)
     layout, image_of_sample = contextlib.nullcontext(), None
     if shares_prefixes(core):
-        row = row or qwen.collate_shared(encoded, qwen.image_groups(encoded))
+        if row is None:
+            row = qwen.collate_shared(encoded, qwen.image_groups(encoded))
         batch, layout, image_of_sample = row.inputs, attached(row.layout.to(gm.device)), row.images
         query = torch.zeros(len(encoded), dtype=torch.long), torch.tensor(row.last)
     else:
