@@ -88,6 +88,16 @@ def test_a_packed_batch_is_refused_where_attention_would_cross_samples():
     assert torch.isfinite(answer_loss(gm.model, packed))
 
 
+def _two_prompts(gm) -> list[dict]:
+    """Two encoded prompts (no answer) of two images of different sizes, as RL samples answers to."""
+    prompts = []
+    for i, size in enumerate([(112, 112), (168, 84)]):
+        image, record = synth.make_sample(4, i, width=size[0], height=size[1])
+        prompts.append(qwen.encode(gm.processor, qwen.resize_image(image, gm.resize)[0],
+                                   qwen.prompt_text(gm.processor, record["phrase"], gm.prompt)))
+    return prompts
+
+
 def test_answers_to_one_image_share_its_vision_pass(any_family_model):
     """RL's update: G answers to each of two prompts. Telling answer_logprobs which rows show the
     same image runs each image through the vision tower once (where the family's features enter
@@ -100,10 +110,7 @@ def test_answers_to_one_image_share_its_vision_pass(any_family_model):
     model = adapt.prepare_for_training(gm.model, cfg)
     model.train()
     sequences, group = [], 3
-    for i, size in enumerate([(112, 112), (168, 84)]):
-        image, record = synth.make_sample(4, i, width=size[0], height=size[1])
-        prompt = qwen.encode(gm.processor, qwen.resize_image(image, gm.resize)[0],
-                             qwen.prompt_text(gm.processor, record["phrase"], gm.prompt))
+    for i, prompt in enumerate(_two_prompts(gm)):
         for g in range(group):  # answers of different lengths and tokens, as sampled ones are
             sequences.append(qwen.with_answer_ids(gm.processor, prompt, [300 + 7 * g + i, 301, 302][: 1 + g]))
     batch = qwen.collate(sequences, gm.processor.pad_token_id)
@@ -144,10 +151,7 @@ def test_answers_to_one_prompt_share_it_in_one_row(any_family_model):
     speedups.install(model)
     model.train()
     sequences, prompt_tokens = [], 0
-    for i, size in enumerate([(112, 112), (168, 84)]):
-        image, record = synth.make_sample(4, i, width=size[0], height=size[1])
-        prompt = qwen.encode(gm.processor, qwen.resize_image(image, gm.resize)[0],
-                             qwen.prompt_text(gm.processor, record["phrase"], gm.prompt))
+    for i, prompt in enumerate(_two_prompts(gm)):
         prompt_tokens += len(prompt["input_ids"])
         # answers of different lengths; the first two of each prompt begin alike
         for answer in ([300 + i, 301, 302], [300 + i, 301], [310 + i, 305, 306, 307]):
