@@ -407,8 +407,8 @@ def test_17_out_of_range_setting(corpus, case):
 
 def test_20_rl_with_a_train_only_setting(corpus):
     message = _refused(corpus.result("20-rl-packing"))
-    assert re.match(r"error: unknown setting\(s\) on the command line: packing; packing: the update runs on padded "
-                    r"micro-batches", message)
+    assert re.match(r"error: unknown setting\(s\) on the command line: packing; packing: the update puts the answers "
+                    r"to a prompt in one row itself", message)
     assert "groundtune rl --help" in message
     assert not corpus.out["20-rl-packing"].exists()
     _untouched(corpus)
