@@ -66,7 +66,7 @@ def profile_box_batch(gm, records: list[dict], data: Path, batch: int, repeats: 
     encoded, sizes = zip(*(encode(Image.open(image_path(r, data)).convert("RGB"), r["phrase"], r["id"])
                            for r in records[:batch]))
     core = adapt.base_model(gm.model)
-    row = qwen.collate_shared(list(encoded), qwen.image_groups(list(encoded)))
+    row = qwen.collate_shared(list(encoded))
     inputs = {k: v.to(gm.device) if isinstance(v, torch.Tensor) else v for k, v in row.inputs.items()}
     layout = row.layout.to(gm.device)
 

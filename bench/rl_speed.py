@@ -149,9 +149,9 @@ def main() -> None:
                    micro_batch=args.micro_batch, temperature=1.0)
     impls = args.impls.split(",")
     if len(impls) > 1:  # each in a process of its own: what one leaves on the GPU slowed the next by a third
-        results = [row for impl in impls for row in in_fresh_process(impl)]
+        results = [in_fresh_process(impl, args) for impl in impls]
     else:
-        results = measure(impls[0], args, cfg)
+        results = [measure(impls[0], args, cfg)]
     base = results[0]["step_s"]
     print(f"\n{'impl':12s}{'rollouts/s':>11s}{'generate':>10s}{'reward':>8s}{'update':>8s}{'x plain':>9s}")
     for r in results:
@@ -161,26 +161,20 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(stamped(results), indent=1) + "\n")
 
 
-def in_fresh_process(impl: str) -> list[dict]:
-    """This script's rows for one implementation, measured by a new process (the same arguments)."""
-    argv, skip = [], False
-    for arg in sys.argv[1:]:  # every argument but --impls and --out
-        if skip:
-            skip = False
-        elif arg in ("--impls", "--out"):
-            skip = True
-        elif not arg.startswith(("--impls=", "--out=")):
-            argv.append(arg)
+def in_fresh_process(impl: str, args) -> dict:
+    """One implementation's row, measured by a new process of this script with the same settings."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        subprocess.run([sys.executable, __file__, *argv, "--impls", impl, "--out", str(out)])
+        subprocess.run([sys.executable, __file__, "--model", args.model, "--prompts", str(args.prompts),
+                        "--group", str(args.group), "--new-tokens", str(args.new_tokens), "--steps", str(args.steps),
+                        "--micro-batch", str(args.micro_batch), "--impls", impl, "--out", str(out)])
         if not out.exists():
-            return [{"impl": impl, "error": "no result", "step_s": float("nan"), "rollouts_per_s": float("nan"),
-                     "generate_s": float("nan"), "reward_s": float("nan"), "update_s": float("nan")}]
-        return unstamped(json.loads(out.read_text()))
+            return {"impl": impl, "error": "no result", **dict.fromkeys(
+                ("step_s", "rollouts_per_s", "generate_s", "reward_s", "update_s"), float("nan"))}
+        return unstamped(json.loads(out.read_text()))[0]
 
 
-def measure(impl: str, args, cfg: RLConfig) -> list[dict]:
+def measure(impl: str, args, cfg: RLConfig) -> dict:
     """One implementation's mean step over --steps steps (after one to warm up), in this process."""
     with tempfile.TemporaryDirectory() as tmp:
         data = make_refcoco_like(Path(tmp), args.prompts * (args.steps + 1))
@@ -220,7 +214,7 @@ def measure(impl: str, args, cfg: RLConfig) -> list[dict]:
                "step_s": round(total, 4), "rollouts_per_s": round(args.prompts * args.group / total, 2),
                "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None}
         print(json.dumps(row), flush=True)
-    return [row]
+    return row
 
 
 if __name__ == "__main__":

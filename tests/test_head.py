@@ -141,7 +141,7 @@ def test_the_head_gives_each_sample_its_own_images_box_however_the_batch_is_laid
             hidden = core.model(**batch, use_cache=False).last_hidden_state
             tokens = head.image_tokens(batch, core.config)
             got.append(head.read(box_head, hidden, head.query_positions(batch), tokens))
-        row = qwen.collate_shared(encoded, qwen.image_groups(encoded))
+        row = qwen.collate_shared(encoded)
         assert row.images == [0, 1, 0] and len(row.inputs["image_grid_thw"]) == 2
         from groundtune.models.attention import attached
 

@@ -284,7 +284,7 @@ def _gathered(items: list[dict], one_row: bool,
         encoded += item["encoded"]
         sizes += [item["sizes"]] * len(item["indices"])
         indices += item["indices"]
-    row = qwen.collate_shared(encoded, qwen.image_groups(encoded), pinned) if one_row and encoded else None
+    row = qwen.collate_shared(encoded, pinned) if one_row and encoded else None
     return encoded, sizes, indices, row
 
 
@@ -474,7 +474,7 @@ def head_boxes(gm, encoded: list[dict], sizes: list[tuple], row: qwen.SharedRow 
     layout, image_of_sample = contextlib.nullcontext(), None
     if shares_prefixes(core):
         if row is None:
-            row = qwen.collate_shared(encoded, qwen.image_groups(encoded))
+            row = qwen.collate_shared(encoded)
         batch, layout, image_of_sample = row.inputs, attached(row.layout.to(gm.device)), row.images
         query = torch.zeros(len(encoded), dtype=torch.long), torch.tensor(row.last)
     else:

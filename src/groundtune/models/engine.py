@@ -211,7 +211,7 @@ class Engine:
         # 1. prefill, one packed row, the phrases asked of one image sharing its tokens
         # (qwen.collate_shared); each row's prompt columns come from its prompt's tokens, right-aligned
         if row is None:
-            row = qwen.collate_shared(prompts, qwen.image_groups(prompts))
+            row = qwen.collate_shared(prompts)
         # (pixels in page-locked memory are copied beside the host's work; the other tensors are small)
         packed = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                   for k, v in row.inputs.items()}

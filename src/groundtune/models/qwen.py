@@ -548,7 +548,7 @@ class SharedRow:
         return [positions[-1] for positions in self.tokens]
 
 
-def collate_shared(samples: list[dict[str, torch.Tensor]], groups: list[list[int]], pinned: bool = False) -> SharedRow:
+def collate_shared(samples: list[dict[str, torch.Tensor]], pinned: bool = False) -> SharedRow:
     """Prompts (no labels) in ONE row, as ``collate_packed`` puts them, except that the prompts of a
     group (``image_groups``: one image, several phrases) share the tokens they begin with: the
     system turn, the image, the words before the phrase. The row holds those once, then each
@@ -573,7 +573,7 @@ def collate_shared(samples: list[dict[str, torch.Tensor]], groups: list[list[int
         key_bounds.append(len(keys))
         return positions
 
-    for group in groups:
+    for group in image_groups(samples):
         shared = _shared_length([samples[i] for i in group])
         prefix = add(samples[group[0]], 0, shared, []) if shared else []
         for i in group:
@@ -611,7 +611,7 @@ def collate_answers(samples: list[dict[str, torch.Tensor]]) -> dict:
     ``train/objective.py`` reads in place of ``labels``: ``layout`` (the attention to attach),
     and for every labelled token, sample by sample, the row position whose state predicts it
     (``answer_index``), the token (``answer_targets``) and its sample (``answer_owner``)."""
-    row = collate_shared(samples, image_groups(samples))
+    row = collate_shared(samples)
     index, targets, owner = [], [], []
     for i, (sample, positions) in enumerate(zip(samples, row.tokens)):
         following = sample["labels"][1:]  # the state at token t predicts token t + 1
