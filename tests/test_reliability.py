@@ -124,6 +124,35 @@ def test_sigterm_to_the_process_group_saves_and_exits_0(data, tmp_path):
     assert not (run / ckpt.LOCK).exists()
 
 
+def test_a_program_that_keeps_a_failed_predictions_error_still_exits(data, tmp_path):
+    """The encoding workers leave the group's SIGTERM to the main process (above), but not their
+    own main process's: that is how Python ends them at exit. A program that keeps the error of a
+    batch that failed holds its loader, workers alive, until exit; deaf workers made that exit
+    wait for them forever."""
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    program = f"""
+from groundtune import infer
+records = [{{"image": "{data.parent / 'images' / 'train-0000000.png'}", "phrase": "the shape"}}] * 3
+records += [{{"image": "bad.png", "phrase": "the cat"}}]
+try:
+    infer.predict_records(infer.load("tiny", device="cpu"), records, "{tmp_path / 'val.jsonl'}", batch_size=2,
+                          max_new_tokens=4, workers=2)
+except infer.DataError as error:
+    kept = error
+    print("failed:", kept)
+"""
+    assert (data.parent / "images" / "train-0000000.png").exists()
+    proc = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the program did not exit: its workers ignored their main process's SIGTERM at exit")
+    assert proc.returncode == 0, out
+    assert "failed:" in out and "bad.png" in out
+
+
 def test_one_writer_per_run_folder(data, tmp_path):
     run = tmp_path / "busy"
     first = _start(_new(data, run)[:-5] + ["max_steps=100000", "save_every=0", "log_every=1", "warmup_steps=0",

@@ -13,7 +13,10 @@ disk and no sample repeats, so pre-training is never bounded by how many PNGs we
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -117,6 +120,19 @@ class ResumableBatches(torch.utils.data.Sampler):
 def ignore_stop_signals(worker_id: int) -> None:
     """A worker leaves SIGINT and SIGTERM to the main process: `timeout`, systemd and Slurm signal the
     whole process group, and a worker that died first would cost a run its final checkpoint (or an
-    eval in the middle of one)."""
+    eval in the middle of one). A SIGTERM from the process that started the worker is still obeyed:
+    that is how Python ends daemonic workers when the main process exits, and a worker deaf to it
+    keeps the main process waiting for it forever (a loader still open at exit)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Python's handlers do not see who sent a signal; a thread waiting for SIGTERM, blocked
+    # everywhere else, does (the worker's other threads start after this and inherit the mask).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    starter = multiprocessing.parent_process()
+    threading.Thread(target=_obey_sigterm_from, args=(starter.pid if starter else os.getppid(),),
+                     daemon=True, name="sigterm-from-parent").start()
+
+
+def _obey_sigterm_from(parent: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            os._exit(128 + signal.SIGTERM)  # as the signal's default action would have ended it
