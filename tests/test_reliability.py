@@ -153,6 +153,36 @@ except infer.DataError as error:
     assert "failed:" in out and "bad.png" in out
 
 
+def test_loader_workers_leave_the_groups_sigterm_but_not_their_own_processes():
+    """The contract of every loader worker groundtune starts (training's, prediction's, the
+    server's encoders), without a model: a SIGTERM to the whole process group leaves them serving
+    the main process, and a program that still holds a loader when it ends exits."""
+    program = """
+import signal, time, torch
+from groundtune.data.samples import ignore_stop_signals
+signalled = []
+signal.signal(signal.SIGTERM, lambda *_: signalled.append(1))
+loader = iter(torch.utils.data.DataLoader(range(1000), batch_size=None, num_workers=2,
+                                          worker_init_fn=ignore_stop_signals))
+print("served", next(loader), next(loader), flush=True)  # one item from each worker: both have started
+while not signalled:
+    time.sleep(0.02)
+time.sleep(0.5)
+print("after the group's SIGTERM", next(loader), all(w.is_alive() for w in loader._workers), flush=True)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline() == "served 0 1\n"
+        os.killpg(proc.pid, signal.SIGTERM)  # sent by this process, as `timeout` or a scheduler would
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the program did not exit: its workers ignored their main process's SIGTERM at exit")
+    assert proc.returncode == 0, out
+    assert "after the group's SIGTERM 2 True" in out
+
+
 def test_one_writer_per_run_folder(data, tmp_path):
     run = tmp_path / "busy"
     first = _start(_new(data, run)[:-5] + ["max_steps=100000", "save_every=0", "log_every=1", "warmup_steps=0",

@@ -265,10 +265,15 @@ def predict_records(gm, records: list[dict], data_path, batch_size: int = InferS
         arriving = track(arriving, f"{progress} ({batch_size}/batch)", total=len(batches))
     answering, decoding = engine_for(gm), Decoding.greedy(max_new_tokens)
     predictions: list[Prediction | None] = [None] * len(records)
-    for encoded, sizes, indices, row in arriving:
-        answers = generate(gm, encoded, sizes, decoding, engine=answering, row=row)
-        for index, (_, prediction) in zip(indices, answers):
-            predictions[index] = prediction
+    try:
+        for encoded, sizes, indices, row in arriving:
+            answers = generate(gm, encoded, sizes, decoding, engine=answering, row=row)
+            for index, (_, prediction) in zip(indices, answers):
+                predictions[index] = prediction
+    finally:
+        # A failure's traceback keeps this frame, and through it the loader and its encoding
+        # processes, until the garbage collector finds it; letting go of them here ends them now.
+        del arriving, items
     return predictions
 
 
