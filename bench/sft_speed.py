@@ -5,6 +5,7 @@ batches: the naive transformers + PEFT stack against `groundtune train`'s own st
     python bench/sft_speed.py --models 3b --variants naive,preset:qwen2.5-vl-3b-lora-24gb --profile 1
     python bench/sft_speed.py --models tiny --steps 4          # CPU smoke test of this script
     python bench/sft_speed.py --models 3b --variants trl,preset:qwen2.5-vl-3b-lora-24gb     # against TRL
+    python bench/sft_speed.py --models 3b --variants swift,trl,preset:qwen2.5-vl-3b-lora-24gb --peer-site /tmp/swift
     python bench/sft_speed.py --models 3b --variants P,P@ddp,P@fsdp2,P@zero2,P   # P: preset:qwen2.5-vl-3b-lora-24gb
 
 Data: one image per sample, sizes drawn around COCO's 640x480 with varied aspect ratios, the
@@ -20,6 +21,10 @@ first losses must agree within bf16 noise: the objective is the same, only the s
 - trl, trl:BATCH: TRL's SFTTrainer by its documented VLM recipe at its best 24 GiB setting
   (batch 32, checkpointing, liger-kernel where installed; `trl_sft` says what it cannot do);
   needs trl, datasets and torchvision (transformers' Qwen-VL processor builds a video part).
+- swift, swift:BATCH: ms-swift's `swift sft` (its own entry point; bench/peer_swift.py adds a step
+  timer) by its documented Qwen2.5-VL LoRA recipe at BATCH (32 by default; `swift_sft` says what it
+  cannot do); ms-swift pins datasets and trl releases other than groundtune's, so it runs with
+  --peer-site DIR first on its PYTHONPATH (`pip install --target DIR ms-swift qwen_vl_utils`).
 - preset:NAME: the same with a shipped preset's batch, recomputation, packing and kernel settings.
   A QLoRA preset first writes the random architecture to disk and trains from that folder: the
   4-bit base is made by from_pretrained, as from a user's weights (bitsandbytes needed).
@@ -45,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -224,6 +230,23 @@ def naive(model_name: str, data: Path, steps: int, batch_size: int = 4) -> dict:
     return result
 
 
+def _conversations(view, data: Path, indices) -> list[tuple[Image.Image, str, str]]:
+    """Samples ``indices`` as a peer trains on them: (the image resized as groundtune resizes it, so
+    the peer's processor leaves its size alone; the user's words; the answer groundtune trains on)."""
+    from groundtune import boxes
+    from groundtune.data.records import sample_boxes
+
+    samples = open_samples(str(data), 0)
+    conversations = []
+    for index in indices:
+        image, sample = samples[index]
+        resized, size = qwen.resize_image(image, view.resize)
+        answer = qwen.PhraseText.written(
+            lambda label: boxes.format_target(sample_boxes(sample), label, view.family, image.size, size), sample["phrase"])
+        conversations.append((resized, view.prompt.format(phrase=sample["phrase"]), str(answer)))
+    return conversations
+
+
 def trl_sft(model_name: str, data: Path, steps: int, batch_size: int = 32) -> dict:
     """TRL's SFTTrainer by its documented VLM recipe, at its best setting measured in 24 GiB (batch 32;
     64 runs out of memory): prompt-completion conversations with the image, loss on the completion
@@ -232,28 +255,17 @@ def trl_sft(model_name: str, data: Path, steps: int, batch_size: int = 32) -> di
     samples, resized as groundtune resizes them (TRL's processor then leaves their size alone) and
     with the same answers; the same LoRA init seed. Needs trl, datasets and a processor transformers
     can build (AutoProcessor: torchvision for the video part)."""
-    import importlib.util
-
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoProcessor, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from groundtune import boxes
-    from groundtune.data.records import sample_boxes
-
     gm, view = load_model(model_name), _data_view(model_name)
-    samples = open_samples(str(data), 0)
-    rows = []
-    for index in range(min(len(samples), batch_size * (steps + 1))):
-        image, sample = samples[index]
-        resized, size = qwen.resize_image(image, view.resize)
-        answer = qwen.PhraseText.written(
-            lambda label: boxes.format_target(sample_boxes(sample), label, gm.family, image.size, size), sample["phrase"])
-        rows.append({"images": [resized],
-                     "prompt": [{"role": "user", "content": [{"type": "image"},
-                                                             {"type": "text", "text": view.prompt.format(phrase=sample["phrase"])}]}],
-                     "completion": [{"role": "assistant", "content": [{"type": "text", "text": str(answer)}]}]})
+    rows = [{"images": [resized],
+             "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}],
+             "completion": [{"role": "assistant", "content": [{"type": "text", "text": answer}]}]}
+            for resized, prompt, answer in _conversations(view, data, range(min(len(open_samples(str(data), 0)),
+                                                                                batch_size * (steps + 1))))]
     processor = AutoProcessor.from_pretrained(TINY_DIR)  # the tokenizer the random architectures speak
     processor.image_processor.max_pixels = processor.image_processor.size["longest_edge"] = view.resize.max_pixels
     cuda = torch.cuda.is_available()
@@ -286,6 +298,67 @@ def trl_sft(model_name: str, data: Path, steps: int, batch_size: int = 32) -> di
                 "liger": config.use_liger_kernel}
     return _result("trl", parameter_counts(adapt.base_model(trainer.model)), batches, batch_size,
                    statistics.median(times[2:] or times), losses, settings)
+
+
+def swift_sft(model_name: str, data: Path, steps: int, batch_size: int = 32, peer_site: str | None = None,
+              cap_gib: float = 24.0) -> dict:
+    """ms-swift's `swift sft` by its documented Qwen2.5-VL LoRA recipe (messages + images JSONL,
+    `--freeze_vit true --target_modules all-linear`, gradient checkpointing, liger-kernel and bf16 on
+    a GPU, its own data loader with 8 workers) at the batch given, with groundtune's LoRA rank and
+    alpha, learning rate and clipping so the objective is the same. No packing or padding-free: ms-swift
+    refuses both without a flash-attn build (`--attn_impl flash_attn`), which the measuring machine
+    lacks; SDPA then. The prompt is groundtune's: no system turn (the tiny model's template, which the
+    random architectures speak, has none; ms-swift's would add one). The random architecture is written to
+    disk first (ms-swift loads a model by path); the same samples, resized as groundtune resizes them
+    and saved as JPEG (quality 95), with the same answers. Runs bench/peer_swift.py in a process whose
+    PYTHONPATH starts with ``peer_site`` (ms-swift and the datasets/trl it pins)."""
+    import os
+
+    view = _data_view(model_name)
+    cuda = torch.cuda.is_available()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        folder, counts = _saved_weights(model_name, tmp / "run")
+        folder = str(Path(folder) / "model")  # where a run keeps its model: config, weights, processor
+        (tmp / "images").mkdir()
+        lines = []
+        # groundtune's order (seed 0), unshuffled by ms-swift: the same samples in each step as groundtune's
+        order = iter(ResumableBatches(len(open_samples(str(data), 0)), batch_size, 0))
+        indices = [index for _ in range(steps) for index, _ in next(order)]
+        for index, (resized, prompt, answer) in enumerate(_conversations(view, data, indices)):
+            image = tmp / "images" / f"{index:06d}.jpg"
+            resized.convert("RGB").save(image, quality=95)
+            lines.append(json.dumps({"messages": [{"role": "user", "content": "<image>" + prompt},
+                                                  {"role": "assistant", "content": answer}], "images": [str(image)]}))
+        (tmp / "train.jsonl").write_text("\n".join(lines) + "\n")
+        liger = cuda and importlib.util.find_spec("liger_kernel") is not None
+        # --system "": no system turn, as in the tiny model's chat template, which groundtune's runs use
+        settings = ["--model", folder, "--model_type", "qwen2_5_vl", "--template", "qwen2_5_vl", "--system", "",
+                    "--check_model", "false",
+                    "--dataset", str(tmp / "train.jsonl"), "--split_dataset_ratio", "0", "--dataset_shuffle", "false",
+                    "--train_dataloader_shuffle", "false",
+                    "--tuner_type", "lora", "--target_modules", "all-linear", "--freeze_vit", "true",
+                    "--lora_rank", "16", "--lora_alpha", "32", "--lora_dropout", "0",
+                    "--per_device_train_batch_size", str(batch_size), "--gradient_accumulation_steps", "1",
+                    "--gradient_checkpointing", "true", "--max_steps", str(steps), "--learning_rate", str(LR),
+                    "--lr_scheduler_type", "constant", "--warmup_ratio", "0", "--adam_beta2", "0.95",
+                    "--max_grad_norm", "1.0", "--torch_dtype", "bfloat16" if cuda else "float32",
+                    "--attn_impl", "sdpa", "--use_liger_kernel", str(liger).lower(),
+                    "--dataloader_num_workers", "8" if cuda else "0", "--logging_steps", "1", "--save_strategy", "no",
+                    "--report_to", "none", "--seed", "0", "--data_seed", "0", "--output_dir", str(tmp / "out")]
+        # ms-swift sizes images by these (qwen_vl_utils' smart_resize): groundtune's budget leaves them as made
+        env = dict(os.environ, MAX_PIXELS=str(view.resize.max_pixels), MIN_PIXELS=str(view.resize.min_pixels),
+                   PYTHONPATH=os.pathsep.join(p for p in (peer_site, os.environ.get("PYTHONPATH")) if p))
+        times = tmp / "times.json"
+        subprocess.run([sys.executable, str(Path(__file__).with_name("peer_swift.py")), "--out", str(times),
+                        "--cap-gib", str(cap_gib), "--", *settings], env=env, check=True)
+        measured = json.loads(times.read_text())
+    batches = _batches(view, data, batch_size, min(steps, 4))
+    settings = {"batch_size": batch_size, "gradient_checkpointing": "all (transformers)", "peer": "ms-swift",
+                "liger": liger, "attention": "sdpa (padding-free and packing need flash-attn)"}
+    step_s = measured["step_s"]
+    return dict(_result("swift", counts, batches, batch_size, statistics.median(step_s[2:] or step_s),
+                        measured["losses"], settings), peak_gib=measured["peak_gib"])
 
 
 def groundtune_step(name: str, model_name: str, data: Path, steps: int, settings: dict,
@@ -440,7 +513,8 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def measure(key: str, variant: str, data: Path, steps: int, profile_steps: int = 0) -> dict:
+def measure(key: str, variant: str, data: Path, steps: int, profile_steps: int = 0, peer_site: str | None = None,
+            cap_gib: float = 24.0) -> dict:
     """One variant, in this process; a failure is a result, not the end of the run."""
     import traceback
 
@@ -450,6 +524,9 @@ def measure(key: str, variant: str, data: Path, steps: int, profile_steps: int =
             r = naive(MODELS[key], data, steps)
         elif variant.startswith("trl"):  # trl or trl:BATCH
             r = dict(trl_sft(MODELS[key], data, steps, int(variant.partition(":")[2] or 32)), variant=variant)
+        elif variant.startswith("swift"):  # swift or swift:BATCH
+            r = dict(swift_sft(MODELS[key], data, steps, int(variant.partition(":")[2] or 32), peer_site, cap_gib),
+                     variant=variant)
         else:
             r = groundtune_step(variant, MODELS[key], data, steps, variant_settings(variant), profile_steps)
     except torch.OutOfMemoryError:
@@ -473,6 +550,7 @@ def measure_in_fresh_process(key: str, variant: str, data: Path, args) -> list[d
         cmd = ([*launch, __file__, "--in-process", "--models", key, "--variants", variant,
                "--steps", str(args.steps), "--samples", str(args.samples), "--cap-gib", str(args.cap_gib),
                "--no-loader", "--data", str(data), "--out", str(out), "--profile", str(args.profile)]
+               + (["--peer-site", args.peer_site] if args.peer_site else [])
                + (["--ladder"] if variant == "" else []))
         try:
             rc = subprocess.run(cmd, timeout=args.variant_timeout).returncode
@@ -498,6 +576,8 @@ def main() -> None:
     parser.add_argument("--in-process", action="store_true", help="measure here, not one process per variant")
     parser.add_argument("--data", help="samples made by an earlier run (train.jsonl) instead of new ones")
     parser.add_argument("--profile", type=int, default=0, help="profile this many steps of each groundtune variant")
+    parser.add_argument("--peer-site", help="a folder put first on the swift variant's PYTHONPATH: ms-swift with the "
+                        "datasets and trl releases it pins, installed there (pip install --target)")
     parser.add_argument("--out")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
@@ -513,7 +593,7 @@ def main() -> None:
                 if not args.in_process:
                     rows = measure_in_fresh_process(key, variant, data, args)
                 elif variant:
-                    rows = [measure(key, variant, data, args.steps, args.profile)]
+                    rows = [measure(key, variant, data, args.steps, args.profile, args.peer_site, args.cap_gib)]
                 else:
                     rows = [dict(r, model=key) for r in step_ladder(MODELS[key], data)]
                 results += rows
