@@ -2,13 +2,17 @@
 # The README's headline GPU figures, each bench writing its JSON (stamped by bench/provenance.py)
 # into OUT: Qwen2.5-VL-3B's real architecture, random weights, one GPU capped at 24 GiB.
 #
-#   bash bench/headline_gpu.sh train OUT     # SFT preset against the plain loop; RL step against plain RL
+#   bash bench/headline_gpu.sh train OUT     # SFT preset against the plain loop (and compiled); RL step
+#                                            # against plain RL and the padded update; 7B QLoRA against LoRA
 #   bash bench/headline_gpu.sh infer OUT     # eval (engine against plain generate); box head against text
+#   PEER_SITE=DIR bash bench/headline_gpu.sh peers OUT   # the 3B preset against TRL and ms-swift
+#   bash bench/headline_gpu.sh checks OUT    # the tests that need a GPU (kernels, graphs, 4-bit bases)
 #
-# Two stages, each well inside ten minutes on an H200. On a machine that has the tree without its
-# git history, set BENCH_COMMIT (and BENCH_DIRTY=1 if the tree differed) where the copy was made.
+# Each stage inside ten minutes on an H200. On a machine that has the tree without its git history,
+# set BENCH_COMMIT (and BENCH_DIRTY=1 if the tree differed) where the copy was made. PEER_SITE: a
+# folder holding ms-swift and the datasets/trl it pins (BENCHMARKS.md, "Peers, side by side").
 set -euo pipefail
-stage=${1:?train or infer}
+stage=${1:?train, infer, peers or checks}
 out=${2:?an output folder}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -16,13 +20,26 @@ export PYTHONUNBUFFERED=1
 case "$stage" in
   train)
     python bench/sft_speed.py --models 3b --steps 12 --no-loader \
-      --variants naive,preset:qwen2.5-vl-3b-lora-24gb --out "$out/sft_speed_3b.json"
-    python bench/rl_speed.py --model 3b --steps 3 --impls plain,groundtune --out "$out/rl_speed_3b.json"
+      --variants naive,preset:qwen2.5-vl-3b-lora-24gb,preset:qwen2.5-vl-3b-lora-24gb+compile=true \
+      --out "$out/sft_speed_3b.json"
+    python bench/rl_speed.py --model 3b --steps 3 --micro-batch 32 --impls plain,groundtune-padded-update,groundtune \
+      --out "$out/rl_speed_3b.json"
+    python bench/sft_speed.py --models 7b --steps 12 --no-loader \
+      --variants preset:qwen2.5-vl-7b-lora-24gb,preset:qwen2.5-vl-7b-qlora --out "$out/sft_speed_7b_qlora.json"
     ;;
   infer)
     python bench/eval_speed.py --models 3b --samples 256 --small-batch-too "" --engine-batches "" --no-natural \
       --out "$out/eval_speed_3b.json"
     python bench/head_speed.py --models 3b --samples 1024 --out "$out/head_speed_3b.json"
     ;;
-  *) echo "stage: train or infer" >&2; exit 2 ;;
+  peers)
+    python bench/sft_speed.py --models 3b --steps 6 --no-loader \
+      --variants preset:qwen2.5-vl-3b-lora-24gb,trl,swift --peer-site "${PEER_SITE:?a folder holding ms-swift}" \
+      --out "$out/sft_peers_3b.json"
+    ;;
+  checks)
+    python -m pytest -q -rs tests/test_attention.py tests/test_engine.py tests/test_train.py -k "gpu or graph or captured or 4bit or qlora" \
+      --junitxml "$out/gpu_tests.xml"
+    ;;
+  *) echo "stage: train, infer, peers or checks" >&2; exit 2 ;;
 esac
