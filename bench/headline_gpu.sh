@@ -22,7 +22,7 @@ case "$stage" in
     python bench/sft_speed.py --models 3b --steps 12 --no-loader \
       --variants naive,preset:qwen2.5-vl-3b-lora-24gb,preset:qwen2.5-vl-3b-lora-24gb+compile=true \
       --out "$out/sft_speed_3b.json"
-    python bench/rl_speed.py --model 3b --steps 3 --micro-batch 32 --impls plain,groundtune-padded-update,groundtune \
+    python bench/rl_speed.py --model 3b --steps 3 --impls plain,groundtune-padded-update,groundtune \
       --out "$out/rl_speed_3b.json"
     python bench/sft_speed.py --models 7b --steps 12 --no-loader \
       --variants preset:qwen2.5-vl-7b-lora-24gb,preset:qwen2.5-vl-7b-qlora --out "$out/sft_speed_7b_qlora.json"

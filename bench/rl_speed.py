@@ -142,7 +142,9 @@ def main() -> None:
                         help="plain, groundtune-before (rollouts by transformers' generate), groundtune (the engine), "
                              "groundtune-vision-per-row (the update without its shared vision pass), "
                              "groundtune-padded-update (the update on padded rows, as before the shared row)")
-    parser.add_argument("--micro-batch", type=int, default=8, help="answers per forward/backward pass of the update")
+    parser.add_argument("--micro-batch", type=int, default=RLConfig.micro_batch,
+                        help="answers per forward/backward pass of the update (groundtune rl's default)")
+    parser.add_argument("--cap-gib", type=float, default=24.0, help="GPU memory cap (a 24 GB card)")
     parser.add_argument("--out")
     args = parser.parse_args()
     cfg = RLConfig(train_data="x", batch_size=args.prompts, group_size=args.group, max_new_tokens=args.new_tokens,
@@ -151,6 +153,9 @@ def main() -> None:
     if len(impls) > 1:  # each in a process of its own: what one leaves on the GPU slowed the next by a third
         results = [in_fresh_process(impl, args) for impl in impls]
     else:
+        if torch.cuda.is_available():  # only the measuring process touches the GPU
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
         results = [measure(impls[0], args, cfg)]
     base = results[0]["step_s"]
     print(f"\n{'impl':12s}{'rollouts/s':>11s}{'generate':>10s}{'reward':>8s}{'update':>8s}{'x plain':>9s}")
@@ -167,7 +172,8 @@ def in_fresh_process(impl: str, args) -> dict:
         out = Path(tmp) / "rows.json"
         subprocess.run([sys.executable, __file__, "--model", args.model, "--prompts", str(args.prompts),
                         "--group", str(args.group), "--new-tokens", str(args.new_tokens), "--steps", str(args.steps),
-                        "--micro-batch", str(args.micro_batch), "--impls", impl, "--out", str(out)])
+                        "--micro-batch", str(args.micro_batch), "--cap-gib", str(args.cap_gib), "--impls", impl,
+                        "--out", str(out)])
         if not out.exists():
             return {"impl": impl, "error": "no result", **dict.fromkeys(
                 ("step_s", "rollouts_per_s", "generate_s", "reward_s", "update_s"), float("nan"))}
