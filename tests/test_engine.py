@@ -252,3 +252,35 @@ def test_captured_steps_dropped_for_room_are_captured_again(monkeypatch):
         again = engine.generate(encoded, 8, decoding.choose)  # and the first shape again, captured anew
     assert list(engine.steps) == [(8, 256)] and all(step.graph is not None for step in engine.steps.values())
     assert again == first and fewer == first[:2]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a GPU"))])
+def test_finished_rows_leave_a_greedy_batch_with_or_without_graphs(device, monkeypatch):
+    """Greedy rows that have answered leave the batch once at most half are still answering (on a
+    GPU into the captured step of the next power of two): each answer is the one it is when every
+    row runs to the end. A share of the vocabulary made to end answers scatters the rows' ends."""
+    from groundtune.models.engine import Engine
+
+    gm = _model("tiny") if device == "cpu" else load_model("tiny", device="cuda", dtype="fp32")
+    if device == "cuda":
+        _scramble(gm.model)
+        speedups.install(gm.model)
+    encoded, _ = _batch(gm)
+    encoded = encoded + encoded[::-1] + encoded[:4]  # 16 rows: room to halve twice
+    vocab = gm.model.get_output_embeddings().out_features
+    engine = Engine(gm.model, gm.processor.pad_token_id, list(range(3, vocab, 9)) + gm.processor.eos_token_ids)
+    greedy = infer.Decoding.greedy(32)
+    widths = []
+    compacted = engine._compacted
+    monkeypatch.setattr(engine, "_compacted", lambda step, keep, *rest: (
+        widths.append((step.cache.keys[0].shape[0], len(keep))), compacted(step, keep, *rest))[1])
+    full = engine.generate(encoded, 32, greedy.choose)
+    assert widths == []  # without compact, every row runs to the end
+    ours = engine.generate(encoded, 32, greedy.choose, compact=True)
+    assert ours == full
+    assert len(widths) >= 2 and all(kept <= width // 2 for width, kept in widths), widths
+    ends = {infer.answer_length(ids, gm.processor) for ids in full}
+    assert len(ends) >= 4  # the rows end at many steps: the check has teeth
+    if device == "cuda":
+        assert all(step.graph is not None for step in engine.steps.values())

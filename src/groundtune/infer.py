@@ -453,7 +453,7 @@ def generate(gm, encoded: list[dict], sizes: list[tuple], decoding: Decoding, nu
     with evaluating(gm.model):
         if engine is not None:
             answers = engine.generate(encoded, decoding.max_new_tokens, decoding.choose, num_samples,
-                                      row if num_samples == 1 else None)
+                                      row if num_samples == 1 else None, compact=not decoding.do_sample)
         else:
             answers = plain_generate(gm, encoded, decoding, num_samples)
     results = []

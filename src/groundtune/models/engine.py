@@ -18,6 +18,10 @@ Here one batch goes:
    one launch instead of ~500. Elsewhere it runs as is, with the same tensors.
 3. finished rows stay in the batch with their tokens replaced by padding (as ``generate`` does);
    the loop ends when every row has finished (checked every few steps: a check waits for the GPU).
+   Where a row's next token depends on its own logits only (greedy: ``compact``), a check that
+   finds at most half the rows still answering moves those rows' cache into a step of half the
+   rows or fewer (their power of two on a GPU), so a batch does not run to its longest answer at
+   its full width; sampled rows stay, so that their draws are ``generate``'s.
 
 The model's own modules compute everything: the engine only attaches its cache to our language
 model attention (``attention.attached``), which writes and reads it in place of transformers'
@@ -188,13 +192,14 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, prompts: list[dict], max_new_tokens: int, choose, num_samples: int = 1,
-                 row: qwen.SharedRow | None = None) -> list[list[int]]:
+                 row: qwen.SharedRow | None = None, compact: bool = False) -> list[list[int]]:
         """Answer encoded prompts (``qwen.encode`` without an answer): ``num_samples`` rows each,
         row after row of one prompt. ``choose`` turns (rows, vocab) float logits into the next
         token of each row (greedy or sampled: infer.Decoding). Returns each row's generated ids,
         ``max_new_tokens`` of them, padding after its first stop token. ``row``: the prompts
         already in one row (``qwen.collate_shared``), put there by a thread while the GPU answered
-        the batch before (``infer.predict_records``)."""
+        the batch before (``infer.predict_records``). ``compact``: ``choose`` picks each row's
+        token from that row's logits alone (greedy), so finished rows may leave the batch."""
         lengths = [len(p["input_ids"]) for p in prompts]
         prompt_columns = max(lengths)
         rows = len(prompts) * num_samples
@@ -229,13 +234,22 @@ class Engine:
         # the next token's M-RoPE position: one past the prompt's last (a text token: equal on all axes)
         next_position = each_row(packed["position_ids"][0, 0, last]) + 1
 
-        # 2. decode
+        # 2. decode; each step's tokens go to the rows they answer (``origin``: which answer each
+        # row of the step is; the copies that fill a bucket answer the last real row again)
         tokens = choose(each_row(logits))
         finished = torch.isin(tokens, self.stop_token_ids)
-        answer = [tokens]
+        answer = torch.full((width, max_new_tokens), self.pad_token_id, dtype=torch.long, device=self.device)
+        answer[:, 0] = tokens
+        origin = torch.arange(width, device=self.device)
         for i in range(1, max_new_tokens):
-            if i % CHECK_EVERY == 0 and bool(finished.all()):
-                break
+            if i % CHECK_EVERY == 0:
+                answering = torch.nonzero(~finished[:rows]).flatten()
+                if len(answering) == 0:
+                    break
+                if compact and len(answering) <= len(finished) // 2:
+                    step, rows, origin, tokens, finished, next_position = self._compacted(
+                        step, answering, origin, tokens, finished, next_position)
+                    cache = step.cache
             step.tokens.copy_(tokens[:, None])
             step.positions.copy_((next_position + i - 1)[None, :, None].expand(3, -1, -1))
             cache.column.fill_(prompt_columns + i - 1)
@@ -243,9 +257,22 @@ class Engine:
             tokens = choose(step.logits)
             tokens = torch.where(finished, self.pad_token_id, tokens)
             finished |= torch.isin(tokens, self.stop_token_ids)
-            answer.append(tokens)
-        answer = torch.stack(answer, dim=1)[:rows].tolist()
-        return [ids + [self.pad_token_id] * (max_new_tokens - len(ids)) for ids in answer]
+            answer[origin[:rows], i] = tokens[:rows]
+        return answer[:len(prompts) * num_samples].tolist()
+
+    def _compacted(self, step: _Step, keep: torch.Tensor, origin, tokens, finished, next_position):
+        """The rows ``keep`` of a decode in a step of their own width: their cache (keys, values,
+        where each prompt starts) and per-row state copied there, the last kept row copied into the
+        rows that fill a bucket. Returns the new step, its real rows and their state."""
+        rows = len(keep)
+        width = 1 << (rows - 1).bit_length() if self.row_buckets else rows
+        source = torch.cat([keep, keep[-1:].expand(width - rows)])  # what each new row takes
+        columns = step.cache.keys[0].shape[2]
+        smaller = self._step(width, columns)
+        for old, new in zip(step.cache.keys + step.cache.values, smaller.cache.keys + smaller.cache.values):
+            torch.index_select(old, 0, source, out=new)
+        smaller.cache.row_start.copy_(step.cache.row_start[source])
+        return (smaller, rows, origin[source], tokens[source], finished[source], next_position[source])
 
 
 @contextlib.contextmanager
