@@ -21,7 +21,9 @@ read to the last box parsed (the model already loaded). Variants:
   call, which compiles, timed apart).
 Answers are forced to --new-tokens tokens (random weights seldom stop). The "natural" variants
 (predict-before and engine) use a model made to stop: its end-of-turn logit raised along the
-prompts' mean hidden direction until answers average ~20 tokens, so rows end at different steps.
+prompts' mean hidden direction until answers average ~20 tokens, so rows end at different steps;
+engine-natural-full-width: the same with every row kept to the batch's longest answer (finished
+rows not leaving the batch: engine.ROWS_LEAVE).
 same_answers: the fraction of samples whose answer text equals plain generate's.
 """
 
@@ -256,6 +258,9 @@ def bench_model(key: str, samples, data, args) -> list[dict]:
         mean_length = round(make_it_stop(gm, samples, data, 20.0, args.new_tokens), 1)
         natural = add("before-natural", loop_in_process, gm, args.batch, None, mean_answer_tokens=mean_length)
         add("engine-natural", through_eval, gm, args.batch, natural, mean_answer_tokens=mean_length)
+        engine_module.ROWS_LEAVE = False  # every row runs to the batch's longest answer, as before
+        add("engine-natural-full-width", through_eval, gm, args.batch, natural, mean_answer_tokens=mean_length)
+        engine_module.ROWS_LEAVE = True
     del gm
     _reset_peak()
     return rows

@@ -47,6 +47,7 @@ COLUMN_STEP = 256  # cache lengths round up to this so batches of similar prompt
 CACHE_BYTES_KEPT = 2.5 * 2**30
 CHECK_EVERY = 4  # decode steps between checks that every row has finished
 GRAPHS_ENABLED = True  # bench/eval_speed.py switches the graphs off to measure what they give
+ROWS_LEAVE = True  # finished greedy rows leave the batch (bench/eval_speed.py measures it off too)
 
 
 class KVCache:
@@ -246,7 +247,7 @@ class Engine:
                 answering = torch.nonzero(~finished[:rows]).flatten()
                 if len(answering) == 0:
                     break
-                if compact and len(answering) <= len(finished) // 2:
+                if compact and ROWS_LEAVE and len(answering) <= len(finished) // 2:
                     step, rows, origin, tokens, finished, next_position = self._compacted(
                         step, answering, origin, tokens, finished, next_position)
                     cache = step.cache
