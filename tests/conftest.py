@@ -37,3 +37,14 @@ def any_family_model(request, tmp_path_factory):
     if request.param == "qwen2.5-vl":
         return "tiny"
     return str(build_family_folder(request.param, tmp_path_factory.mktemp(request.param)))
+
+
+def pytest_unconfigure(config):
+    """A test run that has printed its summary must also end: something still holding the process
+    (a worker deaf to its parent, a thread that never returns) once kept CI waiting until its time
+    ran out, with nothing to say why. Five minutes after the session, every thread's stack is
+    printed and the process exits 1."""
+    import faulthandler
+    import sys
+
+    faulthandler.dump_traceback_later(300, exit=True, file=sys.__stderr__)
