@@ -153,6 +153,7 @@ except infer.DataError as error:
     assert "failed:" in out and "bad.png" in out
 
 
+@pytest.mark.skipif(not hasattr(signal, "sigwaitinfo"), reason="a worker tells who sent a signal by sigwaitinfo (Linux)")
 def test_loader_workers_leave_the_groups_sigterm_but_not_their_own_processes():
     """The contract of every loader worker groundtune starts (training's, prediction's, the
     server's encoders), without a model: a SIGTERM to the whole process group leaves them serving

@@ -124,6 +124,9 @@ def ignore_stop_signals(worker_id: int) -> None:
     that is how Python ends daemonic workers when the main process exits, and a worker deaf to it
     keeps the main process waiting for it forever (a loader still open at exit)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not hasattr(signal, "sigwaitinfo"):  # macOS: no way to tell who sent it; ignored, as before
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return
     # Python's handlers do not see who sent a signal; a thread waiting for SIGTERM, blocked
     # everywhere else, does (the worker's other threads start after this and inherit the mask).
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
