@@ -54,12 +54,26 @@ def main() -> None:
             states.append(state)
 
     callbacks_map["groundtune_step_timer"] = StepTimer
+    _template_token_ids(swift_args[swift_args.index("--model") + 1])
     sft_main([*swift_args, "--callbacks", "groundtune_step_timer"])
     history = states[-1].log_history if states else []
     with open(args.out, "w") as f:
         json.dump({"step_s": times, "losses": [r["loss"] for r in history if "loss" in r],
                    "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
                    "argv": swift_args}, f)
+
+
+def _template_token_ids(model_dir: str) -> None:
+    """ms-swift's Qwen2-VL/2.5-VL template finds the image and video tokens by Qwen's vocabulary ids
+    (151655, 151656), written in the class; the bench's random architectures speak the tiny model's
+    tokenizer, whose ids differ, and there the image would stay ONE token instead of its hundreds.
+    The template takes the model's own ids (for a real Qwen checkpoint, the same numbers)."""
+    from swift.template.templates.qwen import Qwen2VLTemplate
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    Qwen2VLTemplate.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    Qwen2VLTemplate.video_token_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
 
 
 if __name__ == "__main__":

@@ -311,7 +311,8 @@ def swift_sft(model_name: str, data: Path, steps: int, batch_size: int = 32, pee
     random architectures speak, has none; ms-swift's would add one). The random architecture is written to
     disk first (ms-swift loads a model by path); the same samples, resized as groundtune resizes them
     and saved as JPEG (quality 95), with the same answers. Runs bench/peer_swift.py in a process whose
-    PYTHONPATH starts with ``peer_site`` (ms-swift and the datasets/trl it pins)."""
+    PYTHONPATH starts with ``peer_site`` (ms-swift and the datasets/trl it pins); it gives ms-swift's
+    template the tokenizer's image-token ids (ms-swift writes Qwen's own in its class)."""
     import os
 
     view = _data_view(model_name)

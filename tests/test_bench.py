@@ -76,7 +76,7 @@ def test_the_trl_peer_variant_trains_the_same_samples(tmp_path):
 def test_the_ms_swift_peer_variant_trains_the_same_samples(tmp_path):
     """sft_speed's ms-swift variant (`swift sft` by its own entry point) on the tiny model, with the
     packages ms-swift pins in a folder of their own (GROUNDTUNE_PEER_SITE, given to --peer-site): it
-    trains groundtune's first batches and its losses are of the same size as groundtune's. ms-swift
+    trains groundtune's first batches to groundtune's losses (the same objective). ms-swift
     pins datasets and trl releases other than groundtune's and needs torchvision, so it is not part
     of the test install; where that folder is not given, the GPU run checks it."""
     import os
@@ -94,6 +94,6 @@ def test_the_ms_swift_peer_variant_trains_the_same_samples(tmp_path):
     assert "error" not in rows["swift:4"], rows["swift:4"]
     assert rows["swift:4"]["settings"]["peer"] == "ms-swift" and rows["swift:4"]["samples_per_s"] > 0
     assert len(rows["swift:4"]["first_losses"]) == 3
-    # the same tokens and pixels; ms-swift's forward gives per-sample losses up to ~7% off
-    # transformers' own on the tiny model (BENCHMARKS.md), so only their size is compared
-    assert rows["swift:4"]["first_losses"][0] == pytest.approx(rows["gt-b4-ckpt-all"]["first_losses"][0], rel=0.1)
+    # the same objective: only the speed may differ (its images are saved as JPEG, hence not exact)
+    for theirs, ours in zip(rows["swift:4"]["first_losses"], rows["gt-b4-ckpt-all"]["first_losses"]):
+        assert theirs == pytest.approx(ours, rel=0.02)
