@@ -24,7 +24,7 @@ first losses must agree within bf16 noise: the objective is the same, only the s
 - swift, swift:BATCH: ms-swift's `swift sft` (its own entry point; bench/peer_swift.py adds a step
   timer) by its documented Qwen2.5-VL LoRA recipe at BATCH (32 by default; `swift_sft` says what it
   cannot do); ms-swift pins datasets and trl releases other than groundtune's, so it runs with
-  --peer-site DIR first on its PYTHONPATH (`pip install --target DIR ms-swift qwen_vl_utils`).
+  --peer-site DIR first on its PYTHONPATH (`pip install --no-deps --target DIR -r bench/peer_swift_requirements.txt`).
 - preset:NAME: the same with a shipped preset's batch, recomputation, packing and kernel settings.
   A QLoRA preset first writes the random architecture to disk and trains from that folder: the
   4-bit base is made by from_pretrained, as from a user's weights (bitsandbytes needed).
