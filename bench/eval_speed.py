@@ -42,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from sft_speed import make_refcoco_like  # noqa: E402
 from provenance import stamped, unstamped  # noqa: E402
+from gpu_cap import cap_gpu_memory  # noqa: E402
 
 from groundtune import evaluate, infer  # noqa: E402
 from groundtune.data.images import load_image  # noqa: E402
@@ -299,9 +300,8 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     specs = args.models.split(",")
-    if len(specs) == 1 and torch.cuda.is_available():  # only the measuring process touches the GPU
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
+    if len(specs) == 1:  # only the measuring process touches the GPU
+        cap_gpu_memory(args.cap_gib)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(args.data) if args.data else make_refcoco_like(Path(tmp), args.samples)

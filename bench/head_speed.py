@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from sft_speed import MODELS, make_refcoco_like  # noqa: E402
 from provenance import stamped  # noqa: E402
+from gpu_cap import cap_gpu_memory  # noqa: E402
 
 from groundtune import evaluate, infer  # noqa: E402
 from groundtune.data.records import read_samples  # noqa: E402
@@ -108,8 +109,7 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     infer.READ_AHEAD = not args.no_read_ahead
-    if torch.cuda.is_available():
-        torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory)
+    cap_gpu_memory(args.cap_gib)
     data = args.data or make_refcoco_like(Path(f"/tmp/head_speed_data_{args.phrases_per_image}"), args.samples,
                                           phrases_per_image=args.phrases_per_image)
     records = read_samples(data)[: args.samples]

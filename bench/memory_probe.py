@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from sft_speed import MODELS, _batches, make_refcoco_like
 from provenance import stamped
+from gpu_cap import cap_gpu_memory
 
 from groundtune.config import TrainConfig
 from groundtune.models import adapt, speedups
@@ -46,9 +47,7 @@ def _bytes_by_dtype(model) -> dict:
 
 
 def probe(model_name: str, batch_size: int, cap_gib: float) -> dict:
-    if torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total))
+    cap_gpu_memory(cap_gib)
     result = {"model": model_name, "batch_size": batch_size, "cap_gib": cap_gib, "stages": []}
 
     def stage(name: str, model=None) -> None:

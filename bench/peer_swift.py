@@ -7,7 +7,7 @@ differ from groundtune's): sft_speed.py starts it with --peer-site on PYTHONPATH
 Everything after `--` goes to `swift sft` unchanged. The timer is registered the way ms-swift takes
 callbacks (`swift.callbacks.callbacks_map`, named by `--callbacks`), so the trainer, its data
 pipeline and its settings are ms-swift's own. Writes the wall time of each optimizer step (the GPU
-synchronised), the logged losses and the peak allocated GPU memory.
+synchronised), the logged losses, the peak allocated GPU memory and the versions it ran with.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import sys
 import time
 
 import torch
+from gpu_cap import cap_gpu_memory  # bench/, the script's folder
 
 
 def main() -> None:
@@ -27,10 +28,7 @@ def main() -> None:
     parser.add_argument("swift_args", nargs=argparse.REMAINDER, help="-- then the arguments of `swift sft`")
     args = parser.parse_args()
     swift_args = args.swift_args[1:] if args.swift_args[:1] == ["--"] else args.swift_args
-    if torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
-        torch.cuda.reset_peak_memory_stats()
+    cap_gpu_memory(args.cap_gib)
 
     from swift.callbacks import TrainerCallback, callbacks_map
     from swift.pipelines import sft_main
@@ -60,7 +58,15 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"step_s": times, "losses": [r["loss"] for r in history if "loss" in r],
                    "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
-                   "argv": swift_args}, f)
+                   "argv": swift_args, "versions": _versions()}, f)
+
+
+def _versions() -> dict:
+    """The packages this process trained with: ms-swift's folder, not the bench's environment (whose
+    versions the bench's own stamp records)."""
+    from importlib import metadata
+
+    return {name: metadata.version(name) for name in ("ms-swift", "transformers", "trl", "datasets", "peft", "torch")}
 
 
 def _template_token_ids(model_dir: str) -> None:

@@ -47,6 +47,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 from provenance import stamped, unstamped
+from gpu_cap import cap_gpu_memory
 from sft_speed import MODELS, _saved_weights, make_refcoco_like
 
 REPO = Path(__file__).resolve().parent.parent
@@ -157,8 +158,7 @@ def run_config(key: str, settings: dict, steps: int, data: Path, weights: dict, 
         if cuda:
             gc.collect()
             torch.cuda.empty_cache()
-            total = torch.cuda.get_device_properties(0).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, (cap_gib or 1e9) * 2**30 / total))
+            cap_gpu_memory(cap_gib or 1e9)
             torch.cuda.reset_peak_memory_stats()
         cpu_peak = _CpuPeak() if not cuda else None
         try:

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from sft_speed import MODELS, make_refcoco_like
 from provenance import stamped, unstamped
+from gpu_cap import cap_gpu_memory
 
 from groundtune import infer
 from groundtune.boxes import iou, parse_answer
@@ -153,9 +154,7 @@ def main() -> None:
     if len(impls) > 1:  # each in a process of its own: what one leaves on the GPU slowed the next by a third
         results = [in_fresh_process(impl, args) for impl in impls]
     else:
-        if torch.cuda.is_available():  # only the measuring process touches the GPU
-            total = torch.cuda.get_device_properties(0).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
+        cap_gpu_memory(args.cap_gib)  # only the measuring process touches the GPU
         results = [measure(impls[0], args, cfg)]
     base = results[0]["step_s"]
     print(f"\n{'impl':12s}{'rollouts/s':>11s}{'generate':>10s}{'reward':>8s}{'update':>8s}{'x plain':>9s}")

@@ -71,6 +71,7 @@ from groundtune.models import adapt, qwen
 from groundtune.models.loading import TINY_DIR, load_model
 from groundtune.train.batches import GroundingDataset
 from provenance import stamped, unstamped
+from gpu_cap import cap_gpu_memory
 
 PEAK_FLOPS = 790e12
 MODELS = {"3b": "random:qwen2.5-vl-3b", "7b": "random:qwen2.5-vl-7b", "tiny": "tiny"}
@@ -230,13 +231,12 @@ def naive(model_name: str, data: Path, steps: int, batch_size: int = 4) -> dict:
     return result
 
 
-def _conversations(view, data: Path, indices) -> list[tuple[Image.Image, str, str]]:
+def _conversations(view, samples, indices) -> list[tuple[Image.Image, str, str]]:
     """Samples ``indices`` as a peer trains on them: (the image resized as groundtune resizes it, so
     the peer's processor leaves its size alone; the user's words; the answer groundtune trains on)."""
     from groundtune import boxes
     from groundtune.data.records import sample_boxes
 
-    samples = open_samples(str(data), 0)
     conversations = []
     for index in indices:
         image, sample = samples[index]
@@ -260,12 +260,11 @@ def trl_sft(model_name: str, data: Path, steps: int, batch_size: int = 32) -> di
     from transformers import AutoProcessor, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    gm, view = load_model(model_name), _data_view(model_name)
+    gm, view, samples = load_model(model_name), _data_view(model_name), open_samples(str(data), 0)
     rows = [{"images": [resized],
              "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}],
              "completion": [{"role": "assistant", "content": [{"type": "text", "text": answer}]}]}
-            for resized, prompt, answer in _conversations(view, data, range(min(len(open_samples(str(data), 0)),
-                                                                                batch_size * (steps + 1))))]
+            for resized, prompt, answer in _conversations(view, samples, range(min(len(samples), batch_size * (steps + 1))))]
     processor = AutoProcessor.from_pretrained(TINY_DIR)  # the tokenizer the random architectures speak
     processor.image_processor.max_pixels = processor.image_processor.size["longest_edge"] = view.resize.max_pixels
     cuda = torch.cuda.is_available()
@@ -324,9 +323,10 @@ def swift_sft(model_name: str, data: Path, steps: int, batch_size: int = 32, pee
         (tmp / "images").mkdir()
         lines = []
         # groundtune's order (seed 0), unshuffled by ms-swift: the same samples in each step as groundtune's
-        order = iter(ResumableBatches(len(open_samples(str(data), 0)), batch_size, 0))
+        samples = open_samples(str(data), 0)
+        order = iter(ResumableBatches(len(samples), batch_size, 0))
         indices = [index for _ in range(steps) for index, _ in next(order)]
-        for index, (resized, prompt, answer) in enumerate(_conversations(view, data, indices)):
+        for index, (resized, prompt, answer) in enumerate(_conversations(view, samples, indices)):
             image = tmp / "images" / f"{index:06d}.jpg"
             resized.convert("RGB").save(image, quality=95)
             lines.append(json.dumps({"messages": [{"role": "user", "content": "<image>" + prompt},
@@ -356,7 +356,8 @@ def swift_sft(model_name: str, data: Path, steps: int, batch_size: int = 32, pee
         measured = json.loads(times.read_text())
     batches = _batches(view, data, batch_size, min(steps, 4))
     settings = {"batch_size": batch_size, "gradient_checkpointing": "all (transformers)", "peer": "ms-swift",
-                "liger": liger, "attention": "sdpa (padding-free and packing need flash-attn)"}
+                "liger": liger, "attention": "sdpa (padding-free and packing need flash-attn)",
+                "peer_versions": measured["versions"]}
     step_s = measured["step_s"]
     return dict(_result("swift", counts, batches, batch_size, statistics.median(step_s[2:] or step_s),
                         measured["losses"], settings), peak_gib=measured["peak_gib"])
@@ -582,9 +583,8 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
-    if args.in_process and torch.cuda.is_available():  # only the measuring process touches the GPU
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
+    if args.in_process:  # only the measuring process touches the GPU
+        cap_gpu_memory(args.cap_gib)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         # the same samples for every variant: made once, passed to each variant's process

@@ -40,8 +40,8 @@ def _batch(gm, n: int = len(SIZES)):
     return infer.encode_prompts(gm, pairs)
 
 
-def _model(name: str):
-    gm = load_model(name, device="cpu", dtype="fp32")
+def _model(name: str, device: str = "cpu"):
+    gm = load_model(name, device=device, dtype="fp32")
     _scramble(gm.model)
     speedups.install(gm.model)
     return gm
@@ -262,19 +262,19 @@ def test_finished_rows_leave_a_greedy_batch_with_or_without_graphs(device, monke
     row runs to the end. A share of the vocabulary made to end answers scatters the rows' ends."""
     from groundtune.models.engine import Engine
 
-    gm = _model("tiny") if device == "cpu" else load_model("tiny", device="cuda", dtype="fp32")
-    if device == "cuda":
-        _scramble(gm.model)
-        speedups.install(gm.model)
+    gm = _model("tiny", device)
     encoded, _ = _batch(gm)
     encoded = encoded + encoded[::-1] + encoded[:4]  # 16 rows: room to halve twice
     vocab = gm.model.get_output_embeddings().out_features
     engine = Engine(gm.model, gm.processor.pad_token_id, list(range(3, vocab, 9)) + gm.processor.eos_token_ids)
     greedy = infer.Decoding.greedy(32)
-    widths = []
-    compacted = engine._compacted
-    monkeypatch.setattr(engine, "_compacted", lambda step, keep, *rest: (
-        widths.append((step.cache.keys[0].shape[0], len(keep))), compacted(step, keep, *rest))[1])
+    widths, compacted = [], engine._compacted
+
+    def recorded(step, keep, *state):  # each compaction: (the step's rows, the rows kept)
+        widths.append((step.cache.keys[0].shape[0], len(keep)))
+        return compacted(step, keep, *state)
+
+    monkeypatch.setattr(engine, "_compacted", recorded)
     full = engine.generate(encoded, 32, greedy.choose)
     assert widths == []  # without compact, every row runs to the end
     ours = engine.generate(encoded, 32, greedy.choose, compact=True)
