@@ -28,6 +28,8 @@ def main() -> None:
     parser.add_argument("swift_args", nargs=argparse.REMAINDER, help="-- then the arguments of `swift sft`")
     args = parser.parse_args()
     swift_args = args.swift_args[1:] if args.swift_args[:1] == ["--"] else args.swift_args
+    if "--model" not in swift_args[:-1]:
+        parser.error("the arguments of `swift sft` after -- must name the model: --model DIR")
     cap_gpu_memory(args.cap_gib)
 
     from swift.callbacks import TrainerCallback, callbacks_map

@@ -583,6 +583,11 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
+    if args.data and not Path(args.data).is_file():
+        parser.error(f"--data {args.data}: no such file (a train.jsonl an earlier run made)")
+    if any(v.startswith("swift") for v in variants) and not (args.peer_site and (Path(args.peer_site) / "swift").is_dir()):
+        parser.error(f"the swift variant needs --peer-site naming a folder that holds ms-swift (got {args.peer_site}); "
+                     "bench/peer_swift_requirements.txt says how to make one")
     if args.in_process:  # only the measuring process touches the GPU
         cap_gpu_memory(args.cap_gib)
     results = []
