@@ -9,7 +9,7 @@ Data: RefCOCO-like JPEGs (bench/sft_speed.py). The same model answers both ways:
 answers forced to --new-tokens tokens (random weights seldom stop; a real 3B answers a box in
 ~20-30), and box, with a (random) box head attached, which reads each prompt's last hidden state.
 Each variant is warmed up on one batch first, then timed from the first file read to the last box;
-the box head runs first. Then one box-head batch is profiled: the vision tower alone against the whole forward pass (the
+the box head runs first (with --compile, again with its vision tower compiled). Then one box-head batch is profiled: the vision tower alone against the whole forward pass (the
 language model is the difference) over the row in which an image's prompts share their beginning
 (``qwen.collate_shared``), the same prompts each time, after a warm-up.
 """
@@ -31,7 +31,7 @@ from gpu_cap import cap_gpu_memory  # noqa: E402
 
 from groundtune import evaluate, infer  # noqa: E402
 from groundtune.data.records import read_samples  # noqa: E402
-from groundtune.models import adapt, head  # noqa: E402
+from groundtune.models import adapt, head, kernels  # noqa: E402
 
 
 def _now() -> float:
@@ -106,6 +106,8 @@ def main() -> None:
                         help="without --data: samples that share an image (RefCOCO val: 7.2)")
     parser.add_argument("--no-read-ahead", action="store_true",
                         help="eval receives each batch from its encoding processes after the one before")
+    parser.add_argument("--compile", action="store_true",
+                        help="then the box head again with the vision tower compiled (eval --compile; a GPU's)")
     parser.add_argument("--out")
     args = parser.parse_args()
     infer.READ_AHEAD = not args.no_read_ahead
@@ -122,12 +124,18 @@ def main() -> None:
         head.attach(gm.model, adapt.hidden_size(adapt.base_model(gm.model)))
         box = timed_eval(gm, records, data, args.batch, args.new_tokens)
         profile = profile_box_batch(gm, records, data, args.batch)
+        compiled = None
+        if args.compile:  # what eval --compile adds; its warm-up batch compiles
+            kernels.compile_vision_blocks(gm.model, backend="inductor" if torch.cuda.is_available() else "eager")
+            compiled = timed_eval(gm, records, data, args.batch, args.new_tokens)
         delattr(gm.model, head.ATTRIBUTE)  # the same model, answering in text
         text = timed_eval(gm, records, data, args.batch, args.new_tokens)
         row = {"model": key, "batch": args.batch, "new_tokens": args.new_tokens,
                "phrases_per_image": args.phrases_per_image if args.data is None else None, "text": text, "box": box,
                "box_vs_text": round(box["samples_per_s"] / text["samples_per_s"], 2),
                "box_batch_profile": profile}
+        if compiled is not None:
+            row.update(box_compiled=compiled, box_compiled_vs_box=round(compiled["samples_per_s"] / box["samples_per_s"], 2))
         results.append(row)
         print(json.dumps(row), flush=True)
         del gm
