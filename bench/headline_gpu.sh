@@ -36,7 +36,7 @@ case "$stage" in
     [ -d "${PEER_SITE:-}/swift" ] || { echo "peers: set PEER_SITE to a folder holding ms-swift" \
       "(bench/peer_swift_requirements.txt)" >&2; exit 2; }
     python bench/sft_speed.py --models 3b --steps 6 --no-loader \
-      --variants preset:qwen2.5-vl-3b-lora-24gb,trl,swift --peer-site "$PEER_SITE" \
+      --variants preset:qwen2.5-vl-3b-lora-24gb,trl,swift --peer-site "$PEER_SITE" --variant-timeout 180 \
       --out "$out/sft_peers_3b.json"
     ;;
   checks)
