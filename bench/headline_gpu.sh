@@ -4,7 +4,8 @@
 #
 #   bash bench/headline_gpu.sh train OUT     # SFT preset against the plain loop (and compiled); RL step
 #                                            # against plain RL and the padded update; 7B QLoRA against LoRA
-#   bash bench/headline_gpu.sh infer OUT     # eval (engine against plain generate); box head against text
+#   bash bench/headline_gpu.sh infer OUT     # eval 3B (engine against plain generate; answers of natural
+#                                            # lengths) and 7B; box head against text, 7 phrases per image
 #   PEER_SITE=DIR bash bench/headline_gpu.sh peers OUT   # the 3B preset against TRL and ms-swift
 #   bash bench/headline_gpu.sh checks OUT    # the tests that need a GPU (kernels, graphs, 4-bit bases)
 #
@@ -28,9 +29,12 @@ case "$stage" in
       --variants preset:qwen2.5-vl-7b-lora-24gb,preset:qwen2.5-vl-7b-qlora --out "$out/sft_speed_7b_qlora.json"
     ;;
   infer)
-    python bench/eval_speed.py --models 3b --samples 256 --small-batch-too "" --engine-batches "" --no-natural \
+    python bench/eval_speed.py --models 3b --samples 256 --small-batch-too "" --engine-batches "" \
       --out "$out/eval_speed_3b.json"
-    python bench/head_speed.py --models 3b --samples 1024 --out "$out/head_speed_3b.json"
+    python bench/head_speed.py --models 3b --samples 1024 --phrases-per-image 7 --compile \
+      --out "$out/head_speed_3b_k7_compiled.json"
+    python bench/eval_speed.py --models 7b:32 --samples 256 --small-batch-too "" --engine-batches "" --no-natural \
+      --out "$out/eval_speed_7b.json"
     ;;
   peers)
     [ -d "${PEER_SITE:-}/swift" ] || { echo "peers: set PEER_SITE to a folder holding ms-swift" \
