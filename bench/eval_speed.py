@@ -124,6 +124,7 @@ def make_it_stop(gm, samples: list[dict], data: Path, target: float, new_tokens:
     best = min(tried, key=lambda scale: abs(tried[scale] - target))
     return mean_length_at(best)
 
+
 def breakdown(gm, samples: list[dict], data: Path, batch: int, new_tokens: int) -> dict:
     """Where one batch's time goes, the images already encoded: prefill alone (one new token) and
     the whole answer, for transformers' generate and the engine (with and without graphs); and
