@@ -299,7 +299,6 @@ def test_captured_steps_on_a_4bit_qlora_base_answer_as_its_eager_steps():
 
     from groundtune.config import TrainConfig
     from groundtune.models import adapt
-    from groundtune.models.engine import Engine
 
     gm = load_model("tiny", device="cuda", dtype="bf16", quantize_4bit=True)
     model = adapt.add_lora(gm.model, TrainConfig(model="tiny", method="qlora", train_data="unused.jsonl"))
@@ -314,7 +313,7 @@ def test_captured_steps_on_a_4bit_qlora_base_answer_as_its_eager_steps():
     gm = dataclasses.replace(gm, model=model)
     encoded, _ = _batch(gm)
     greedy = infer.Decoding.greedy(24)
-    eager = Engine(model, gm.processor.pad_token_id, gm.processor.eos_token_ids, use_graphs=False)
+    eager = infer.engine_for(gm, graphs=False)
     eager.row_buckets = True  # rows rounded up as the captured steps round them: the same shapes, the same kernels
     expected = eager.generate(encoded, 24, greedy.choose, compact=True)
     assert len(set(map(tuple, expected))) >= len(expected) - 1  # the rows answer differently: the check has teeth
