@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sft_speed import make_refcoco_like  # noqa: E402
+from sft_speed import earlier_samples, make_refcoco_like  # noqa: E402
 from provenance import stamped, unstamped  # noqa: E402
 from gpu_cap import cap_gpu_memory  # noqa: E402
 
@@ -292,7 +292,8 @@ def main() -> None:
     parser.add_argument("--models", default="3b,7b:32",
                         help="comma-separated: 3b, 7b, tiny; MODEL:N times MODEL at batch N instead of --batch "
                              "(the 7B's plain generate runs out of 24 GiB at 64)")
-    parser.add_argument("--data", help="samples made by an earlier run (train.jsonl) instead of new ones")
+    parser.add_argument("--data", type=earlier_samples,
+                        help="samples made by an earlier run (train.jsonl) instead of new ones")
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--batch", type=int, default=64, help="batch of every variant but --engine-batches")
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -310,7 +311,7 @@ def main() -> None:
         cap_gpu_memory(args.cap_gib)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(args.data) if args.data else make_refcoco_like(Path(tmp), args.samples)
+        data = args.data or make_refcoco_like(Path(tmp), args.samples)
         samples = read_samples(data)
         for spec in specs:
             if len(specs) > 1:

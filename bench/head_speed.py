@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sft_speed import MODELS, make_refcoco_like  # noqa: E402
+from sft_speed import MODELS, earlier_samples, make_refcoco_like  # noqa: E402
 from provenance import stamped  # noqa: E402
 from gpu_cap import cap_gpu_memory  # noqa: E402
 
@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--cap-gib", type=float, default=24.0)
-    parser.add_argument("--data", type=Path, help="train.jsonl made by an earlier run")
+    parser.add_argument("--data", type=earlier_samples, help="train.jsonl made by an earlier run")
     parser.add_argument("--phrases-per-image", type=int, default=1,
                         help="without --data: samples that share an image (RefCOCO val: 7.2)")
     parser.add_argument("--no-read-ahead", action="store_true",

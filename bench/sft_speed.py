@@ -135,6 +135,15 @@ WORDS = ("man woman dog cat car bus chair table person bike umbrella horse cup b
          "red blue white black green small large left right front back middle standing sitting").split()
 
 
+def earlier_samples(value: str) -> Path:
+    """The type of the benches' --data: a samples file an earlier run made; a path naming no file is
+    one line and exit 2 (argparse's), not a traceback from deep in the run."""
+    path = Path(value)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{value}: no such file")
+    return path
+
+
 def make_refcoco_like(folder: Path, n: int, seed: int = 0, phrases_per_image: int = 1) -> Path:
     """n samples: JPEGs of COCO-like sizes (long side 640 or a bit less, aspect 0.5-2), one box, a
     phrase of 3-8 words; ``phrases_per_image`` consecutive samples share an image (RefCOCO's val
@@ -576,15 +585,14 @@ def main() -> None:
     parser.add_argument("--no-loader", action="store_true", help="skip timing the data loader alone")
     parser.add_argument("--variant-timeout", type=float, default=600, help="seconds allowed to each variant")
     parser.add_argument("--in-process", action="store_true", help="measure here, not one process per variant")
-    parser.add_argument("--data", help="samples made by an earlier run (train.jsonl) instead of new ones")
+    parser.add_argument("--data", type=earlier_samples,
+                        help="samples made by an earlier run (train.jsonl) instead of new ones")
     parser.add_argument("--profile", type=int, default=0, help="profile this many steps of each groundtune variant")
     parser.add_argument("--peer-site", help="a folder put first on the swift variant's PYTHONPATH: ms-swift with the "
                         "datasets and trl releases it pins, installed there (pip install --target)")
     parser.add_argument("--out")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
-    if args.data and not Path(args.data).is_file():
-        parser.error(f"--data {args.data}: no such file (a train.jsonl an earlier run made)")
     if any(v.startswith("swift") for v in variants) and not (args.peer_site and (Path(args.peer_site) / "swift").is_dir()):
         parser.error(f"the swift variant needs --peer-site naming a folder that holds ms-swift (got {args.peer_site}); "
                      "bench/peer_swift_requirements.txt says how to make one")
@@ -593,7 +601,7 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         # the same samples for every variant: made once, passed to each variant's process
-        data = Path(args.data) if args.data else make_refcoco_like(Path(tmp), args.samples)
+        data = args.data or make_refcoco_like(Path(tmp), args.samples)
         for key in args.models.split(","):
             for variant in variants + ([""] if args.ladder else []):
                 if not args.in_process:

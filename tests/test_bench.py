@@ -98,3 +98,12 @@ def test_the_ms_swift_peer_variant_trains_the_same_samples(tmp_path):
     # the same objective: only the speed may differ (its images are saved as JPEG, hence not exact)
     for theirs, ours in zip(rows["swift:4"]["first_losses"], rows["gt-b4-ckpt-all"]["first_losses"]):
         assert theirs == pytest.approx(ours, rel=0.02)
+
+
+@pytest.mark.parametrize("script", ["sft_speed", "eval_speed", "head_speed"])
+def test_a_data_file_that_is_not_there_is_one_line_and_exit_2(script, tmp_path):
+    missing = tmp_path / "train.jsonl"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), "--data", str(missing)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"{missing}: no such file" in done.stderr and "Traceback" not in done.stderr
