@@ -6,8 +6,11 @@ and the generation engine through `groundtune eval`'s own code (`evaluate.evalua
     python bench/eval_speed.py --models tiny --samples 24 --batch 8          # CPU smoke test of this script
 
 Data: RefCOCO-like JPEGs (bench/sft_speed.py: long side 480-640, aspect 0.5-2, 3-8 word phrases).
-Every variant reads the same files, answers the same samples and is timed from the first file
-read to the last box parsed (the model already loaded). Variants:
+Every variant reads the same files and is timed from the first file read to the last box parsed
+(the model already loaded). The engine's variants answer all --samples (1024: an eval set has
+thousands, and a pipeline's first batch, which nothing overlaps, weighs on a short run); plain
+generate and the loops before the engine answer the first --plain-samples (256) at the pace they
+keep from their first batch. Variants:
 - plain: transformers' own code, as peers evaluate: images read and encoded in the main process,
   batch of --batch left-padded, `model.generate` (its dynamic KV cache), no groundtune speed-up;
 - predict-before: what `infer.predict` did before the engine: the same loop with groundtune's
@@ -17,6 +20,8 @@ read to the last box parsed (the model already loaded). Variants:
   the captures too); engine-eager: the same with every decode step issued from Python;
   engine-row-inline: each batch put in one row (pixels concatenated) by the engine after the
   batch before, instead of by the read-ahead thread while the GPU answers it (infer.ROW_AHEAD);
+  engine-rotary-unfused: the rotary embeddings as transformers computes them (vision tower in fp32),
+  not through liger-kernel's rope kernel (kernels.FUSED_ROTARY);
   engine-compiled: the engine with the vision tower compiled (eval --compile; GPU only; its first
   call, which compiles, timed apart).
 Answers are forced to --new-tokens tokens (random weights seldom stop). The "natural" variants
@@ -24,7 +29,7 @@ Answers are forced to --new-tokens tokens (random weights seldom stop). The "nat
 prompts' mean hidden direction until answers average ~20 tokens, so rows end at different steps;
 engine-natural-full-width: the same with every row kept to the batch's longest answer (finished
 rows not leaving the batch: engine.ROWS_LEAVE).
-same_answers: the fraction of samples whose answer text equals plain generate's.
+same_answers: the fraction of the samples both answered whose answer text equals plain generate's.
 """
 
 from __future__ import annotations
@@ -212,7 +217,7 @@ def run_variant(name: str, fn, gm, samples, data, batch, new_tokens, reference: 
     seconds = _now() - t0
     row = {"variant": name, "batch": batch, "new_tokens": new_tokens, "samples": len(samples),
            "seconds": round(seconds, 3), "samples_per_s": round(len(samples) / seconds, 2), "peak_gib": _peak_gib(),
-           "same_answers": (round(sum(a == b for a, b in zip(answers, reference)) / len(answers), 4)
+           "same_answers": (round(sum(a == b for a, b in zip(answers, reference)) / min(len(answers), len(reference)), 4)
                             if reference is not None else 1.0)}
     print(json.dumps(row), flush=True)
     return row, answers
@@ -221,9 +226,15 @@ def run_variant(name: str, fn, gm, samples, data, batch, new_tokens, reference: 
 def bench_model(key: str, samples, data, args) -> list[dict]:
     rows = []
 
+    # the loops without a pipeline answer at one pace from their first batch: they take the first
+    # --plain-samples; the engine's variants take all (a pipeline fills once: a real eval set has
+    # thousands); same_answers compares the samples both answered
+    looped = samples[: args.plain_samples]
+
     def add(name, fn, gm, batch, reference, **extra):
+        subset = looped if fn is loop_in_process else samples
         try:
-            row, answers = run_variant(name, fn, gm, samples, data, batch, args.new_tokens, reference)
+            row, answers = run_variant(name, fn, gm, subset, data, batch, args.new_tokens, reference)
         except torch.OutOfMemoryError:
             rows.append({"model": key, "variant": name, "batch": batch, "oom": True})
             print(f"{name} at batch {batch}: out of memory at {args.cap_gib:g} GiB", flush=True)
@@ -246,7 +257,10 @@ def bench_model(key: str, samples, data, args) -> list[dict]:
     add("engine-first-call", through_eval, gm, args.batch, reference)  # captures its decode steps
     answers = add("engine", through_eval, gm, args.batch, reference)
     if answers and before:
-        rows[-1]["same_as_predict_before"] = round(sum(a == b for a, b in zip(answers, before)) / len(answers), 4)
+        rows[-1]["same_as_predict_before"] = round(sum(a == b for a, b in zip(answers, before)) / len(before), 4)
+    kernels.FUSED_ROTARY = False  # the rotations as transformers computes them (before liger's rope kernel ran them)
+    add("engine-rotary-unfused", through_eval, gm, args.batch, reference)
+    kernels.FUSED_ROTARY = True
     infer.ROW_AHEAD = False  # each batch put in one row by the engine, after the batch before (as before)
     add("engine-row-inline", through_eval, gm, args.batch, reference)
     infer.ROW_AHEAD = True
@@ -279,7 +293,7 @@ def in_fresh_process(spec: str, data: Path, args) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         cmd = [sys.executable, __file__, "--models", spec, "--data", str(data), "--out", str(out),
-               "--new-tokens", str(args.new_tokens), "--dtype", args.dtype, "--cap-gib", str(args.cap_gib),
+               "--new-tokens", str(args.new_tokens), "--plain-samples", str(args.plain_samples), "--dtype", args.dtype, "--cap-gib", str(args.cap_gib),
                "--small-batch-too", args.small_batch_too,
                "--engine-batches", ",".join(map(str, args.engine_batches))] + ([] if args.natural else ["--no-natural"])
         subprocess.run(cmd)
@@ -294,7 +308,9 @@ def main() -> None:
                              "(the 7B's plain generate runs out of 24 GiB at 64)")
     parser.add_argument("--data", type=earlier_samples,
                         help="samples made by an earlier run (train.jsonl) instead of new ones")
-    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--samples", type=int, default=1024, help="samples the engine's variants answer")
+    parser.add_argument("--plain-samples", type=int, default=256,
+                        help="the first samples of them that plain generate and the loops before the engine answer")
     parser.add_argument("--batch", type=int, default=64, help="batch of every variant but --engine-batches")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="bf16")

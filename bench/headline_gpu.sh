@@ -44,7 +44,8 @@ case "$stage" in
       --out "$out/sft_peers_3b.json"
     ;;
   checks)
-    python -m pytest -q -rs tests/test_attention.py tests/test_engine.py tests/test_train.py -k "gpu or graph or captured or 4bit or qlora" \
+    python -m pytest -q -rs tests/test_attention.py tests/test_engine.py tests/test_kernels.py tests/test_train.py \
+      -k "gpu or graph or captured or 4bit or qlora or liger" \
       --junitxml "$out/gpu_tests.xml"
     ;;
   *) echo "stage: train, infer, peers or checks" >&2; exit 2 ;;

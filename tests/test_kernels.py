@@ -10,7 +10,7 @@ from groundtune.config import ConfigError, TrainConfig
 from groundtune.errors import GroundtuneError
 from groundtune.data import synth
 from groundtune.train.batches import encode_sample
-from groundtune.models import adapt, kernels, qwen
+from groundtune.models import adapt, kernels, qwen, speedups
 from groundtune.models.adapt import base_model
 from groundtune.models.loading import load_model
 from groundtune.train.objective import answer_loss
@@ -155,3 +155,86 @@ def test_padded_vision_mlp_computes_the_same():
     assert torch.equal(kernels._padded_weights(mlp)[2][:30], mlp.up_proj.weight)
     assert kernels.pad_vision_mlp(torch.nn.Sequential(mlp), "Qwen2_5_VLMLP") == 1
     torch.testing.assert_close(mlp(x), type(mlp).forward(mlp, x))  # on a CPU the module's own forward runs
+
+
+@pytest.mark.parametrize("family", sorted(qwen.FAMILIES))
+def test_vision_rotation_in_the_text_layout_is_the_vision_rotation(family):
+    """The fused vision rotation hands the vision tower's (tokens, heads, dim) queries and keys to
+    a rope function of the language model's layout (liger-kernel's, on a GPU): here transformers'
+    own text rotation stands in for it, in fp32, and must give each family's vision rotation."""
+    import importlib
+
+    record = qwen.FAMILIES[family]
+    modeling = importlib.import_module(record.modeling_module)
+    vision_rotation = getattr(modeling, record.vision_rotary)
+    text_rotation = getattr(modeling, record.text_rotary)
+    text_rotation = getattr(text_rotation, "_groundtune_fused", text_rotation)  # transformers' own
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(37, 3, 4, 16, generator=g)  # (tokens, q/k/v, heads, dim): q, k strided views, as ours
+    q, k, _ = qkv.unbind(1)
+    angles = torch.randn(37, 8, generator=g)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    ours = kernels.rotate_vision_as_text(text_rotation, q, k, cos, sin)
+    theirs = vision_rotation(q, k, cos, sin)
+    for a, b in zip(ours, theirs):
+        assert a.shape == b.shape == q.shape
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert not torch.equal(theirs[0], q)  # it rotated
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="liger-kernel's rope kernel is Triton, GPU only")
+def test_liger_rotations_on_the_gpu_round_as_the_rotations_they_replace(monkeypatch):
+    """bf16 on a GPU: liger-kernel's rope kernel in place of the vision tower's fp32 rotation and
+    of the language model's; both round their result once or per product as the originals do,
+    so nearly every element is equal and none is off by more than a bf16 step. In a model,
+    kernels=liger routes both through it, and the logits stay those of the unfused model."""
+    pytest.importorskip("liger_kernel")
+    import importlib
+
+    import liger_kernel.transformers.rope as liger_rope
+
+    record = qwen.FAMILIES["qwen2.5-vl"]
+    modeling = importlib.import_module(record.modeling_module)
+    vision_rotation = getattr(modeling, record.vision_rotary)
+    text_rotation = getattr(modeling, record.text_rotary)
+    text_rotation = getattr(text_rotation, "_groundtune_fused", text_rotation)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(4096, 3, 16, 80, device="cuda", generator=g).bfloat16()
+    q, k, _ = qkv.unbind(1)
+    angles = torch.rand(4096, 40, device="cuda", generator=g) * 100
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    cases = [(kernels._fused_vision_rotary(liger_rope.liger_rotary_pos_emb, vision_rotation)(q, k, cos, sin),
+              vision_rotation(q, k, cos, sin))]
+    tq, tk = (t.unflatten(0, (2, 2048)).transpose(1, 2) for t in (q, k))  # (batch, heads, length, dim)
+    tcos, tsin = (t.bfloat16().unflatten(0, (2, 2048)) for t in (cos, sin))
+    cases.append((kernels._fused_text_rotary(liger_rope.liger_rotary_pos_emb, text_rotation)(tq, tk, tcos, tsin),
+                  text_rotation(tq, tk, tcos, tsin)))
+    for fused, original in cases:
+        for a, b in zip(fused, original):
+            assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
+            assert (a == b).float().mean() > 0.99
+            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-2)
+
+    # in a model: kernels=liger sends every vision layer's rotation through the kernel and the
+    # language model's through the fused function; the logits stay those of the unfused model
+    real, vision_calls = liger_rope.liger_rotary_pos_emb, []
+
+    def counting(q, *args, **kwargs):
+        if q.shape[0] == 1:  # the vision layout, (1, heads, tokens, dim); the text batch has 2 rows
+            vision_calls.append(q.shape[2])
+        return real(q, *args, **kwargs)
+
+    gm = load_model("tiny", device="cuda", dtype="bf16")
+    speedups.install(gm.model)  # our vision attention, whose rotation the kernel replaces
+    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _batch(gm).items()}
+    with torch.no_grad():
+        unfused = gm.model(**batch).logits.float()
+    monkeypatch.setattr(liger_rope, "liger_rotary_pos_emb", counting)
+    assert kernels.apply_fused_kernels(gm.model, "liger")
+    monkeypatch.setattr(liger_rope, "liger_rotary_pos_emb", real)
+    assert getattr(modeling, record.text_rotary)._groundtune_fused is text_rotation
+    with torch.no_grad():
+        fused = gm.model(**batch).logits.float()
+    blocks = qwen.family_of(gm.model).vision_block_list(gm.model)
+    assert len(vision_calls) == len(blocks)  # one vision pass over both images
+    torch.testing.assert_close(fused, unfused, rtol=0.05, atol=0.05)

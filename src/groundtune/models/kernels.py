@@ -161,7 +161,7 @@ def liger_usable(model) -> bool:
 
 
 def apply_fused_kernels(model, mode: str) -> bool:
-    """Swap in liger-kernel's RMSNorm, SwiGLU and M-RoPE for the model's own (``mode`` of
+    """Swap in liger-kernel's RMSNorm, SwiGLU and rope kernels for the model's own (``mode`` of
     KERNEL_MODES: ``auto`` where usable, ``liger`` or an error saying what is missing). Returns
     whether it did. The loss stays groundtune's (``train/objective.py``: the LM head runs on the
     answer tokens only, so there are no full-sequence logits left to fuse). liger-kernel patches
@@ -179,7 +179,79 @@ def apply_fused_kernels(model, mode: str) -> bool:
                             "use kernels=auto or kernels=none")
     # swiglu keeps liger's per-family default (on for Qwen2/2.5-VL, off for Qwen3-VL)
     patch(rope=True, rms_norm=True, cross_entropy=False, fused_linear_cross_entropy=False, model=base_model(model))
+    fuse_rotary(model)
     return True
+
+
+# Rotary embeddings through liger-kernel's rope kernel. liger-kernel 0.8.5's patches for Qwen2-VL and
+# Qwen2.5-VL replace apply_multimodal_rotary_pos_emb, transformers 4's name: transformers 5 merges the
+# M-RoPE sections into cos/sin in its rotary module and rotates with apply_rotary_pos_emb, so the
+# language model kept its unfused rotation (4 kernels a tensor: two products, a concatenation, a sum).
+# And no patch fuses the vision tower's, which rotates in fp32 (casts, products, concatenations,
+# sums, casts back): ~0.14 s of a 0.37 s vision pass over 64 photos on the 3B (H200, bf16).
+FUSED_ROTARY = True  # bench/eval_speed.py switches it off to measure what it gives
+
+
+def fuse_rotary(model) -> int:
+    """liger-kernel's rope kernel for the rotation of the language model's attention (the family
+    record's ``text_rotary`` in its modeling module, process-wide as liger-kernel's own patches)
+    and of the vision attention our attention module installed (``_groundtune_rotary``, per
+    layer). Returns the number of vision layers given it. Each falls back to the function it
+    replaces off the GPU, inside compiled code, or with FUSED_ROTARY off."""
+    import importlib
+
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    family = family_of(model)
+    modeling = importlib.import_module(family.modeling_module)
+    original = getattr(modeling, family.text_rotary)
+    if getattr(original, "_groundtune_fused", None) is None and original is not liger_rotary_pos_emb:
+        setattr(modeling, family.text_rotary, _fused_text_rotary(liger_rotary_pos_emb, original))
+    count = 0
+    for module in model.modules():
+        rotary = getattr(module, "_groundtune_rotary", None)
+        if rotary is not None and getattr(rotary, "_groundtune_fused", None) is None:
+            module._groundtune_rotary = _fused_vision_rotary(liger_rotary_pos_emb, rotary)
+            count += 1
+    return count
+
+
+def _fusable(q: torch.Tensor) -> bool:
+    # inside torch.compile (compiled vision blocks) the original is traced and fused by inductor
+    return FUSED_ROTARY and q.is_cuda and not torch.compiler.is_compiling()
+
+
+def _fused_text_rotary(rope, original):
+    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` (q, k: (batch, heads,
+    length, dim); cos, sin: (batch, length, dim)) through ``rope``, liger's function of the same
+    signature and layout."""
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if not _fusable(q):
+            return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+    apply_rotary_pos_emb._groundtune_fused = original
+    return apply_rotary_pos_emb
+
+
+def _fused_vision_rotary(rope, original):
+    """The vision attention's rotation, ``original(q, k, cos, sin)`` (q, k: (tokens, heads, dim);
+    cos, sin: (tokens, dim), fp32), through ``rope`` (liger's layout: (1, heads, tokens, dim)).
+    The kernel computes in cos's dtype and rounds once to q's: the original's arithmetic, which
+    casts q and k to fp32 and their rotation back. It rotates a contiguous copy of q and k (ours
+    are strided views of the qkv projection), in place."""
+    def rotate(q, k, cos, sin):
+        return rotate_vision_as_text(rope, q, k, cos, sin) if _fusable(q) else original(q, k, cos, sin)
+
+    rotate._groundtune_fused = original
+    return rotate
+
+
+def rotate_vision_as_text(rope, q, k, cos, sin):
+    """The vision layout (q, k: (tokens, heads, dim); cos, sin: (tokens, dim)) through ``rope``, a
+    function of the text layout (``apply_rotary_pos_emb``: (1, heads, tokens, dim), (1, tokens, dim))."""
+    q, k = rope(q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2), cos.float()[None], sin.float()[None])
+    return q.transpose(1, 2)[0], k.transpose(1, 2)[0]
 
 
 def compile_vision_blocks(model, backend: str = "inductor") -> int:

@@ -69,6 +69,9 @@ class Family:
     lm_head: str = "lm_head"
     # apply_rotary_pos_emb_vision: the function of the modeling module our vision attention calls
     vision_rotary: str = "apply_rotary_pos_emb_vision"
+    # the modeling module's function its language-model attention rotates queries and keys with (the
+    # M-RoPE sections already merged into cos/sin by its rotary module); models/kernels.py fuses it
+    text_rotary: str = "apply_rotary_pos_emb"
     image_processor_class: str = "Qwen2VLImageProcessorPil"  # the PIL backend: no torchvision needed
     # whether the image's features enter the LLM only in place of its image tokens (so samples that show
     # one image can share one vision pass, shared_image_inputs); Qwen3-VL also adds DeepStack features

@@ -53,7 +53,8 @@ def check_family_code(family) -> None:
         module = importlib.import_module(family.modeling_module)
     except ImportError as e:
         raise UnsupportedVersionError(f"{family.name}: transformers has no {family.modeling_module} ({e})") from None
-    missing = [name for name in (family.vision_attention, family.vision_rotary, family.padded_vision_mlp)
+    missing = [name for name in (family.vision_attention, family.vision_rotary, family.text_rotary,
+                                 family.padded_vision_mlp)
                if name is not None and not hasattr(module, name)]
     if missing:
         raise UnsupportedVersionError(f"{family.name}: {family.modeling_module} has no {', '.join(missing)}; "
@@ -83,7 +84,7 @@ def install(model, kernels_mode: str = "none", compile: bool = False, compile_la
     }
     fused = kernels.apply_fused_kernels(model, kernels_mode)
     if fused and say is not None:
-        say("kernels: liger-kernel's fused RMSNorm, SwiGLU and M-RoPE")
+        say("kernels: liger-kernel's fused RMSNorm, SwiGLU and rotary embeddings (vision tower and language model)")
     if compile:
         counts["compiled_vision_blocks"] = kernels.compile_vision_blocks(model)
         # liger-kernel 0.8.5's Triton kernels do not build inside torch 2.11's compile: where they run,
