@@ -28,7 +28,9 @@ first losses must agree within bf16 noise: the objective is the same, only the s
 - preset:NAME: the same with a shipped preset's batch, recomputation, packing and kernel settings.
   A QLoRA preset first writes the random architecture to disk and trains from that folder: the
   4-bit base is made by from_pretrained, as from a user's weights (bitsandbytes needed).
-- VARIANT+KEY=VALUE: the variant with one setting changed, e.g. preset:NAME+head=box.
+- VARIANT+KEY=VALUE: the variant with one setting changed, e.g. preset:NAME+head=box; and the
+  bench's switch +rotary=unfused: the rotary embeddings as transformers computes them, not through
+  liger-kernel's rope kernel (kernels.FUSED_ROTARY), to measure what the kernel gives.
 - VARIANT@ENGINE: the same variant launched by `torchrun --nproc-per-node 1` with
   distributed=ENGINE (ddp, fsdp2, zero2, zero3): what one rank of a multi-GPU run costs against
   the plain command, in the same run.
@@ -67,7 +69,7 @@ from PIL import Image
 from groundtune.config import TrainConfig, preset_path
 from groundtune.data.samples import ResumableBatches, open_samples
 from groundtune.data.records import write_samples
-from groundtune.models import adapt, qwen
+from groundtune.models import adapt, kernels, qwen
 from groundtune.models.loading import TINY_DIR, load_model
 from groundtune.train.batches import GroundingDataset
 from provenance import stamped, unstamped
@@ -393,6 +395,10 @@ def groundtune_step(name: str, model_name: str, data: Path, steps: int, settings
             model, seen["counts"] = _saved_weights(model_name, Path(weights))
         values = dict(method="lora", lora_r=16, lora_alpha=32, lora_targets=["llm_attn", "llm_mlp"], num_workers=8,
                       precision="bf16" if torch.cuda.is_available() else "fp32")
+        settings = dict(settings)
+        # a switch of the bench's, not a setting: VARIANT+rotary=unfused computes the rotary embeddings
+        # as transformers does, not through liger-kernel's rope kernel (what that kernel gives)
+        kernels.FUSED_ROTARY = settings.pop("rotary", "fused") != "unfused"
         values.update(settings)  # a variant's or a preset's settings; the run's length and logging are the bench's
         cfg = TrainConfig(**values, model=model, train_data=str(data), out_dir=out, lr=LR, warmup_steps=0,
                           min_lr_ratio=1.0, max_steps=steps, log_every=1, save_every=0)
