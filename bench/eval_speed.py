@@ -99,8 +99,7 @@ def through_eval(gm, samples: list[dict], data: Path, batch: int, new_tokens: in
 def make_it_stop(gm, samples: list[dict], data: Path, target: float, new_tokens: int) -> float:
     """Raise the end-of-turn logit along the mean direction of the prompts' final hidden states, by
     the scale whose greedy answers average closest to ``target`` tokens (its row scaled to its own
-    norm; the scale found by halving its logarithm between 1e-4 and 1: on the random 3B anything
-    from 0.03 up stopped every answer at its first token); returns that mean length."""
+    norm; the scale found by halving its logarithm between 1e-4 and 1); returns that mean length."""
     lm_head = gm.model.get_output_embeddings()
     stop = gm.processor.eos_token_ids[0]
     captured = []
@@ -112,11 +111,17 @@ def make_it_stop(gm, samples: list[dict], data: Path, target: float, new_tokens:
         original = lm_head.weight[stop].clone()
         direction = (direction / direction.norm() * original.float().norm()).to(original.dtype)
 
+    # lengths in generated tokens, the stop token included (the answers' text says less: a random
+    # model's tokens may decode to nothing, and an earlier count of re-encoded text read 1.1 tokens
+    # for answers that ran to the last step)
+    encoded, _ = encode_in_process(gm, samples[:64], data)
+    answering, stops = infer.engine_for(gm), set(gm.processor.eos_token_ids)
+
     def mean_length_at(scale: float) -> float:
         with torch.no_grad():
             lm_head.weight[stop] = original + scale * direction
-        raws = through_eval(gm, samples[:64], data, 64, new_tokens)
-        lengths = [len(gm.processor.tokenizer(r, add_special_tokens=False)["input_ids"]) + 1 for r in raws]
+        ids = answering.generate(encoded, new_tokens, infer.Decoding.greedy(new_tokens).choose)
+        lengths = [next((i + 1 for i, token in enumerate(row) if token in stops), len(row)) for row in ids]
         mean = sum(lengths) / len(lengths)
         print(f"  stop scale {scale:.5f}: mean answer {mean:.1f} tokens", flush=True)
         return mean

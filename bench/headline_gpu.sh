@@ -5,7 +5,8 @@
 #   bash bench/headline_gpu.sh train OUT     # SFT preset against the plain loop (and compiled); RL step
 #                                            # against plain RL and the padded update; 7B QLoRA against LoRA
 #   bash bench/headline_gpu.sh infer OUT     # eval 3B (engine against plain generate; answers of natural
-#                                            # lengths) and 7B; box head against text, 7 phrases per image
+#                                            # lengths); box head against text, 7 phrases per image
+#   bash bench/headline_gpu.sh infer7b OUT   # eval 7B (engine against plain generate)
 #   PEER_SITE=DIR bash bench/headline_gpu.sh peers OUT   # the 3B preset against TRL and ms-swift
 #   bash bench/headline_gpu.sh checks OUT    # the tests that need a GPU (kernels, graphs, 4-bit bases)
 #
@@ -13,7 +14,7 @@
 # set BENCH_COMMIT (and BENCH_DIRTY=1 if the tree differed) where the copy was made. PEER_SITE: a
 # folder holding ms-swift and the datasets/trl it pins (BENCHMARKS.md, "Peers, side by side").
 set -euo pipefail
-stage=${1:?train, infer, peers or checks}
+stage=${1:?train, infer, infer7b, peers or checks}
 out=${2:?an output folder}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -29,11 +30,13 @@ case "$stage" in
       --variants preset:qwen2.5-vl-7b-lora-24gb,preset:qwen2.5-vl-7b-qlora --out "$out/sft_speed_7b_qlora.json"
     ;;
   infer)
-    python bench/eval_speed.py --models 3b --samples 256 --small-batch-too "" --engine-batches "" \
+    python bench/eval_speed.py --models 3b --samples 1024 --small-batch-too "" --engine-batches "" \
       --out "$out/eval_speed_3b.json"
     python bench/head_speed.py --models 3b --samples 1024 --phrases-per-image 7 --compile \
       --out "$out/head_speed_3b_k7_compiled.json"
-    python bench/eval_speed.py --models 7b:32 --samples 256 --small-batch-too "" --engine-batches "" --no-natural \
+    ;;
+  infer7b)
+    python bench/eval_speed.py --models 7b:32 --samples 1024 --small-batch-too "" --engine-batches "" --no-natural \
       --out "$out/eval_speed_7b.json"
     ;;
   peers)
@@ -48,5 +51,5 @@ case "$stage" in
       -k "gpu or graph or captured or 4bit or qlora or liger" \
       --junitxml "$out/gpu_tests.xml"
     ;;
-  *) echo "stage: train, infer, peers or checks" >&2; exit 2 ;;
+  *) echo "stage: train, infer, infer7b, peers or checks" >&2; exit 2 ;;
 esac
