@@ -14,8 +14,12 @@
 # set BENCH_COMMIT (and BENCH_DIRTY=1 if the tree differed) where the copy was made. PEER_SITE: a
 # folder holding ms-swift and the datasets/trl it pins (BENCHMARKS.md, "Peers, side by side").
 set -euo pipefail
-stage=${1:?train, infer, infer7b, peers or checks}
-out=${2:?an output folder}
+if [ $# -ne 2 ]; then
+  echo "usage: bash bench/headline_gpu.sh train|infer|infer7b|peers|checks OUT" >&2
+  exit 2
+fi
+stage=$1
+out=$2
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
