@@ -406,7 +406,8 @@ class InferSettings:
                                                   "and usually unparsable)")
     device: str = setting("auto", "auto, cpu, cuda, cuda:1, ...")
     compile: bool = setting(False, "torch.compile the vision tower on a GPU (nothing on a CPU): seconds more on the "
-                                   "first batch, then faster prefills (docs/eval-and-inference.md)")
+                                   "first batch, then faster prefills where liger-kernel is not installed (with it, "
+                                   "none on the 3B: docs/eval-and-inference.md)")
 
 
 def _adapter_folder(model: str) -> Path | None:

@@ -170,10 +170,10 @@ def load(name: str, device: str = InferSettings.device, min_pixels: int | None =
     overridden where ``min_pixels``/``max_pixels`` are given (``who`` warns: it is not what the
     model was trained at), and the speed-ups installed, liger-kernel's fused kernels included
     where they can run: a decode step of the 3B at batch 64 is ~1,700 kernels, most of them the
-    small elementwise ones of RMSNorm, M-RoPE and SwiGLU that those fuse. ``compile``: the vision
-    tower compiled too, on a GPU (its fp32 norms, rotary embedding and casts were ~40% of the 3B's
-    prefill on an H200; compiled, eval answered 1.02x and 1.11x the samples a second in two runs,
-    after 5-8 s of compiling)."""
+    small elementwise ones of RMSNorm, the rotary embeddings and SwiGLU that those fuse (the
+    vision tower's fp32 rotation included: eval 1.19x on the 3B). ``compile``: the vision tower
+    compiled too, on a GPU (its norms, rotary embedding and casts fused: 1.02x and 1.11x before
+    liger-kernel's rope kernel ran the rotation, 0.95x since; 5-8 s of compiling)."""
     from groundtune.models import speedups
     from groundtune.models.loading import load_model, with_resize
 
