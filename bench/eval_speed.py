@@ -53,7 +53,7 @@ from groundtune import evaluate, infer  # noqa: E402
 from groundtune.data.images import load_image  # noqa: E402
 from groundtune.data.records import image_path, read_samples, record_size  # noqa: E402
 from groundtune.models import engine as engine_module  # noqa: E402
-from groundtune.models import kernels, speedups  # noqa: E402
+from groundtune.models import kernels, qwen, speedups  # noqa: E402
 from groundtune.models.loading import load_model  # noqa: E402
 
 MODELS = {"3b": "random:qwen2.5-vl-3b", "7b": "random:qwen2.5-vl-7b", "tiny": "tiny"}
@@ -176,6 +176,10 @@ def breakdown(gm, samples: list[dict], data: Path, batch: int, new_tokens: int) 
     return out
 
 
+def _device_us(event) -> float:
+    return getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
+
+
 def profile(gm, samples: list[dict], data: Path, batch: int) -> dict:
     """GPU kernel time of one batch's prefill and of one decode step issued from Python, by kind
     (the graph replays the same kernels; the profile cannot see inside a graph)."""
@@ -183,19 +187,22 @@ def profile(gm, samples: list[dict], data: Path, batch: int) -> dict:
     from torch.profiler import profile as torch_profile
 
     encoded, _ = encode_in_process(gm, samples[:batch], data)
+    # the batch in its row with its pixels page-locked, as eval's read-ahead thread hands it over (a
+    # pageable upload, ~50 ms for 64 photos of the 3B, would count as copies that eval does not make)
+    row = qwen.collate_shared(encoded, pinned=True)
     engine = engine_module.Engine(gm.model, gm.processor.pad_token_id, gm.processor.eos_token_ids, use_graphs=False)
     greedy = infer.Decoding.greedy(1).choose
     out = {}
     for name, tokens in (("prefill", 1), ("prefill_and_4_steps", 5)):
         with torch.inference_mode():
-            engine.generate(encoded, tokens, greedy)
+            engine.generate(encoded, tokens, greedy, row=row)
             with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                engine.generate(encoded, tokens, greedy)
+                engine.generate(encoded, tokens, greedy, row=row)
                 torch.cuda.synchronize()
         kinds: dict[str, float] = {}
         count = 0
         for event in prof.key_averages():
-            us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
+            us = _device_us(event)
             if us <= 0:
                 continue
             count += event.count
@@ -206,6 +213,10 @@ def profile(gm, samples: list[dict], data: Path, batch: int) -> dict:
             kinds[kind] = kinds.get(kind, 0.0) + us / 1e6
         out[name] = {"gpu_s": round(sum(kinds.values()), 4), "kernels": count,
                      "by_kind_s": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}}
+        if name == "prefill":  # the next lever is among these
+            heaviest = sorted((e for e in prof.key_averages() if _device_us(e) > 0), key=_device_us, reverse=True)
+            out["prefill_top_kernels"] = [{"kernel": e.key[:120], "calls": e.count, "ms": round(_device_us(e) / 1e3, 2)}
+                                          for e in heaviest[:15]]
     step = {k: round((out["prefill_and_4_steps"]["by_kind_s"].get(k, 0) - out["prefill"]["by_kind_s"].get(k, 0)) / 4 * 1000, 3)
             for k in out["prefill_and_4_steps"]["by_kind_s"]}
     out["decode_step_ms_by_kind"] = step
