@@ -36,6 +36,12 @@ def _defaults(cls) -> dict[str, object]:
             for f in dataclasses.fields(cls)}
 
 
+def _flat(text: str) -> str:
+    """``text`` on one line, as argparse may wrap it: any run of whitespace one space, and none after
+    a hyphen (its wrapping breaks words like liger-kernel there, at a place set by the width)."""
+    return re.sub(r"-\s+", "-", " ".join(text.split()))
+
+
 def _subcommand_help(*names: str) -> str:
     parser = build_parser()
     for name in names:  # "data", "refgen": a command of a command
@@ -84,12 +90,12 @@ def test_the_commands_that_answer_take_their_flags_from_infer_settings(argv, nam
     from groundtune.config import InferSettings
 
     args = build_parser().parse_args(argv)
-    shown = " ".join(_subcommand_help(*argv[:2] if argv[0] == "data" else argv[:1]).split())
+    shown = _flat(_subcommand_help(*argv[:2] if argv[0] == "data" else argv[:1]))
     for f in dataclasses.fields(InferSettings):
         flag = "--" + f.name.replace("_", "-")
         if f.name in names:
             assert getattr(args, f.name) == f.default
-            assert " ".join(f.metadata["help"].split()) in shown, flag
+            assert _flat(f.metadata["help"]) in shown, flag
         else:
             assert flag not in shown
 
@@ -100,9 +106,9 @@ def test_serve_flags_are_the_limits_fields():
     from groundtune.cli import _limits
     from groundtune.serve import MB, Limits, flag
 
-    shown = " ".join(_subcommand_help("serve").split())
+    shown = _flat(_subcommand_help("serve"))
     for f in dataclasses.fields(Limits):
-        assert flag(f.name) in shown and " ".join(f.metadata["help"].split()) in shown, f.name
+        assert flag(f.name) in shown and _flat(f.metadata["help"]) in shown, f.name
     parser = build_parser()
     assert _limits(parser.parse_args(["serve", "--model", "m"])) == Limits()
     given = _limits(parser.parse_args(["serve", "--model", "m", "--max-body-mb", "1.5", "--workers", "0",
@@ -111,7 +117,7 @@ def test_serve_flags_are_the_limits_fields():
 
 
 def test_eval_help_explains_the_set_metrics():
-    shown = " ".join(_subcommand_help("eval").split())
+    shown = _flat(_subcommand_help("eval"))
     assert "RefCOCO's meaning, over the samples with a target): Acc@0.5" in shown  # Acc@0.5 keeps its meaning
     for metric in ("F1@0.5", "precision", "recall", "set_acc@0.5", "N-acc", "T-acc", "AP and AP@0.5"):
         assert metric in shown, metric
@@ -121,7 +127,7 @@ def test_eval_help_explains_the_set_metrics():
 def test_synth_help_lists_the_every_task():
     from groundtune.data.synth import TASKS
 
-    shown = " ".join(_subcommand_help("data", "synth").split())
+    shown = _flat(_subcommand_help("data", "synth"))
     assert "every" in TASKS and "{" + ",".join(TASKS) + "}" in shown
     for task in TASKS:  # each task is explained, not only listed
         assert f"{task}: " in shown, task
