@@ -115,13 +115,13 @@ def make_it_stop(gm, samples: list[dict], data: Path, target: float, new_tokens:
     # model's tokens may decode to nothing, and an earlier count of re-encoded text read 1.1 tokens
     # for answers that ran to the last step)
     encoded, _ = encode_in_process(gm, samples[:64], data)
-    answering, stops = infer.engine_for(gm), set(gm.processor.eos_token_ids)
+    answering = infer.engine_for(gm)
 
     def mean_length_at(scale: float) -> float:
         with torch.no_grad():
             lm_head.weight[stop] = original + scale * direction
         ids = answering.generate(encoded, new_tokens, infer.Decoding.greedy(new_tokens).choose)
-        lengths = [next((i + 1 for i, token in enumerate(row) if token in stops), len(row)) for row in ids]
+        lengths = [min(infer.answer_length(row, gm.processor) + 1, len(row)) for row in ids]
         mean = sum(lengths) / len(lengths)
         print(f"  stop scale {scale:.5f}: mean answer {mean:.1f} tokens", flush=True)
         return mean
@@ -309,8 +309,8 @@ def in_fresh_process(spec: str, data: Path, args) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         cmd = [sys.executable, __file__, "--models", spec, "--data", str(data), "--out", str(out),
-               "--new-tokens", str(args.new_tokens), "--plain-samples", str(args.plain_samples), "--dtype", args.dtype, "--cap-gib", str(args.cap_gib),
-               "--small-batch-too", args.small_batch_too,
+               "--new-tokens", str(args.new_tokens), "--plain-samples", str(args.plain_samples),
+               "--dtype", args.dtype, "--cap-gib", str(args.cap_gib), "--small-batch-too", args.small_batch_too,
                "--engine-batches", ",".join(map(str, args.engine_batches))] + ([] if args.natural else ["--no-natural"])
         subprocess.run(cmd)
         return unstamped(json.loads(out.read_text())) if out.exists() else [{"model": spec, "variant": "-",

@@ -157,18 +157,23 @@ def test_padded_vision_mlp_computes_the_same():
     torch.testing.assert_close(mlp(x), type(mlp).forward(mlp, x))  # on a CPU the module's own forward runs
 
 
+def _rotations(family: str):
+    """transformers' own vision and text rotations of ``family``'s modeling module (the text one
+    as it was before ``kernels.fuse_rotary`` wrapped it, where it has)."""
+    import importlib
+
+    record = qwen.FAMILIES[family]
+    modeling = importlib.import_module(record.modeling_module)
+    text_rotation = getattr(modeling, record.text_rotary)
+    return getattr(modeling, record.vision_rotary), getattr(text_rotation, "_groundtune_fused", text_rotation)
+
+
 @pytest.mark.parametrize("family", sorted(qwen.FAMILIES))
 def test_vision_rotation_in_the_text_layout_is_the_vision_rotation(family):
     """The fused vision rotation hands the vision tower's (tokens, heads, dim) queries and keys to
     a rope function of the language model's layout (liger-kernel's, on a GPU): here transformers'
     own text rotation stands in for it, in fp32, and must give each family's vision rotation."""
-    import importlib
-
-    record = qwen.FAMILIES[family]
-    modeling = importlib.import_module(record.modeling_module)
-    vision_rotation = getattr(modeling, record.vision_rotary)
-    text_rotation = getattr(modeling, record.text_rotary)
-    text_rotation = getattr(text_rotation, "_groundtune_fused", text_rotation)  # transformers' own
+    vision_rotation, text_rotation = _rotations(family)
     g = torch.Generator().manual_seed(0)
     qkv = torch.randn(37, 3, 4, 16, generator=g)  # (tokens, q/k/v, heads, dim): q, k strided views, as ours
     q, k, _ = qkv.unbind(1)
@@ -196,9 +201,7 @@ def test_liger_rotations_on_the_gpu_round_as_the_rotations_they_replace(monkeypa
 
     record = qwen.FAMILIES["qwen2.5-vl"]
     modeling = importlib.import_module(record.modeling_module)
-    vision_rotation = getattr(modeling, record.vision_rotary)
-    text_rotation = getattr(modeling, record.text_rotary)
-    text_rotation = getattr(text_rotation, "_groundtune_fused", text_rotation)
+    vision_rotation, text_rotation = _rotations(record.name)
     g = torch.Generator(device="cuda").manual_seed(0)
     qkv = torch.randn(4096, 3, 16, 80, device="cuda", generator=g).bfloat16()
     q, k, _ = qkv.unbind(1)

@@ -192,12 +192,12 @@ def apply_fused_kernels(model, mode: str) -> bool:
 FUSED_ROTARY = True  # bench/eval_speed.py switches it off to measure what it gives
 
 
-def fuse_rotary(model) -> int:
+def fuse_rotary(model) -> None:
     """liger-kernel's rope kernel for the rotation of the language model's attention (the family
     record's ``text_rotary`` in its modeling module, process-wide as liger-kernel's own patches)
     and of the vision attention our attention module installed (``_groundtune_rotary``, per
-    layer). Returns the number of vision layers given it. Each falls back to the function it
-    replaces off the GPU, inside compiled code, or with FUSED_ROTARY off."""
+    layer). Each falls back to the function it replaces off the GPU, inside compiled code, or
+    with FUSED_ROTARY off."""
     import importlib
 
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
@@ -207,13 +207,10 @@ def fuse_rotary(model) -> int:
     original = getattr(modeling, family.text_rotary)
     if getattr(original, "_groundtune_fused", None) is None and original is not liger_rotary_pos_emb:
         setattr(modeling, family.text_rotary, _fused_text_rotary(liger_rotary_pos_emb, original))
-    count = 0
     for module in model.modules():
         rotary = getattr(module, "_groundtune_rotary", None)
         if rotary is not None and getattr(rotary, "_groundtune_fused", None) is None:
             module._groundtune_rotary = _fused_vision_rotary(liger_rotary_pos_emb, rotary)
-            count += 1
-    return count
 
 
 def _fusable(q: torch.Tensor) -> bool:
