@@ -68,7 +68,8 @@ from PIL import Image
 
 from groundtune.config import TrainConfig, preset_path
 from groundtune.data.samples import ResumableBatches, open_samples
-from groundtune.data.records import write_samples
+from groundtune.data.records import read_samples, write_samples
+from groundtune.errors import DataError
 from groundtune.models import adapt, kernels, qwen
 from groundtune.models.loading import TINY_DIR, load_model
 from groundtune.train.batches import GroundingDataset
@@ -138,11 +139,16 @@ WORDS = ("man woman dog cat car bus chair table person bike umbrella horse cup b
 
 
 def earlier_samples(value: str) -> Path:
-    """The type of the benches' --data: a samples file an earlier run made; a path naming no file is
-    one line and exit 2 (argparse's), not a traceback from deep in the run."""
+    """The type of the benches' --data: a samples file an earlier run made; a path naming no file,
+    or a file with a line that is no sample, is one line and exit 2 (argparse's), not a traceback
+    from deep in the run."""
     path = Path(value)
     if not path.is_file():
         raise argparse.ArgumentTypeError(f"{value}: no such file")
+    try:
+        read_samples(path)
+    except DataError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return path
 
 
@@ -599,6 +605,9 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
+    switched = [v for v in variants if (variant_settings(v) or {}).get("rotary", "fused") not in ("fused", "unfused")]
+    if switched:
+        parser.error(f"{switched[0]}: +rotary= takes fused or unfused")
     if any(v.startswith("swift") for v in variants) and not (args.peer_site and (Path(args.peer_site) / "swift").is_dir()):
         parser.error(f"the swift variant needs --peer-site naming a folder that holds ms-swift (got {args.peer_site}); "
                      "bench/peer_swift_requirements.txt says how to make one")

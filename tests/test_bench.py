@@ -108,3 +108,21 @@ def test_a_data_file_that_is_not_there_is_one_line_and_exit_2(script, tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"{missing}: no such file" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("script", ["sft_speed", "eval_speed", "head_speed"])
+def test_a_data_file_with_a_line_that_is_no_sample_is_one_line_and_exit_2(script, tmp_path):
+    corrupt = tmp_path / "train.jsonl"
+    corrupt.write_text('{"image": "a.jpg", "phrase": "a cat", "bbox": [0, 0, 4, 4]}\nnot json\n')
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), "--data", str(corrupt)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"{corrupt}:" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_unknown_rotary_switch_is_one_line_and_exit_2():
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "sft_speed.py"), "--models", "tiny",
+                           "--variants", "preset:quickstart+rotary=fast"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "+rotary= takes fused or unfused" in done.stderr and "Traceback" not in done.stderr
