@@ -247,10 +247,10 @@ def bench_model(key: str, samples, data, args) -> list[dict]:
     # thousands); same_answers compares the samples both answered
     looped = samples[: args.plain_samples]
 
-    def add(name, fn, gm, batch, reference, **extra):
+    def add(name, fn, gm, batch, reference, new_tokens=None, **extra):
         subset = looped if fn is loop_in_process else samples
         try:
-            row, answers = run_variant(name, fn, gm, subset, data, batch, args.new_tokens, reference)
+            row, answers = run_variant(name, fn, gm, subset, data, batch, new_tokens or args.new_tokens, reference)
         except torch.OutOfMemoryError:
             rows.append({"model": key, "variant": name, "batch": batch, "oom": True})
             print(f"{name} at batch {batch}: out of memory at {args.cap_gib:g} GiB", flush=True)
@@ -274,6 +274,9 @@ def bench_model(key: str, samples, data, args) -> list[dict]:
     answers = add("engine", through_eval, gm, args.batch, reference)
     if answers and before:
         rows[-1]["same_as_predict_before"] = round(sum(a == b for a, b in zip(answers, before)) / len(before), 4)
+    # answers that end after their first token: the prefill and one step (what a model that answers
+    # at once costs; the answers differ from the 32-token ones, so there is nothing to compare)
+    add("engine-one-token", through_eval, gm, args.batch, None, new_tokens=1)
     kernels.FUSED_ROTARY = False  # the rotations as transformers computes them (before liger's rope kernel ran them)
     add("engine-rotary-unfused", through_eval, gm, args.batch, reference)
     kernels.FUSED_ROTARY = True
