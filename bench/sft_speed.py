@@ -28,9 +28,11 @@ first losses must agree within bf16 noise: the objective is the same, only the s
 - preset:NAME: the same with a shipped preset's batch, recomputation, packing and kernel settings.
   A QLoRA preset first writes the random architecture to disk and trains from that folder: the
   4-bit base is made by from_pretrained, as from a user's weights (bitsandbytes needed).
-- VARIANT+KEY=VALUE: the variant with one setting changed, e.g. preset:NAME+head=box; and the
-  bench's switch +rotary=unfused: the rotary embeddings as transformers computes them, not through
-  liger-kernel's rope kernel (kernels.FUSED_ROTARY), to measure what the kernel gives.
+- VARIANT+KEY=VALUE: the variant with one setting changed, e.g. preset:NAME+head=box or +fp8=true;
+  and the bench's switches +rotary=unfused (the rotary embeddings as transformers computes them, not
+  through liger-kernel's rope kernel: kernels.FUSED_ROTARY) and +loss=unfused (the answer tokens'
+  logits whole, not liger-kernel's fused linear cross-entropy: kernels.FUSED_LOSS), to measure what
+  each kernel gives.
 - VARIANT@ENGINE: the same variant launched by `torchrun --nproc-per-node 1` with
   distributed=ENGINE (ddp, fsdp2, zero2, zero3): what one rank of a multi-GPU run costs against
   the plain command, in the same run.
@@ -116,6 +118,9 @@ GT_VARIANTS = {
 PRESET_SETTINGS = ("method", "lora_r", "lora_alpha", "lora_targets", "batch_size", "grad_accum", "gradient_checkpointing",
                    "packing", "kernels", "compile", "max_pixels", "min_pixels", "num_workers")
 LR = 1e-4
+
+
+BENCH_SWITCHES = ("rotary", "loss")  # VARIANT+SWITCH=fused|unfused: the bench's, not TrainConfig settings
 
 
 def variant_settings(variant: str) -> dict | None:
@@ -402,9 +407,11 @@ def groundtune_step(name: str, model_name: str, data: Path, steps: int, settings
         values = dict(method="lora", lora_r=16, lora_alpha=32, lora_targets=["llm_attn", "llm_mlp"], num_workers=8,
                       precision="bf16" if torch.cuda.is_available() else "fp32")
         settings = dict(settings)
-        # a switch of the bench's, not a setting: VARIANT+rotary=unfused computes the rotary embeddings
-        # as transformers does, not through liger-kernel's rope kernel (what that kernel gives)
+        # switches of the bench's, not settings: VARIANT+rotary=unfused computes the rotary embeddings
+        # as transformers does, not through liger-kernel's rope kernel; +loss=unfused the answer
+        # tokens' logits whole, not through its fused linear cross-entropy (what each kernel gives)
         kernels.FUSED_ROTARY = settings.pop("rotary", "fused") != "unfused"
+        kernels.FUSED_LOSS = settings.pop("loss", "fused") != "unfused"
         values.update(settings)  # a variant's or a preset's settings; the run's length and logging are the bench's
         cfg = TrainConfig(**values, model=model, train_data=str(data), out_dir=out, lr=LR, warmup_steps=0,
                           min_lr_ratio=1.0, max_steps=steps, log_every=1, save_every=0)
@@ -420,6 +427,7 @@ def groundtune_step(name: str, model_name: str, data: Path, steps: int, settings
     result = _result(name, seen["counts"], batches, batch_size, batch_size / samples_per_s,
                      [r["loss"] for r in steps_logged], settings)
     result["peak_gib"] = round(peak, 2) if peak is not None else None
+    result["losses"] = [round(r["loss"], 4) for r in steps_logged]  # the whole curve (fp8 against bf16: 200 steps)
     if profiler is not None and profiler.summary:
         result["profile"] = profiler.summary
     return result
@@ -605,9 +613,10 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
-    switched = [v for v in variants if (variant_settings(v) or {}).get("rotary", "fused") not in ("fused", "unfused")]
-    if switched:
-        parser.error(f"{switched[0]}: +rotary= takes fused or unfused")
+    for switch in BENCH_SWITCHES:
+        switched = [v for v in variants if (variant_settings(v) or {}).get(switch, "fused") not in ("fused", "unfused")]
+        if switched:
+            parser.error(f"{switched[0]}: +{switch}= takes fused or unfused")
     if any(v.startswith("swift") for v in variants) and not (args.peer_site and (Path(args.peer_site) / "swift").is_dir()):
         parser.error(f"the swift variant needs --peer-site naming a folder that holds ms-swift (got {args.peer_site}); "
                      "bench/peer_swift_requirements.txt says how to make one")

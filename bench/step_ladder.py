@@ -12,8 +12,10 @@ their inputs to fp32, the vision MLP at its own width; (2) + the vision attentio
 variable-length flash call per layer; (3) + the vision MLP zero-padded to an aligned width;
 (4) + LoRA inputs left in bf16; (5) + fused LoRA layers (scale and sum inside the matmuls);
 (6) + the samples packed into one row, the text attention variable-length too (no padding);
-(7) + liger-kernel's fused RMSNorm/SwiGLU/M-RoPE (`kernels=liger`). Rungs 2, 3 and 7 need a GPU
-(and liger-kernel for 7): elsewhere they are skipped. The earlier history (transformers' own
+(7) + liger-kernel's fused RMSNorm/SwiGLU/rotations (`kernels=liger`); (8) + its fused linear
+cross-entropy on the answer tokens (also `kernels=liger`); (9) + FP8 matmuls in the language
+model's frozen linear layers (`fp8=true`, torchao). Rungs 2, 3, 7 and 8 need a GPU (and
+liger-kernel for 7 and 8), 9 torchao and a GPU with FP8 matmuls: elsewhere they are skipped. The earlier history (transformers' own
 paths -> positions from the loader -> LM head on answer tokens only) is in BENCHMARKS.md.
 The optimizer is AdamW at a tiny learning rate: the weights barely move between rungs.
 """
@@ -57,6 +59,11 @@ def ladder(model, samples: list[dict], pad_token_id: int, steps: int = 5, warmup
     def use_varlen(on: bool):
         attention.VARLEN_ENABLED = on
 
+    def fuse_loss(on: bool):
+        kernels.FUSED_LOSS = on
+
+    fuse_loss(False)  # its own rung, after the rest of kernels=liger
+
     rungs = [
         ("before: padded, vision windows grouped by length, peft LoRA casting to fp32, vision MLP as is",
          lambda: (use_varlen(False), _vision_mlp(model, False)), True),
@@ -65,8 +72,12 @@ def ladder(model, samples: list[dict], pad_token_id: int, steps: int = 5, warmup
         ("+ LoRA inputs left in bf16 (no fp32 copies)", lambda: state.update(uncast=True), True),
         ("+ fused LoRA layers (scale and sum inside the matmuls)", lambda: kernels.fuse_lora_layers(model), True),
         ("+ packed row, variable-length text attention (no padding)", lambda: state.update(batch=packed), True),
-        ("+ liger-kernel RMSNorm, SwiGLU, M-RoPE (kernels=liger)",
+        ("+ liger-kernel RMSNorm, SwiGLU, rotations (kernels=liger)",
          lambda: kernels.apply_fused_kernels(model, "liger"), kernels.liger_usable(model)),
+        ("+ liger-kernel fused linear cross-entropy on the answer tokens (kernels=liger)",
+         lambda: fuse_loss(True), kernels.liger_usable(model)),
+        ("+ FP8 matmuls in the language model's frozen linear layers (fp8=true, torchao)",
+         lambda: kernels.fp8_matmuls(model), _fp8_usable(device)),
     ]
 
     def step():
@@ -83,7 +94,7 @@ def ladder(model, samples: list[dict], pad_token_id: int, steps: int = 5, warmup
     try:
         for name, change, runs_here in rungs:
             if not runs_here:
-                print(f"   skipped (needs a GPU or liger-kernel)  {name}", flush=True)
+                print(f"   skipped (needs a GPU, liger-kernel or torchao)  {name}", flush=True)
                 continue
             try:  # an optional kernel that fails must not cost the rungs measured so far
                 change()
@@ -106,4 +117,12 @@ def ladder(model, samples: list[dict], pad_token_id: int, steps: int = 5, warmup
             print(f"{dt * 1000:8.1f} ms  {n / dt:7.1f} samples/s  peak {peak} GiB  {name}", flush=True)
     finally:
         use_varlen(True)
+        fuse_loss(True)
     return rows
+
+
+def _fp8_usable(device: torch.device) -> bool:
+    import importlib.util
+
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+            and importlib.util.find_spec("torchao") is not None)

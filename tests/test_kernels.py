@@ -254,3 +254,84 @@ def test_liger_rotations_on_the_gpu_round_as_the_rotations_they_replace(monkeypa
     assert len(vision_calls) == len(blocks)  # one vision pass over both images
     assert not torch.equal(fused, unfused)  # the kernel computed them
     assert (fused - exact).abs().mean() <= 1.25 * (unfused - exact).abs().mean()
+
+
+def test_fp8_is_refused_where_it_cannot_run():
+    with pytest.raises(ConfigError, match="fp8=true with method=qlora"):
+        TrainConfig(train_data="synth:full", method="qlora", fp8=True)
+    with pytest.raises(ConfigError, match="fp8=true with distributed=fsdp2"):
+        TrainConfig(train_data="synth:full", fp8=True, distributed="fsdp2")
+    gm = load_model("tiny", device="cpu", dtype="fp32")
+    model = adapt.prepare_for_training(gm.model, TrainConfig(train_data="x", method="lora"))
+    with pytest.raises(GroundtuneError, match="fp8=true needs a GPU with FP8 matmuls"):
+        speedups.install(model, fp8=True)
+
+
+def _lora_on_the_gpu():
+    gm = load_model("tiny", device="cuda", dtype="bf16")
+    model = adapt.prepare_for_training(gm.model, TrainConfig(train_data="x", method="lora"))
+    adapt.keep_trainable_fp32(model)
+    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _batch(gm).items()}
+    return model, batch
+
+
+def _loss_and_gradients(model, batch):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = answer_loss(model, batch)
+    loss.backward()
+    return loss.detach().float(), torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="liger-kernel is Triton, GPU only")
+def test_fused_answer_loss_on_the_gpu_is_the_loss_it_replaces(monkeypatch):
+    """kernels=liger scores the answer tokens with liger-kernel's fused linear cross-entropy: the
+    same loss and LoRA gradients as the LM head's logits and cross-entropy (bf16 noise), and the
+    kernel is what ran."""
+    pytest.importorskip("liger_kernel")
+    import liger_kernel.transformers.functional as liger_functional
+
+    model, batch = _lora_on_the_gpu()
+    speedups.install(model, "liger")
+    real, calls = liger_functional.liger_fused_linear_cross_entropy, []
+    monkeypatch.setattr(liger_functional, "liger_fused_linear_cross_entropy",
+                        lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(kernels, "FUSED_LOSS", False)
+    loss, grads = _loss_and_gradients(model, batch)
+    assert not calls
+    monkeypatch.setattr(kernels, "FUSED_LOSS", True)
+    fused_loss, fused_grads = _loss_and_gradients(model, batch)
+    tokens = int((batch["labels"][:, 1:] != -100).sum())
+    assert calls == [(tokens, base_model(model).config.text_config.hidden_size)]  # the answer tokens alone
+    torch.testing.assert_close(fused_loss, loss, rtol=1e-2, atol=0)
+    assert _relative(fused_grads, grads) < 0.02
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 matmuls need a GPU of compute capability 8.9 or later")
+def test_fp8_matmuls_on_the_gpu_train_as_bf16_does():
+    """fp8=true puts the language model's frozen linear layers in torchao's Float8Linear (the LoRA
+    adapters stay as they are): the loss and gradients of a step stay within FP8's rounding of
+    bf16's, and a few steps lower the loss as bf16's do."""
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    model, batch = _lora_on_the_gpu()
+    speedups.install(model)
+    loss, grads = _loss_and_gradients(model, batch)
+    layers = adapt.decoder_layers(model)
+    # every attention and MLP projection of every layer: q, k, v, o, gate, up, down
+    assert kernels.fp8_matmuls(model) == 7 * len(layers) == sum(isinstance(m, Float8Linear) for m in model.modules())
+    assert not any(isinstance(m, Float8Linear) for n, m in model.named_modules() if "lora_" in n or "visual" in n)
+    fp8_loss, fp8_grads = _loss_and_gradients(model, batch)
+    torch.testing.assert_close(fp8_loss, loss, rtol=0.05, atol=0)
+    assert _relative(fp8_grads, grads) < 0.2
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    for _ in range(5):
+        optimizer.step()
+        fp8_loss = _loss_and_gradients(model, batch)[0]
+    assert fp8_loss < loss

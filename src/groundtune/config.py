@@ -202,9 +202,18 @@ class _Step(_Settings):
                             "variable-length flash call per layer (the fast setting); on a CPU a dense mask (slow)")
     compile: bool = setting(False, "torch.compile the vision blocks, and the LLM decoder layers where liger-kernel "
                             "does not run (it fuses those itself): fewer kernels, slower first steps")
+    fp8: bool = setting(False, "FP8 matmuls in the language model's frozen linear layers (method=lora; torchao's "
+                        "float8 training, pip install 'groundtune[fp8]'; a GPU of compute capability 8.9 or later: "
+                        "Ada, Hopper); measured in BENCHMARKS.md")
 
     def check(self) -> None:
         _positive(self, "grad_accum")
+        if self.fp8 and getattr(self, "method", "lora") != "lora":
+            raise ConfigError(f"fp8=true with method={self.method}: FP8 matmuls are for a LoRA run's frozen bf16 base "
+                              "(a 4-bit base is quantized already; full fine-tuning in FP8 is not measured)")
+        if self.fp8 and getattr(self, "distributed", "ddp") != "ddp":
+            raise ConfigError(f"fp8=true with distributed={self.distributed}: FP8 matmuls with sharded weights are "
+                              "not measured; use distributed=ddp")
 
 
 @dataclass
@@ -359,6 +368,7 @@ class RLConfig(_Loop, _Update, _Reward, _Rollouts, _Optimisation, _Lora, _Target
         "grad_accum": "micro_batch bounds the update's memory",
         "packing": "the update puts the answers to a prompt in one row itself (the prompt once, then each answer)",
         "compile": "rollouts and updates with compiled layers are not measured yet",
+        "fp8": "rollouts and updates with FP8 matmuls are not measured yet",
         "hflip_prob": "augmentations would change the truth rewards are scored on",
         "scale_crop_prob": "augmentations would change the truth rewards are scored on",
         "min_pixels": "the pixel budget is the starting model's, as it was trained",

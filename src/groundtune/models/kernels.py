@@ -9,13 +9,15 @@ Always on, where they apply (``fuse_lora_layers``, ``pad_vision_mlp``):
   intermediate is no multiple of 8, so cuBLAS falls back to slower kernels for all three of its
   matmuls); zero-padded to 3,424 the arithmetic is the same (the four extra columns are 0 in, 0 out).
 
-Optional, as settings of ``groundtune train`` (and ``--compile`` of eval, predict and serve); both
-cut the launches and memory round trips of elementwise work (field-notes, "Speed";
-docs/benchmarks-history.md):
+Optional, as settings of ``groundtune train`` (and ``--compile`` of eval, predict and serve); the
+first two cut the launches and memory round trips of elementwise work (field-notes, "Speed";
+docs/benchmarks-history.md), the third the matmuls' precision:
 
-    kernels: none | liger | auto   # auto: liger-kernel when it is installed and the model is on a GPU
+    kernels: none | liger | auto   # auto: liger-kernel when it is installed and the model is on a GPU;
+                                   # its loss kernel also scores the answer tokens (fused_answer_nll)
     compile: false | true          # torch.compile each vision block, and each decoder layer where
                                    # liger-kernel does not run (the first steps are slower)
+    fp8: false | true              # the language model's frozen linear layers in FP8 (torchao)
 
 liger-kernel is an extra (``pip install 'groundtune[gpu]'``): its kernels are Triton, GPU only.
 Without it, or on CPU, ``kernels=auto`` leaves transformers' modules as they are.
@@ -180,7 +182,66 @@ def apply_fused_kernels(model, mode: str) -> bool:
     # swiglu keeps liger's per-family default (on for Qwen2/2.5-VL, off for Qwen3-VL)
     patch(rope=True, rms_norm=True, cross_entropy=False, fused_linear_cross_entropy=False, model=base_model(model))
     fuse_rotary(model)
+    base_model(model)._groundtune_fused_loss = True  # train/objective.py scores the answers with fused_answer_nll
     return True
+
+
+# The answer tokens' loss through liger-kernel's fused linear cross-entropy: the LM head's product and
+# the cross-entropy in chunks, so the logits of the answer tokens (tokens x 151,936, and their fp32
+# copy, softmax and gradient) are never whole in memory, and the input's gradient is made in the
+# forward pass. liger-kernel's patch would fuse transformers' loss over every position; ours runs on
+# the answer tokens only (train/objective.py), so it calls the function itself.
+FUSED_LOSS = True  # bench/sft_speed.py switches it off to measure what it gives
+
+
+def fused_answer_nll(model, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    """The summed negative log-likelihood of ``targets`` (tokens,) under ``hidden`` (tokens, width)
+    projected by the LM head's ``weight``, through liger-kernel's fused kernel where
+    ``apply_fused_kernels`` installed it on ``model`` and it can run here; else None (the caller
+    computes it as before)."""
+    if not (FUSED_LOSS and getattr(model, "_groundtune_fused_loss", False) and hidden.is_cuda and len(targets)):
+        return None
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    # the matmul in the autocast dtype, as the LM head computes it; the softmax in fp32 inside the kernel.
+    # chunk_mem_const 16: liger's default cuts ~1,000 answer tokens into chunks of 16 rows (a thin
+    # matmul each) to keep the transient logits near the hidden states' size; 16x that is chunks of
+    # 256-512 rows, ~150-300 MB of logits at a time
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else weight.dtype
+    return liger_fused_linear_cross_entropy(hidden.to(dtype), weight.to(dtype), targets, reduction="sum",
+                                            chunk_mem_const=16)
+
+
+# FP8 matmuls (fp8: true): torchao's float8 training on the language model's frozen linear layers
+# (its Float8Linear casts input, weight and output gradient to float8 with dynamic scales and runs
+# torch._scaled_mm). The LoRA adapters stay bf16; a layer whose base is FP8 takes peft's forward
+# (the fused LoRA function above is for a bf16 base).
+
+
+def fp8_matmuls(model) -> int:
+    """Swap the frozen linear layers of the language model's decoder layers (the base layers of
+    LoRA adapters; widths that are multiples of 16, as float8 matmuls need) for torchao's
+    Float8Linear. Needs torchao and a GPU with FP8 matmuls (compute capability 8.9: Ada, Hopper
+    and later). Returns the number of layers."""
+    device = base_model(model).device
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        raise TrainingError(f"fp8=true needs a GPU with FP8 matmuls (compute capability 8.9 or later: Ada, "
+                            f"Hopper); this model is on {device}. Use fp8=false")
+    try:
+        from torchao.float8 import convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError:
+        raise MissingPackageError("fp8=true needs torchao: pip install 'groundtune[fp8]'") from None
+
+    def frozen_and_aligned(module, name: str) -> bool:
+        return (not module.weight.requires_grad and module.in_features % 16 == 0
+                and module.out_features % 16 == 0)
+
+    count = 0
+    for layer in decoder_layers(model):
+        convert_to_float8_training(layer, module_filter_fn=frozen_and_aligned)
+        count += sum(isinstance(m, Float8Linear) for m in layer.modules())
+    return count
 
 
 # Rotary embeddings through liger-kernel's rope kernel. liger-kernel 0.8.5's patches for Qwen2-VL and

@@ -67,13 +67,14 @@ def check_family_code(family) -> None:
 
 
 def install(model, kernels_mode: str = "none", compile: bool = False, compile_layers: bool = True,
-            say=None) -> dict[str, int]:
+            say=None, fp8: bool = False) -> dict[str, int]:
     """Install the speed-ups on ``model`` (a Qwen-VL model, or the PEFT model to train); returns
     how many layers each replaced. ``kernels_mode``/``compile``: the training settings of the
     same names: ``compile`` compiles the vision blocks, and the decoder layers where liger-kernel
     does not run and ``compile_layers`` (generation keeps them as they are: its decode step
     attends through the engine's cache by layer index, which compiled layers would recompile
-    for). ``say`` reports the optional ones (liger-kernel, compile) when given."""
+    for). ``fp8``: the training setting (the language model's frozen linear layers in FP8). ``say``
+    reports the optional ones (liger-kernel, compile, fp8) when given."""
     check_transformers()
     family = family_of(model)
     check_family_code(family)
@@ -85,6 +86,10 @@ def install(model, kernels_mode: str = "none", compile: bool = False, compile_la
     fused = kernels.apply_fused_kernels(model, kernels_mode)
     if fused and say is not None:
         say("kernels: liger-kernel's fused RMSNorm, SwiGLU and rotary embeddings (vision tower and language model)")
+    if fp8:  # before compiling: compiled layers trace the float8 casts with the rest
+        counts["fp8_layers"] = kernels.fp8_matmuls(model)
+        if say is not None:
+            say(f"kernels: {counts['fp8_layers']} linear layers of the language model in FP8 (torchao)")
     if compile:
         counts["compiled_vision_blocks"] = kernels.compile_vision_blocks(model)
         # liger-kernel 0.8.5's Triton kernels do not build inside torch 2.11's compile: where they run,

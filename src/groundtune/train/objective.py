@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from groundtune.errors import TrainingError
-from groundtune.models import head, qwen
+from groundtune.models import head, kernels, qwen
 from groundtune.models.adapt import base_model
 from groundtune.models.attention import attached, keeps_packed_samples_apart, shares_prefixes
 from groundtune.models.qwen import IGNORE_INDEX
@@ -56,16 +56,28 @@ def hidden_states(core, batch: dict[str, torch.Tensor], image_of_row: list[int] 
         return core.model(**inputs, use_cache=False).last_hidden_state
 
 
-def _answer_logprobs(core, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _answer_rows(hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hidden states that predict the answer tokens of ``batch`` (tokens, width), those tokens,
+    and the batch row each belongs to."""
     if "answer_index" in batch:  # one row of answers (qwen.collate_answers): where each token is predicted
-        logits = core.get_output_embeddings()(hidden[0, batch["answer_index"]])
-        logprobs = -F.cross_entropy(logits.float(), batch["answer_targets"], reduction="none")
-        return logprobs, batch["answer_owner"]
+        return hidden[0, batch["answer_index"]], batch["answer_targets"], batch["answer_owner"]
     targets = batch["labels"][:, 1:]  # position t predicts token t + 1
     answer = targets != IGNORE_INDEX
-    logits = core.get_output_embeddings()(hidden[:, :-1][answer])  # the LM head on answer tokens only
-    logprobs = -F.cross_entropy(logits.float(), targets[answer], reduction="none")
-    return logprobs, answer.nonzero()[:, 0]
+    return hidden[:, :-1][answer], targets[answer], answer.nonzero()[:, 0]
+
+
+def _answer_logprobs(core, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, targets, owner = _answer_rows(hidden, batch)
+    logits = core.get_output_embeddings()(rows)  # the LM head on answer tokens only
+    return -F.cross_entropy(logits.float(), targets, reduction="none"), owner
+
+
+def _answer_nll(core, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The answer tokens' negative log-likelihood, summed: liger-kernel's fused linear cross-entropy
+    where ``kernels`` installed it (the logits never whole in memory), else ``_answer_logprobs``'."""
+    rows, targets, _ = _answer_rows(hidden, batch)
+    fused = kernels.fused_answer_nll(core, rows, core.get_output_embeddings().weight, targets)
+    return fused if fused is not None else -_answer_logprobs(core, hidden, batch)[0].sum()
 
 
 class Objective(torch.nn.Module):
@@ -77,7 +89,10 @@ class Objective(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, batch: dict[str, torch.Tensor], image_of_row: list[int] | None = None):
+    def forward(self, batch: dict[str, torch.Tensor], image_of_row: list[int] | None = None, summed: bool = False):
+        if summed:  # the SFT loss's numerator (answer_loss): one number, which the fused kernel can give
+            core = base_model(self.model)
+            return _answer_nll(core, hidden_states(core, batch, image_of_row), batch)
         return answer_logprobs(self.model, batch, image_of_row)
 
 
@@ -118,8 +133,8 @@ def answer_loss(model, batch: dict[str, torch.Tensor], tokens: int | None = None
     update is split. By default, the mean over this batch's. ``model``: the model, or the
     ``Objective`` the ranks' engine wraps (``Parallel.objective``)."""
     wrapped = isinstance(model, Objective) or isinstance(getattr(model, "module", None), Objective)
-    logprobs = (model(batch) if wrapped else answer_logprobs(model, batch))[0]
-    return -(logprobs.sum() / tokens if tokens is not None else logprobs.mean())
+    nll = model(batch, summed=True) if wrapped else Objective(model)(batch, summed=True)
+    return nll / (tokens if tokens is not None else max(answer_tokens(batch), 1))
 
 
 def answer_tokens(batch: dict[str, torch.Tensor]) -> int:

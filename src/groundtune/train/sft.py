@@ -207,7 +207,7 @@ def _setup_model(cfg: TrainConfig, device_setting: str | None = None) -> tuple[G
     if cfg.head == "box":
         adapt.attach_box_head(model, cfg.head_text_loss_weight > 0, cfg.head_slots, cfg.head_threshold)
     adapt.keep_trainable_fp32(model)
-    speedups.install(model, cfg.kernels, cfg.compile, say=print)
+    speedups.install(model, cfg.kernels, cfg.compile, say=print, fp8=cfg.fp8)
     gm = dataclasses.replace(gm, model=model)
     return gm, model
 
