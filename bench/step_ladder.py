@@ -13,9 +13,9 @@ variable-length flash call per layer; (3) + the vision MLP zero-padded to an ali
 (4) + LoRA inputs left in bf16; (5) + fused LoRA layers (scale and sum inside the matmuls);
 (6) + the samples packed into one row, the text attention variable-length too (no padding);
 (7) + liger-kernel's fused RMSNorm/SwiGLU/rotations (`kernels=liger`); (8) + its fused linear
-cross-entropy on the answer tokens (also `kernels=liger`); (9) + FP8 matmuls in the language
-model's frozen linear layers (`fp8=true`, torchao). Rungs 2, 3, 7 and 8 need a GPU (and
-liger-kernel for 7 and 8), 9 torchao and a GPU with FP8 matmuls: elsewhere they are skipped. The earlier history (transformers' own
+cross-entropy on the answer tokens (also `kernels=liger`); (9) + the LoRA layers' frozen base
+products in float8 (`fp8=true`). Rungs 2, 3, 7 and 8 need a GPU (and liger-kernel for 7 and 8),
+9 a GPU with FP8 matmuls: elsewhere they are skipped. The earlier history (transformers' own
 paths -> positions from the loader -> LM head on answer tokens only) is in BENCHMARKS.md.
 The optimizer is AdamW at a tiny learning rate: the weights barely move between rungs.
 """
@@ -76,7 +76,7 @@ def ladder(model, samples: list[dict], pad_token_id: int, steps: int = 5, warmup
          lambda: kernels.apply_fused_kernels(model, "liger"), kernels.liger_usable(model)),
         ("+ liger-kernel fused linear cross-entropy on the answer tokens (kernels=liger)",
          lambda: fuse_loss(True), kernels.liger_usable(model)),
-        ("+ FP8 matmuls in the language model's frozen linear layers (fp8=true, torchao)",
+        ("+ LoRA layers' frozen base products in float8 (fp8=true)",
          lambda: kernels.fp8_matmuls(model), _fp8_usable(device)),
     ]
 
@@ -94,7 +94,7 @@ def ladder(model, samples: list[dict], pad_token_id: int, steps: int = 5, warmup
     try:
         for name, change, runs_here in rungs:
             if not runs_here:
-                print(f"   skipped (needs a GPU, liger-kernel or torchao)  {name}", flush=True)
+                print(f"   skipped (needs a GPU, liger-kernel or FP8 matmuls)  {name}", flush=True)
                 continue
             try:  # an optional kernel that fails must not cost the rungs measured so far
                 change()
@@ -122,7 +122,4 @@ def ladder(model, samples: list[dict], pad_token_id: int, steps: int = 5, warmup
 
 
 def _fp8_usable(device: torch.device) -> bool:
-    import importlib.util
-
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-            and importlib.util.find_spec("torchao") is not None)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)

@@ -202,9 +202,8 @@ class _Step(_Settings):
                             "variable-length flash call per layer (the fast setting); on a CPU a dense mask (slow)")
     compile: bool = setting(False, "torch.compile the vision blocks, and the LLM decoder layers where liger-kernel "
                             "does not run (it fuses those itself): fewer kernels, slower first steps")
-    fp8: bool = setting(False, "FP8 matmuls in the language model's frozen linear layers (method=lora; torchao's "
-                        "float8 training, pip install 'groundtune[fp8]'; a GPU of compute capability 8.9 or later: "
-                        "Ada, Hopper); measured in BENCHMARKS.md")
+    fp8: bool = setting(False, "float8 matmuls for the frozen base weights of LoRA layers (method=lora; a GPU of "
+                        "compute capability 8.9 or later: Ada, Hopper); measured in BENCHMARKS.md")
 
     def check(self) -> None:
         _positive(self, "grad_accum")

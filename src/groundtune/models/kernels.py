@@ -17,7 +17,7 @@ docs/benchmarks-history.md), the third the matmuls' precision:
                                    # its loss kernel also scores the answer tokens (fused_answer_nll)
     compile: false | true          # torch.compile each vision block, and each decoder layer where
                                    # liger-kernel does not run (the first steps are slower)
-    fp8: false | true              # the language model's frozen linear layers in FP8 (torchao)
+    fp8: false | true              # LoRA layers' frozen base products in float8 (_Fp8LoraLinear)
 
 liger-kernel is an extra (``pip install 'groundtune[gpu]'``): its kernels are Triton, GPU only.
 Without it, or on CPU, ``kernels=auto`` leaves transformers' modules as they are.
@@ -77,8 +77,9 @@ def _lora_forward(self, x, *args, **kwargs):
             and not self.disable_adapters and name not in self.lora_variant
             and isinstance(self.lora_dropout[name], torch.nn.Identity) and self.lora_B[name].bias is None
             and type(base) is torch.nn.Linear and not base.weight.requires_grad and x.dtype == base.weight.dtype):
-        return _LoraLinear.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
-                                 self.scaling[name])
+        function = _Fp8LoraLinear if getattr(self, "_groundtune_fp8", False) else _LoraLinear
+        return function.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
+                              self.scaling[name])
     return type(self).forward(self, x, *args, **kwargs)
 
 
@@ -212,35 +213,73 @@ def fused_answer_nll(model, hidden: torch.Tensor, weight: torch.Tensor, targets:
                                             chunk_mem_const=16)
 
 
-# FP8 matmuls (fp8: true): torchao's float8 training on the language model's frozen linear layers
-# (its Float8Linear casts input, weight and output gradient to float8 with dynamic scales and runs
-# torch._scaled_mm). The LoRA adapters stay bf16; a layer whose base is FP8 takes peft's forward
-# (the fused LoRA function above is for a bf16 base).
+# FP8 matmuls (fp8: true) for LoRA layers: the frozen base weight's two products of a step (the
+# forward, recomputed or not, and the input's gradient) in float8 through torch._scaled_mm, with one
+# scale a tensor (amax / the format's largest value, made fresh each call): e4m3 for activations and
+# weights, e5m2 (more range) for gradients, as torchao's float8 training does. Not torchao's
+# Float8Linear: it computes the weight's gradient too (for a frozen base, a third more matmul work
+# thrown away) and that product needs a token count that is a multiple of 16, which a packed row is
+# not. The adapters' small products stay in the input's dtype.
+FP8_ACTIVATIONS, FP8_GRADIENTS = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` in float8 ``dtype`` and the fp32 scale that multiplies it back (``t`` ~ result x scale)."""
+    largest = torch.finfo(dtype).max
+    scale = t.abs().amax().float().clamp(min=1e-12) / largest
+    return t.mul((1 / scale).to(t.dtype)).clamp_(-largest, largest).to(dtype), scale
+
+
+class _Fp8LoraLinear(torch.autograd.Function):
+    """``_LoraLinear`` with the base weight's products in float8 (same arguments, same gradients
+    up to FP8's rounding)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float):
+        a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        h = x2 @ a.t()
+        (xq, xs), (wq, ws) = _to_fp8(x2, FP8_ACTIVATIONS), _to_fp8(weight, FP8_ACTIVATIONS)
+        out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=x.dtype)
+        out.addmm_(h, b.t(), alpha=scaling)
+        ctx.save_for_backward(x2, weight, a, b, h)
+        ctx.scaling, ctx.dtypes, ctx.shape = scaling, (lora_a.dtype, lora_b.dtype), x.shape
+        return out.reshape(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, weight, a, b, h = ctx.saved_tensors
+        s = ctx.scaling
+        g = grad.reshape(-1, grad.shape[-1])
+        gh = g @ b
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            (gq, gs), (wq, ws) = _to_fp8(g, FP8_GRADIENTS), _to_fp8(weight, FP8_ACTIVATIONS)
+            # the second operand column-major, as the float8 matmul takes it: the weight transposed in memory
+            grad_x = torch._scaled_mm(gq, wq.t().contiguous().t(), scale_a=gs, scale_b=ws, out_dtype=g.dtype)
+            grad_x = grad_x.addmm_(gh, a, alpha=s).reshape(ctx.shape)
+        grad_a = (gh.t() @ x2).mul_(s).to(ctx.dtypes[0])
+        grad_b = (g.t() @ h).mul_(s).to(ctx.dtypes[1])
+        return grad_x, None, None, grad_a, grad_b, None
 
 
 def fp8_matmuls(model) -> int:
-    """Swap the frozen linear layers of the language model's decoder layers (the base layers of
-    LoRA adapters; widths that are multiples of 16, as float8 matmuls need) for torchao's
-    Float8Linear. Needs torchao and a GPU with FP8 matmuls (compute capability 8.9: Ada, Hopper
-    and later). Returns the number of layers."""
+    """Put the base products of ``model``'s LoRA linear layers in float8 (those whose widths are
+    multiples of 16, as float8 matmuls need; every projection of Qwen-VL's language model). Needs
+    a GPU with FP8 matmuls (compute capability 8.9: Ada, Hopper and later). Returns the number of
+    layers."""
     device = base_model(model).device
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
         raise TrainingError(f"fp8=true needs a GPU with FP8 matmuls (compute capability 8.9 or later: Ada, "
                             f"Hopper); this model is on {device}. Use fp8=false")
-    try:
-        from torchao.float8 import convert_to_float8_training
-        from torchao.float8.float8_linear import Float8Linear
-    except ImportError:
-        raise MissingPackageError("fp8=true needs torchao: pip install 'groundtune[fp8]'") from None
-
-    def frozen_and_aligned(module, name: str) -> bool:
-        return (not module.weight.requires_grad and module.in_features % 16 == 0
-                and module.out_features % 16 == 0)
-
+    fuse_lora_layers(model)  # the fused forward is where the float8 function runs
     count = 0
-    for layer in decoder_layers(model):
-        convert_to_float8_training(layer, module_filter_fn=frozen_and_aligned)
-        count += sum(isinstance(m, Float8Linear) for m in layer.modules())
+    for module in model.modules():
+        base = getattr(module, "base_layer", None)
+        if (isinstance(getattr(module, "forward", None), types.MethodType) and module.forward.__func__ is _lora_forward
+                and type(base) is torch.nn.Linear and base.in_features % 16 == 0 and base.out_features % 16 == 0):
+            module._groundtune_fp8 = True
+            count += 1
     return count
 
 

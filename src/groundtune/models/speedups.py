@@ -73,7 +73,7 @@ def install(model, kernels_mode: str = "none", compile: bool = False, compile_la
     same names: ``compile`` compiles the vision blocks, and the decoder layers where liger-kernel
     does not run and ``compile_layers`` (generation keeps them as they are: its decode step
     attends through the engine's cache by layer index, which compiled layers would recompile
-    for). ``fp8``: the training setting (the language model's frozen linear layers in FP8). ``say``
+    for). ``fp8``: the training setting (LoRA layers' frozen base products in float8). ``say``
     reports the optional ones (liger-kernel, compile, fp8) when given."""
     check_transformers()
     family = family_of(model)
@@ -89,7 +89,7 @@ def install(model, kernels_mode: str = "none", compile: bool = False, compile_la
     if fp8:  # before compiling: compiled layers trace the float8 casts with the rest
         counts["fp8_layers"] = kernels.fp8_matmuls(model)
         if say is not None:
-            say(f"kernels: {counts['fp8_layers']} linear layers of the language model in FP8 (torchao)")
+            say(f"kernels: {counts['fp8_layers']} LoRA layers with their base products in float8")
     if compile:
         counts["compiled_vision_blocks"] = kernels.compile_vision_blocks(model)
         # liger-kernel 0.8.5's Triton kernels do not build inside torch 2.11's compile: where they run,
