@@ -203,7 +203,8 @@ class _Step(_Settings):
     compile: bool = setting(False, "torch.compile the vision blocks, and the LLM decoder layers where liger-kernel "
                             "does not run (it fuses those itself): fewer kernels, slower first steps")
     fp8: bool = setting(False, "float8 matmuls for the frozen base weights of LoRA layers (method=lora; a GPU of "
-                        "compute capability 8.9 or later: Ada, Hopper); measured in BENCHMARKS.md")
+                        "compute capability 8.9 or later: Ada, Hopper). Slower than bf16 on the 3B preset today "
+                        "(0.86x, BENCHMARKS.md): its casts cost more than the faster matmuls give")
 
     def check(self) -> None:
         _positive(self, "grad_accum")

@@ -202,6 +202,10 @@ def fused_answer_nll(model, hidden: torch.Tensor, weight: torch.Tensor, targets:
     computes it as before)."""
     if not (FUSED_LOSS and getattr(model, "_groundtune_fused_loss", False) and hidden.is_cuda and len(targets)):
         return None
+    # the kernel reads the weight itself, outside the LM head's forward: where an engine shards it
+    # (FSDP2's DTensor, ZeRO-3's empty partition, gathered only around that forward) it cannot
+    if type(weight.data) is not torch.Tensor or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        return None
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     # the matmul in the autocast dtype, as the LM head computes it; the softmax in fp32 inside the kernel.

@@ -198,6 +198,8 @@ def _setup_model(cfg: TrainConfig, device_setting: str | None = None) -> tuple[G
     device = pick_device(device_setting)
     if cfg.method == "qlora" and device.type != "cuda":
         raise TrainingError("method=qlora needs a CUDA GPU (bitsandbytes 4-bit); use method=lora on CPU")
+    if cfg.fp8 and device.type != "cuda":  # before the weights load (kernels.fp8_matmuls checks the GPU's kind)
+        raise TrainingError("fp8=true needs a GPU with FP8 matmuls (compute capability 8.9 or later); use fp8=false on CPU")
     dtype = "bf16" if use_bf16(cfg, device) else "fp32"
     gm = load_model(cfg.model, device=device_setting, dtype=dtype, quantize_4bit=cfg.method == "qlora")
     # a base checkpoint's budget is pinned to fit the GPU as a matter of course; a trained one's is not
