@@ -22,11 +22,11 @@ STAMP = {"command", "commit", "date", "device", "versions"}
 # script -> (its smoke arguments, the rows it must write: variants, or keys of its result)
 SMOKE = {
     "sft_speed": (["--models", "tiny", "--steps", "2", "--samples", "16",
-                   "--variants", "naive,gt-b4-no-ckpt,preset:quickstart"],
-                  {"naive", "gt-b4-no-ckpt", "preset:quickstart"}),
+                   "--variants", "naive,gt-b4-no-ckpt,preset:quickstart,preset:quickstart+loss=unfused"],
+                  {"naive", "gt-b4-no-ckpt", "preset:quickstart", "preset:quickstart+loss=unfused"}),
     "eval_speed": (["--models", "tiny", "--samples", "24", "--plain-samples", "16", "--batch", "8"],
-                   {"plain", "predict-before", "engine", "engine-rotary-unfused", "engine-row-inline", "engine-eager",
-                    "breakdown"}),
+                   {"plain", "predict-before", "engine", "engine-one-token", "engine-rotary-unfused", "engine-row-inline",
+                    "engine-eager", "breakdown"}),
     "head_speed": (["--models", "tiny", "--samples", "16", "--batch", "8", "--compile"],
                    {"text", "box", "box_vs_text", "box_compiled", "box_compiled_vs_box"}),
     "rl_speed": (["--model", "tiny", "--steps", "2"], {"impl", "rollouts_per_s"}),
@@ -120,9 +120,10 @@ def test_a_data_file_with_a_line_that_is_no_sample_is_one_line_and_exit_2(script
     assert f"{corrupt}:" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_an_unknown_rotary_switch_is_one_line_and_exit_2():
+@pytest.mark.parametrize("switch", ["rotary", "loss"])
+def test_an_unknown_bench_switch_is_one_line_and_exit_2(switch):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "sft_speed.py"), "--models", "tiny",
-                           "--variants", "preset:quickstart+rotary=fast"], capture_output=True, text=True,
+                           "--variants", f"preset:quickstart+{switch}=fast"], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "+rotary= takes fused or unfused" in done.stderr and "Traceback" not in done.stderr
+    assert f"+{switch}= takes fused or unfused" in done.stderr and "Traceback" not in done.stderr

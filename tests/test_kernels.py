@@ -327,13 +327,14 @@ def test_fp8_lora_layer_computes_what_the_bf16_one_does_up_to_fp8_rounding():
     lora_a, lora_b = torch.randn(8, 64, generator=g) * 0.1, torch.randn(48, 8, generator=g) * 0.1
     grad = torch.randn(37, 48, generator=g).bfloat16()
 
-    def run(function):
-        inputs = [t.clone().requires_grad_(t is not weight and t is not bias) for t in (x, weight, bias, lora_a, lora_b)]
-        out = function.apply(*inputs, 2.0)
+    def run(base):
+        inputs = [t.clone().requires_grad_(t is not weight and t is not bias)
+                  for t in (x, weight, bias, lora_a, lora_b)]
+        out = kernels._LoraLinear.apply(*inputs, 2.0, base)
         out.backward(grad)
         return [out.float()] + [inputs[i].grad.float() for i in (0, 3, 4)]
 
-    errors = [_relative(got, want) for got, want in zip(run(kernels._Fp8LoraLinear), run(kernels._LoraLinear))]
+    errors = [_relative(got, want) for got, want in zip(run(kernels.FP8), run(kernels.BF16))]
     assert errors[0] < 0.05  # the output, through e4m3 (3 bits of mantissa)
     assert errors[1] < 0.1  # the input's gradient, through the e5m2 gradient (2 bits of mantissa)
     assert errors[2] == errors[3] == 0  # the adapters' gradients never pass through the base's float8 products
@@ -341,7 +342,7 @@ def test_fp8_lora_layer_computes_what_the_bf16_one_does_up_to_fp8_rounding():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="FP8 matmuls need a GPU of compute capability 8.9 or later")
-def test_fp8_matmuls_on_the_gpu_train_as_bf16_does():
+def test_fp8_matmuls_on_the_gpu_train_as_bf16_does(monkeypatch):
     """fp8=true puts every LoRA layer's base products in float8 (every projection of the language
     model): the loss and gradients of a step stay within FP8's rounding of bf16's, and a few
     steps lower the loss as bf16's do. The targets are shifted to other tokens: the tiny model
@@ -355,12 +356,9 @@ def test_fp8_matmuls_on_the_gpu_train_as_bf16_does():
     layers = adapt.decoder_layers(model)
     assert kernels.fp8_matmuls(model) == 7 * len(layers)  # q, k, v, o, gate, up, down of every layer
     calls = []
-    real = kernels._Fp8LoraLinear.forward
-    kernels._Fp8LoraLinear.forward = staticmethod(lambda ctx, x, *a: calls.append(x.shape) or real(ctx, x, *a))
-    try:
-        fp8_loss, fp8_grads = _loss_and_gradients(model, batch)
-    finally:
-        kernels._Fp8LoraLinear.forward = staticmethod(real)
+    counting = kernels.FP8._replace(forward=lambda x2, *a: calls.append(x2.shape) or kernels._fp8_forward(x2, *a))
+    monkeypatch.setattr(kernels, "FP8", counting)
+    fp8_loss, fp8_grads = _loss_and_gradients(model, batch)
     assert len(calls) == 7 * len(layers)
     torch.testing.assert_close(fp8_loss, loss, rtol=0.05, atol=0)
     assert _relative(fp8_grads, grads) < 0.2

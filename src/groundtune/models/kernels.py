@@ -17,7 +17,7 @@ docs/benchmarks-history.md), the third the matmuls' precision:
                                    # its loss kernel also scores the answer tokens (fused_answer_nll)
     compile: false | true          # torch.compile each vision block, and each decoder layer where
                                    # liger-kernel does not run (the first steps are slower)
-    fp8: false | true              # LoRA layers' frozen base products in float8 (_Fp8LoraLinear)
+    fp8: false | true              # LoRA layers' frozen base products in float8 (FP8 below)
 
 liger-kernel is an extra (``pip install 'groundtune[gpu]'``): its kernels are Triton, GPU only.
 Without it, or on CPU, ``kernels=auto`` leaves transformers' modules as they are.
@@ -26,6 +26,7 @@ Without it, or on CPU, ``kernels=auto`` leaves transformers' modules as they are
 from __future__ import annotations
 
 import types
+import typing
 
 import torch
 import torch.nn.functional as F
@@ -42,16 +43,17 @@ from groundtune.models.qwen import family_of
 class _LoraLinear(torch.autograd.Function):
     """The adapted linear layer, forward and backward, for a frozen base weight. Computes in the
     input's dtype (under autocast: bf16, as peft's layer does); the adapters' gradients come back
-    in their own dtype (fp32)."""
+    in their own dtype (fp32). ``base``: how the base weight's two products are made (``BF16``,
+    ``FP8``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, base: "_BaseProducts"):
         a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
         x2 = x.reshape(-1, x.shape[-1])
         h = x2 @ a.t()  # (tokens, r)
-        out = F.linear(x2, weight, bias).addmm_(h, b.t(), alpha=scaling)
+        out = base.forward(x2, weight, bias).addmm_(h, b.t(), alpha=scaling)
         ctx.save_for_backward(x2, weight, a, b, h)
-        ctx.scaling, ctx.dtypes, ctx.shape = scaling, (lora_a.dtype, lora_b.dtype), x.shape
+        ctx.scaling, ctx.dtypes, ctx.shape, ctx.base = scaling, (lora_a.dtype, lora_b.dtype), x.shape, base
         return out.reshape(*x.shape[:-1], -1)
 
     @staticmethod
@@ -60,10 +62,19 @@ class _LoraLinear(torch.autograd.Function):
         s = ctx.scaling
         g = grad.reshape(-1, grad.shape[-1])
         gh = g @ b  # (tokens, r): the gradient at the adapter's bottleneck, unscaled
-        grad_x = (g @ weight).addmm_(gh, a, alpha=s).reshape(ctx.shape) if ctx.needs_input_grad[0] else None
+        grad_x = (ctx.base.input_grad(g, weight).addmm_(gh, a, alpha=s).reshape(ctx.shape)
+                  if ctx.needs_input_grad[0] else None)
         grad_a = (gh.t() @ x2).mul_(s).to(ctx.dtypes[0])
         grad_b = (g.t() @ h).mul_(s).to(ctx.dtypes[1])
-        return grad_x, None, None, grad_a, grad_b, None
+        return grad_x, None, None, grad_a, grad_b, None, None
+
+
+class _BaseProducts(typing.NamedTuple):
+    forward: typing.Callable  # (x2, weight, bias) -> x2 W^T + b
+    input_grad: typing.Callable  # (g, weight) -> g W
+
+
+BF16 = _BaseProducts(F.linear, torch.matmul)  # in the input's dtype, as peft's layer computes them
 
 
 def _lora_forward(self, x, *args, **kwargs):
@@ -77,9 +88,8 @@ def _lora_forward(self, x, *args, **kwargs):
             and not self.disable_adapters and name not in self.lora_variant
             and isinstance(self.lora_dropout[name], torch.nn.Identity) and self.lora_B[name].bias is None
             and type(base) is torch.nn.Linear and not base.weight.requires_grad and x.dtype == base.weight.dtype):
-        function = _Fp8LoraLinear if getattr(self, "_groundtune_fp8", False) else _LoraLinear
-        return function.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
-                              self.scaling[name])
+        return _LoraLinear.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
+                                 self.scaling[name], FP8 if getattr(self, "_groundtune_fp8", False) else BF16)
     return type(self).forward(self, x, *args, **kwargs)
 
 
@@ -166,8 +176,9 @@ def liger_usable(model) -> bool:
 def apply_fused_kernels(model, mode: str) -> bool:
     """Swap in liger-kernel's RMSNorm, SwiGLU and rope kernels for the model's own (``mode`` of
     KERNEL_MODES: ``auto`` where usable, ``liger`` or an error saying what is missing). Returns
-    whether it did. The loss stays groundtune's (``train/objective.py``: the LM head runs on the
-    answer tokens only, so there are no full-sequence logits left to fuse). liger-kernel patches
+    whether it did. liger-kernel's own loss patch is left off (it fuses transformers' loss over every
+    position; groundtune's runs on the answer tokens only, ``train/objective.py``, and marks the
+    model to score them with ``fused_answer_nll``). liger-kernel patches
     transformers' modeling module as well as this model: models built later in the same process
     get its kernels too (one training run per process is what `groundtune train` does)."""
     assert mode in KERNEL_MODES, mode  # TrainConfig checks it
@@ -234,37 +245,18 @@ def _to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Te
     return t.mul((1 / scale).to(t.dtype)).clamp_(-largest, largest).to(dtype), scale
 
 
-class _Fp8LoraLinear(torch.autograd.Function):
-    """``_LoraLinear`` with the base weight's products in float8 (same arguments, same gradients
-    up to FP8's rounding)."""
+def _fp8_forward(x2, weight, bias):
+    (xq, xs), (wq, ws) = _to_fp8(x2, FP8_ACTIVATIONS), _to_fp8(weight, FP8_ACTIVATIONS)
+    return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=x2.dtype)
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float):
-        a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
-        x2 = x.reshape(-1, x.shape[-1])
-        h = x2 @ a.t()
-        (xq, xs), (wq, ws) = _to_fp8(x2, FP8_ACTIVATIONS), _to_fp8(weight, FP8_ACTIVATIONS)
-        out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=x.dtype)
-        out.addmm_(h, b.t(), alpha=scaling)
-        ctx.save_for_backward(x2, weight, a, b, h)
-        ctx.scaling, ctx.dtypes, ctx.shape = scaling, (lora_a.dtype, lora_b.dtype), x.shape
-        return out.reshape(*x.shape[:-1], -1)
 
-    @staticmethod
-    def backward(ctx, grad):
-        x2, weight, a, b, h = ctx.saved_tensors
-        s = ctx.scaling
-        g = grad.reshape(-1, grad.shape[-1])
-        gh = g @ b
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            (gq, gs), (wq, ws) = _to_fp8(g, FP8_GRADIENTS), _to_fp8(weight, FP8_ACTIVATIONS)
-            # the second operand column-major, as the float8 matmul takes it: the weight transposed in memory
-            grad_x = torch._scaled_mm(gq, wq.t().contiguous().t(), scale_a=gs, scale_b=ws, out_dtype=g.dtype)
-            grad_x = grad_x.addmm_(gh, a, alpha=s).reshape(ctx.shape)
-        grad_a = (gh.t() @ x2).mul_(s).to(ctx.dtypes[0])
-        grad_b = (g.t() @ h).mul_(s).to(ctx.dtypes[1])
-        return grad_x, None, None, grad_a, grad_b, None
+def _fp8_input_grad(g, weight):
+    (gq, gs), (wq, ws) = _to_fp8(g, FP8_GRADIENTS), _to_fp8(weight, FP8_ACTIVATIONS)
+    # the second operand column-major, as the float8 matmul takes it: the weight transposed in memory
+    return torch._scaled_mm(gq, wq.t().contiguous().t(), scale_a=gs, scale_b=ws, out_dtype=g.dtype)
+
+
+FP8 = _BaseProducts(_fp8_forward, _fp8_input_grad)
 
 
 def fp8_matmuls(model) -> int:

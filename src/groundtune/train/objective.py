@@ -5,7 +5,9 @@ samples of ~470 tokens is a 4 x 470 x 151,936 logits tensor (1.1 GB in fp32, and
 and ~1.2 TFLOP, of which only the ~30 answer positions per sample carry loss. Here the language
 model runs as usual, the hidden states of the labelled positions are picked out, and only those
 go through the LM head: the same loss (the mean over answer tokens, as transformers computes it;
-tests/test_objective.py checks value and gradients), a fraction of the memory and time.
+tests/test_objective.py checks value and gradients), a fraction of the memory and time. With
+``kernels=liger`` the SFT loss goes further: liger-kernel's fused linear cross-entropy makes the
+answer tokens' logits a chunk at a time (``kernels.fused_answer_nll``).
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def hidden_states(core, batch: dict[str, torch.Tensor], image_of_row: list[int] 
         return core.model(**inputs, use_cache=False).last_hidden_state
 
 
-def _answer_rows(hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _answer_rows(hidden: torch.Tensor,
+                 batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The hidden states that predict the answer tokens of ``batch`` (tokens, width), those tokens,
     and the batch row each belongs to."""
     if "answer_index" in batch:  # one row of answers (qwen.collate_answers): where each token is predicted
@@ -76,8 +79,9 @@ def _answer_nll(core, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> t
     """The answer tokens' negative log-likelihood, summed: liger-kernel's fused linear cross-entropy
     where ``kernels`` installed it (the logits never whole in memory), else ``_answer_logprobs``'."""
     rows, targets, _ = _answer_rows(hidden, batch)
-    fused = kernels.fused_answer_nll(core, rows, core.get_output_embeddings().weight, targets)
-    return fused if fused is not None else -_answer_logprobs(core, hidden, batch)[0].sum()
+    lm_head = core.get_output_embeddings()
+    fused = kernels.fused_answer_nll(core, rows, lm_head.weight, targets)
+    return fused if fused is not None else F.cross_entropy(lm_head(rows).float(), targets, reduction="sum")
 
 
 class Objective(torch.nn.Module):
