@@ -120,7 +120,8 @@ PRESET_SETTINGS = ("method", "lora_r", "lora_alpha", "lora_targets", "batch_size
 LR = 1e-4
 
 
-BENCH_SWITCHES = ("rotary", "loss")  # VARIANT+SWITCH=fused|unfused: the bench's, not TrainConfig settings
+# VARIANT+SWITCH=fused|unfused: the bench's, not TrainConfig settings; each sets a flag of models/kernels.py
+BENCH_SWITCHES = {"rotary": "FUSED_ROTARY", "loss": "FUSED_LOSS"}
 
 
 def variant_settings(variant: str) -> dict | None:
@@ -410,8 +411,8 @@ def groundtune_step(name: str, model_name: str, data: Path, steps: int, settings
         # switches of the bench's, not settings: VARIANT+rotary=unfused computes the rotary embeddings
         # as transformers does, not through liger-kernel's rope kernel; +loss=unfused the answer
         # tokens' logits whole, not through its fused linear cross-entropy (what each kernel gives)
-        kernels.FUSED_ROTARY = settings.pop("rotary", "fused") != "unfused"
-        kernels.FUSED_LOSS = settings.pop("loss", "fused") != "unfused"
+        for switch, flag in BENCH_SWITCHES.items():
+            setattr(kernels, flag, settings.pop(switch, "fused") != "unfused")
         values.update(settings)  # a variant's or a preset's settings; the run's length and logging are the bench's
         cfg = TrainConfig(**values, model=model, train_data=str(data), out_dir=out, lr=LR, warmup_steps=0,
                           min_lr_ratio=1.0, max_steps=steps, log_every=1, save_every=0)

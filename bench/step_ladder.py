@@ -77,7 +77,7 @@ def ladder(model, samples: list[dict], pad_token_id: int, steps: int = 5, warmup
         ("+ liger-kernel fused linear cross-entropy on the answer tokens (kernels=liger)",
          lambda: fuse_loss(True), kernels.liger_usable(model)),
         ("+ LoRA layers' frozen base products in float8 (fp8=true)",
-         lambda: kernels.fp8_matmuls(model), _fp8_usable(device)),
+         lambda: kernels.fp8_matmuls(model), kernels.fp8_usable(model)),
     ]
 
     def step():
@@ -119,7 +119,3 @@ def ladder(model, samples: list[dict], pad_token_id: int, steps: int = 5, warmup
         use_varlen(True)
         fuse_loss(True)
     return rows
-
-
-def _fp8_usable(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)

@@ -93,18 +93,21 @@ def _lora_forward(self, x, *args, **kwargs):
     return type(self).forward(self, x, *args, **kwargs)
 
 
-def fuse_lora_layers(model) -> int:
-    """Give every peft LoRA linear layer of ``model`` the fused forward; returns how many."""
+def _lora_layers(model) -> list:
+    """The peft LoRA linear layers of ``model`` (none where peft is not installed)."""
     try:
         from peft.tuners.lora import Linear as LoraLinear
     except ImportError:
-        return 0
-    count = 0
-    for module in model.modules():
-        if type(module) is LoraLinear:
-            module.forward = types.MethodType(_lora_forward, module)
-            count += 1
-    return count
+        return []
+    return [module for module in model.modules() if type(module) is LoraLinear]
+
+
+def fuse_lora_layers(model) -> int:
+    """Give every peft LoRA linear layer of ``model`` the fused forward; returns how many."""
+    layers = _lora_layers(model)
+    for module in layers:
+        module.forward = types.MethodType(_lora_forward, module)
+    return len(layers)
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,19 +267,23 @@ def fp8_matmuls(model) -> int:
     multiples of 16, as float8 matmuls need; every projection of Qwen-VL's language model). Needs
     a GPU with FP8 matmuls (compute capability 8.9: Ada, Hopper and later). Returns the number of
     layers."""
-    device = base_model(model).device
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+    if not fp8_usable(model):
         raise TrainingError(f"fp8=true needs a GPU with FP8 matmuls (compute capability 8.9 or later: Ada, "
-                            f"Hopper); this model is on {device}. Use fp8=false")
+                            f"Hopper); this model is on {base_model(model).device}. Use fp8=false")
     fuse_lora_layers(model)  # the fused forward is where the float8 function runs
     count = 0
-    for module in model.modules():
-        base = getattr(module, "base_layer", None)
-        if (isinstance(getattr(module, "forward", None), types.MethodType) and module.forward.__func__ is _lora_forward
-                and type(base) is torch.nn.Linear and base.in_features % 16 == 0 and base.out_features % 16 == 0):
+    for module in _lora_layers(model):
+        base = module.base_layer
+        if type(base) is torch.nn.Linear and base.in_features % 16 == 0 and base.out_features % 16 == 0:
             module._groundtune_fp8 = True
             count += 1
     return count
+
+
+def fp8_usable(model) -> bool:
+    """Whether float8 matmuls can run this model here: on a GPU of compute capability 8.9 or later."""
+    device = base_model(model).device
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 # Rotary embeddings through liger-kernel's rope kernel. liger-kernel 0.8.5's patches for Qwen2-VL and

@@ -75,6 +75,14 @@ def _answer_logprobs(core, hidden: torch.Tensor, batch: dict[str, torch.Tensor])
     return -F.cross_entropy(logits.float(), targets, reduction="none"), owner
 
 
+def answer_nll(model, batch: dict[str, torch.Tensor], image_of_row: list[int] | None = None) -> torch.Tensor:
+    """The negative log-likelihood of ``batch``'s labelled tokens under the model, summed (the SFT
+    loss's numerator): ``answer_logprobs``' sum, through liger-kernel's fused kernel where
+    ``kernels`` installed it."""
+    core = base_model(model)
+    return _answer_nll(core, hidden_states(core, batch, image_of_row), batch)
+
+
 def _answer_nll(core, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The answer tokens' negative log-likelihood, summed: liger-kernel's fused linear cross-entropy
     where ``kernels`` installed it (the logits never whole in memory), else ``_answer_logprobs``'."""
@@ -95,8 +103,7 @@ class Objective(torch.nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor], image_of_row: list[int] | None = None, summed: bool = False):
         if summed:  # the SFT loss's numerator (answer_loss): one number, which the fused kernel can give
-            core = base_model(self.model)
-            return _answer_nll(core, hidden_states(core, batch, image_of_row), batch)
+            return answer_nll(self.model, batch, image_of_row)
         return answer_logprobs(self.model, batch, image_of_row)
 
 
@@ -137,7 +144,7 @@ def answer_loss(model, batch: dict[str, torch.Tensor], tokens: int | None = None
     update is split. By default, the mean over this batch's. ``model``: the model, or the
     ``Objective`` the ranks' engine wraps (``Parallel.objective``)."""
     wrapped = isinstance(model, Objective) or isinstance(getattr(model, "module", None), Objective)
-    nll = model(batch, summed=True) if wrapped else Objective(model)(batch, summed=True)
+    nll = model(batch, summed=True) if wrapped else answer_nll(model, batch)
     return nll / (tokens if tokens is not None else max(answer_tokens(batch), 1))
 
 
