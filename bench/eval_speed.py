@@ -4,6 +4,7 @@ and the generation engine through `groundtune eval`'s own code (`evaluate.evalua
 
     python bench/eval_speed.py --out bench/results/eval_speed.json            # 3B (batch 64), 7B (32), 24 GiB cap
     python bench/eval_speed.py --models tiny --samples 24 --batch 8          # CPU smoke test of this script
+    python bench/eval_speed.py --models 3b --only before-natural,engine-natural,engine-natural-full-width
 
 Data: RefCOCO-like JPEGs (bench/sft_speed.py: long side 480-640, aspect 0.5-2, 3-8 word phrases).
 Every variant reads the same files and is timed from the first file read to the last box parsed
@@ -25,9 +26,9 @@ keep from their first batch. Variants:
   engine-compiled: the engine with the vision tower compiled (eval --compile; GPU only; its first
   call, which compiles, timed apart).
 Answers are forced to --new-tokens tokens (random weights seldom stop). The "natural" variants
-(predict-before and engine) use a model made to stop: its end-of-turn logit raised along the
-prompts' mean hidden direction until answers average ~20 tokens, so rows end at different steps;
-engine-natural-full-width: the same with every row kept to the batch's longest answer (finished
+(predict-before and engine) use a model made to stop on a rule (``stop_by_rule``: where the
+greedy token's id is a multiple of --stop-every, the end-of-turn token), so rows end at different
+steps, ~--stop-every tokens on average; engine-natural-full-width: the same with every row kept to the batch's longest answer (finished
 rows not leaving the batch: engine.ROWS_LEAVE).
 same_answers: the fraction of the samples both answered whose answer text equals plain generate's.
 """
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -57,6 +59,11 @@ from groundtune.models import kernels, qwen, speedups  # noqa: E402
 from groundtune.models.loading import load_model  # noqa: E402
 
 MODELS = {"3b": "random:qwen2.5-vl-3b", "7b": "random:qwen2.5-vl-7b", "tiny": "tiny"}
+# what --only may name (besides engine-bN, the engine at another batch)
+VARIANTS = ("plain", "predict-before-b16", "predict-before", "engine-first-call", "engine", "engine-one-token",
+            "engine-rotary-unfused", "engine-row-inline", "engine-eager", "breakdown", "profile",
+            "engine-compiled-first-call", "engine-compiled", "before-natural", "engine-natural",
+            "engine-natural-full-width")
 
 
 def _now() -> float:
@@ -96,43 +103,32 @@ def through_eval(gm, samples: list[dict], data: Path, batch: int, new_tokens: in
     return [r["raw"] for r in rows]
 
 
-def make_it_stop(gm, samples: list[dict], data: Path, target: float, new_tokens: int) -> float:
-    """Raise the end-of-turn logit along the mean direction of the prompts' final hidden states, by
-    the scale whose greedy answers average closest to ``target`` tokens (its row scaled to its own
-    norm; the scale found by halving its logarithm between 1e-4 and 1); returns that mean length."""
-    lm_head = gm.model.get_output_embeddings()
+def stop_by_rule(gm, every: int):
+    """Make the model stop on a rule that holds whatever its weights: wherever a row's greedy
+    token's id is a multiple of ``every``, the end-of-turn token takes its place (its logit set
+    above the row's highest, by a hook on the LM head, so plain ``generate``, the loops and the
+    engine's captured decode steps all obey it). On random weights the ids fall evenly, so answers
+    end at different steps, ~``every`` tokens on average, capped by --new-tokens. (Raising the
+    end-of-turn logit along the hidden states' mean direction, as this bench did before, ended no
+    answer early on some runs' weights.) Returns the hook's handle."""
     stop = gm.processor.eos_token_ids[0]
-    captured = []
-    hook = gm.model.get_decoder().norm.register_forward_hook(lambda m, i, o: captured.append(o[0].float().mean(0)))
-    through_eval(gm, samples[:8], data, 8, 1)  # one token: the prefill alone
-    hook.remove()
-    direction = torch.stack(captured).mean(0)
-    with torch.no_grad():
-        original = lm_head.weight[stop].clone()
-        direction = (direction / direction.norm() * original.float().norm()).to(original.dtype)
 
-    # lengths in generated tokens, the stop token included (the answers' text says less: a random
-    # model's tokens may decode to nothing, and an earlier count of re-encoded text read 1.1 tokens
-    # for answers that ran to the last step)
+    def end_where_the_rule_says(module, inputs, logits):
+        top = logits.max(-1)
+        logits = logits.clone()
+        logits[..., stop] = torch.where(top.indices % every == 0, top.values + 1, logits[..., stop])
+        return logits
+
+    return gm.model.get_output_embeddings().register_forward_hook(end_where_the_rule_says)
+
+
+def mean_answer_tokens(gm, samples: list[dict], data: Path, new_tokens: int) -> float:
+    """The first 64 samples' mean greedy answer length in generated tokens, the stop token
+    included (the answers' text says less: a random model's tokens may decode to nothing)."""
     encoded, _ = encode_in_process(gm, samples[:64], data)
-    answering = infer.engine_for(gm)
-
-    def mean_length_at(scale: float) -> float:
-        with torch.no_grad():
-            lm_head.weight[stop] = original + scale * direction
-        ids = answering.generate(encoded, new_tokens, infer.Decoding.greedy(new_tokens).choose)
-        lengths = [min(infer.answer_length(row, gm.processor) + 1, len(row)) for row in ids]
-        mean = sum(lengths) / len(lengths)
-        print(f"  stop scale {scale:.5f}: mean answer {mean:.1f} tokens", flush=True)
-        return mean
-
-    low, high, tried = 1e-4, 1.0, {}  # the answers get shorter as the scale grows
-    for _ in range(8):
-        middle = (low * high) ** 0.5
-        tried[middle] = mean_length_at(middle)
-        low, high = (middle, high) if tried[middle] > target else (low, middle)
-    best = min(tried, key=lambda scale: abs(tried[scale] - target))
-    return mean_length_at(best)
+    ids = infer.engine_for(gm).generate(encoded, new_tokens, infer.Decoding.greedy(new_tokens).choose)
+    lengths = [min(infer.answer_length(row, gm.processor) + 1, len(row)) for row in ids]
+    return round(sum(lengths) / len(lengths), 1)
 
 
 def breakdown(gm, samples: list[dict], data: Path, batch: int, new_tokens: int) -> dict:
@@ -248,6 +244,8 @@ def bench_model(key: str, samples, data, args) -> list[dict]:
     looped = samples[: args.plain_samples]
 
     def add(name, fn, gm, batch, reference, new_tokens=None, **extra):
+        if args.only and name not in args.only:
+            return None
         subset = looped if fn is loop_in_process else samples
         try:
             row, answers = run_variant(name, fn, gm, subset, data, batch, new_tokens or args.new_tokens, reference)
@@ -288,14 +286,18 @@ def bench_model(key: str, samples, data, args) -> list[dict]:
     engine_module.GRAPHS_ENABLED = False  # the same engine, every decode step issued from Python
     add("engine-eager", through_eval, gm, args.batch, reference)
     engine_module.GRAPHS_ENABLED = True
-    rows.append({"model": key, "variant": "breakdown", "batch": args.batch, **breakdown(gm, samples, data, args.batch, args.new_tokens)})
-    if torch.cuda.is_available():
+    if not args.only or "breakdown" in args.only:
+        rows.append({"model": key, "variant": "breakdown", "batch": args.batch,
+                     **breakdown(gm, samples, data, args.batch, args.new_tokens)})
+    if torch.cuda.is_available() and (not args.only or "profile" in args.only):
         rows.append({"model": key, "variant": "profile", "batch": args.batch, **profile(gm, samples, data, args.batch)})
+    if torch.cuda.is_available() and (not args.only or {"engine-compiled", "engine-compiled-first-call"} & args.only):
         kernels.compile_vision_blocks(gm.model)  # what eval --compile adds (a GPU's: inductor)
         add("engine-compiled-first-call", through_eval, gm, args.batch, reference)  # compiles
         add("engine-compiled", through_eval, gm, args.batch, reference)
-    if args.natural and key != "tiny":
-        mean_length = round(make_it_stop(gm, samples, data, 20.0, args.new_tokens), 1)
+    if args.natural and (not args.only or {"before-natural", "engine-natural", "engine-natural-full-width"} & args.only):
+        stop_by_rule(gm, args.stop_every)  # the model ends its answers from here on
+        mean_length = mean_answer_tokens(gm, samples, data, args.new_tokens)
         natural = add("before-natural", loop_in_process, gm, args.batch, None, mean_answer_tokens=mean_length)
         add("engine-natural", through_eval, gm, args.batch, natural, mean_answer_tokens=mean_length)
         engine_module.ROWS_LEAVE = False  # every row runs to the batch's longest answer, as before
@@ -314,7 +316,8 @@ def in_fresh_process(spec: str, data: Path, args) -> list[dict]:
         cmd = [sys.executable, __file__, "--models", spec, "--data", str(data), "--out", str(out),
                "--new-tokens", str(args.new_tokens), "--plain-samples", str(args.plain_samples),
                "--dtype", args.dtype, "--cap-gib", str(args.cap_gib), "--small-batch-too", args.small_batch_too,
-               "--engine-batches", ",".join(map(str, args.engine_batches))] + ([] if args.natural else ["--no-natural"])
+               "--engine-batches", ",".join(map(str, args.engine_batches)), "--stop-every", str(args.stop_every),
+               "--only", ",".join(sorted(args.only))] + ([] if args.natural else ["--no-natural"])
         subprocess.run(cmd)
         return unstamped(json.loads(out.read_text())) if out.exists() else [{"model": spec, "variant": "-",
                                                                              "error": "no result"}]
@@ -339,8 +342,19 @@ def main() -> None:
     parser.add_argument("--engine-batches", default="64,128", type=lambda v: [int(b) for b in v.split(",") if b],
                         help="other batch sizes to time the engine at")
     parser.add_argument("--no-natural", dest="natural", action="store_false", help="skip the model-that-stops runs")
+    parser.add_argument("--stop-every", type=int, default=20,
+                        help="the natural runs' stop rule: the end-of-turn token wherever the greedy token's id is a "
+                             "multiple of this (answers ~this many tokens on average)")
+    parser.add_argument("--only", default="", type=lambda v: {name for name in v.split(",") if name},
+                        help="comma-separated variants to run (breakdown and profile count as variants); "
+                             "default: all")
     parser.add_argument("--out")
     args = parser.parse_args()
+    unknown = sorted(name for name in args.only if name not in VARIANTS and not re.fullmatch(r"engine-b\d+", name))
+    if unknown:
+        parser.error(f"--only: no variant {', '.join(unknown)}; the variants: {', '.join(VARIANTS)}, engine-bN")
+    if args.stop_every < 2:
+        parser.error(f"--stop-every {args.stop_every}: expected 2 or more (1 would end every answer at once)")
     specs = args.models.split(",")
     if len(specs) == 1:  # only the measuring process touches the GPU
         cap_gpu_memory(args.cap_gib)

@@ -26,7 +26,8 @@ SMOKE = {
                   {"naive", "gt-b4-no-ckpt", "preset:quickstart", "preset:quickstart+loss=unfused"}),
     "eval_speed": (["--models", "tiny", "--samples", "24", "--plain-samples", "16", "--batch", "8"],
                    {"plain", "predict-before", "engine", "engine-one-token", "engine-rotary-unfused", "engine-row-inline",
-                    "engine-eager", "breakdown"}),
+                    "engine-eager", "breakdown", "before-natural", "engine-natural", "engine-natural-full-width",
+                    "mean_answer_tokens"}),
     "head_speed": (["--models", "tiny", "--samples", "16", "--batch", "8", "--compile"],
                    {"text", "box", "box_vs_text", "box_compiled", "box_compiled_vs_box"}),
     "rl_speed": (["--model", "tiny", "--steps", "2"], {"impl", "rollouts_per_s"}),
@@ -127,3 +128,34 @@ def test_an_unknown_bench_switch_is_one_line_and_exit_2(switch):
                           timeout=300, cwd=ROOT)
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"+{switch}= takes fused or unfused" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("arguments, says", [(["--only", "engine,enigne"], "--only: no variant enigne"),
+                                             (["--stop-every", "1"], "--stop-every 1: expected 2 or more")])
+def test_eval_speed_refuses_a_variant_it_lacks_and_a_rule_that_stops_at_once(arguments, says):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "eval_speed.py"), "--models", "tiny", *arguments],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert says in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_stop_rule_ends_answers_in_the_engine_whatever_the_weights(tmp_path):
+    """eval_speed's natural runs need answers that end at different steps on random weights: the
+    rule (the end-of-turn token wherever the greedy id is a multiple of N) must reach the engine's
+    decode steps, and lift off with its hook."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import eval_speed
+    from groundtune.data.records import read_samples
+    from groundtune.models import speedups
+    from groundtune.models.loading import load_model
+
+    gm = load_model("tiny")
+    speedups.install(gm.model)  # the engine runs on groundtune's attention
+    data = eval_speed.make_refcoco_like(tmp_path, 8)
+    samples = read_samples(data)
+    unruled = eval_speed.mean_answer_tokens(gm, samples, data, 16)
+    hook = eval_speed.stop_by_rule(gm, 2)
+    ruled = eval_speed.mean_answer_tokens(gm, samples, data, 16)
+    hook.remove()
+    assert ruled < unruled / 2, (ruled, unruled)
+    assert eval_speed.mean_answer_tokens(gm, samples, data, 16) == unruled
