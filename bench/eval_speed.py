@@ -28,8 +28,9 @@ keep from their first batch. Variants:
 Answers are forced to --new-tokens tokens (random weights seldom stop). The "natural" variants
 (predict-before and engine) use a model made to stop on a rule (``stop_by_rule``: where the
 greedy token's id is a multiple of --stop-every, the end-of-turn token), so rows end at different
-steps, ~--stop-every tokens on average; engine-natural-full-width: the same with every row kept to the batch's longest answer (finished
-rows not leaving the batch: engine.ROWS_LEAVE).
+steps, ~--stop-every tokens on average; engine-natural-full-width: the same with every row kept
+to the batch's longest answer (finished rows not leaving the batch: engine.ROWS_LEAVE).
+--only runs the variants it names (the model still loads and warms up once).
 same_answers: the fraction of the samples both answered whose answer text equals plain generate's.
 """
 

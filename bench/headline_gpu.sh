@@ -5,7 +5,7 @@
 #   bash bench/headline_gpu.sh train OUT     # SFT preset against the plain loop (and compiled); RL step
 #                                            # against plain RL and the padded update; 7B QLoRA against LoRA
 #   bash bench/headline_gpu.sh infer OUT     # eval 3B (engine against plain generate; answers of natural
-#                                            # lengths); box head against text, 7 phrases per image
+#                                            # lengths); box head against text, one and 7 phrases per image
 #   bash bench/headline_gpu.sh infer7b OUT   # eval 7B (engine against plain generate)
 #   PEER_SITE=DIR bash bench/headline_gpu.sh peers OUT   # the 3B preset against TRL and ms-swift
 #   bash bench/headline_gpu.sh checks OUT    # the tests that need a GPU (kernels, graphs, 4-bit bases)
@@ -36,6 +36,7 @@ case "$stage" in
   infer)
     python bench/eval_speed.py --models 3b --samples 1024 --small-batch-too "" --engine-batches "" \
       --out "$out/eval_speed_3b.json"
+    python bench/head_speed.py --models 3b --samples 1024 --compile --out "$out/head_speed_3b.json"
     python bench/head_speed.py --models 3b --samples 1024 --phrases-per-image 7 --compile \
       --out "$out/head_speed_3b_k7_compiled.json"
     ;;
@@ -52,7 +53,7 @@ case "$stage" in
     ;;
   checks)
     python -m pytest -q -rs tests/test_attention.py tests/test_engine.py tests/test_kernels.py tests/test_train.py \
-      -k "gpu or graph or captured or 4bit or qlora or liger" \
+      -k "gpu or graph or captured or 4bit or qlora or liger or fp8 or fused" \
       --junitxml "$out/gpu_tests.xml"
     ;;
   *) echo "stage: train, infer, infer7b, peers or checks" >&2; exit 2 ;;

@@ -139,11 +139,11 @@ def test_eval_speed_refuses_a_variant_it_lacks_and_a_rule_that_stops_at_once(arg
     assert says in done.stderr and "Traceback" not in done.stderr
 
 
-def test_the_stop_rule_ends_answers_in_the_engine_whatever_the_weights(tmp_path):
+def test_the_stop_rule_ends_answers_in_the_engine(tmp_path, monkeypatch):
     """eval_speed's natural runs need answers that end at different steps on random weights: the
     rule (the end-of-turn token wherever the greedy id is a multiple of N) must reach the engine's
     decode steps, and lift off with its hook."""
-    sys.path.insert(0, str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import eval_speed
     from groundtune.data.records import read_samples
     from groundtune.models import speedups
