@@ -244,8 +244,12 @@ def bench_model(key: str, samples, data, args) -> list[dict]:
     # thousands); same_answers compares the samples both answered
     looped = samples[: args.plain_samples]
 
+    def wanted(*names: str) -> bool:
+        """Whether --only (empty: every variant) asks for any of ``names``."""
+        return not args.only or bool(args.only & set(names))
+
     def add(name, fn, gm, batch, reference, new_tokens=None, **extra):
-        if args.only and name not in args.only:
+        if not wanted(name):
             return None
         subset = looped if fn is loop_in_process else samples
         try:
@@ -287,16 +291,16 @@ def bench_model(key: str, samples, data, args) -> list[dict]:
     engine_module.GRAPHS_ENABLED = False  # the same engine, every decode step issued from Python
     add("engine-eager", through_eval, gm, args.batch, reference)
     engine_module.GRAPHS_ENABLED = True
-    if not args.only or "breakdown" in args.only:
+    if wanted("breakdown"):
         rows.append({"model": key, "variant": "breakdown", "batch": args.batch,
                      **breakdown(gm, samples, data, args.batch, args.new_tokens)})
-    if torch.cuda.is_available() and (not args.only or "profile" in args.only):
+    if torch.cuda.is_available() and wanted("profile"):
         rows.append({"model": key, "variant": "profile", "batch": args.batch, **profile(gm, samples, data, args.batch)})
-    if torch.cuda.is_available() and (not args.only or {"engine-compiled", "engine-compiled-first-call"} & args.only):
+    if torch.cuda.is_available() and wanted("engine-compiled-first-call", "engine-compiled"):
         kernels.compile_vision_blocks(gm.model)  # what eval --compile adds (a GPU's: inductor)
         add("engine-compiled-first-call", through_eval, gm, args.batch, reference)  # compiles
         add("engine-compiled", through_eval, gm, args.batch, reference)
-    if args.natural and (not args.only or {"before-natural", "engine-natural", "engine-natural-full-width"} & args.only):
+    if args.natural and wanted("before-natural", "engine-natural", "engine-natural-full-width"):
         stop_by_rule(gm, args.stop_every)  # the model ends its answers from here on
         mean_length = mean_answer_tokens(gm, samples, data, args.new_tokens)
         natural = add("before-natural", loop_in_process, gm, args.batch, None, mean_answer_tokens=mean_length)
