@@ -69,6 +69,7 @@ import yaml
 from PIL import Image
 
 from groundtune.config import TrainConfig, preset_path
+from groundtune.data.check import check_records
 from groundtune.data.samples import ResumableBatches, open_samples
 from groundtune.data.records import read_samples, write_samples
 from groundtune.errors import DataError
@@ -146,15 +147,20 @@ WORDS = ("man woman dog cat car bus chair table person bike umbrella horse cup b
 
 def earlier_samples(value: str) -> Path:
     """The type of the benches' --data: a samples file an earlier run made; a path naming no file,
-    or a file with a line that is no sample, is one line and exit 2 (argparse's), not a traceback
+    a file with a line that is no sample, or a record whose image is missing or does not decode
+    (``groundtune data check``'s own checks) is one line and exit 2 (argparse's), not a traceback
     from deep in the run."""
     path = Path(value)
     if not path.is_file():
         raise argparse.ArgumentTypeError(f"{value}: no such file")
     try:
         read_samples(path)
+        bad = check_records(path).bad
     except DataError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if bad:
+        raise argparse.ArgumentTypeError(f"{path}:{bad[0]['line']}: {bad[0]['message']} ({len(bad)} such records; "
+                                         f"`groundtune data check {path}` lists them)")
     return path
 
 

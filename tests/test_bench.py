@@ -121,6 +121,18 @@ def test_a_data_file_with_a_line_that_is_no_sample_is_one_line_and_exit_2(script
     assert f"{corrupt}:" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("script", ["sft_speed", "eval_speed", "head_speed"])
+def test_a_data_file_whose_image_does_not_decode_is_one_line_and_exit_2(script, tmp_path):
+    (tmp_path / "a.jpg").write_bytes(b"no jpeg")
+    corrupt = tmp_path / "train.jsonl"
+    corrupt.write_text('{"id": "a", "image": "a.jpg", "width": 64, "height": 64, "phrase": "a cat", '
+                       '"bbox": [0, 0, 4, 4]}\n')
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), "--data", str(corrupt)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"{corrupt}:1: image_unreadable" in done.stderr and "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize("switch", ["rotary", "loss"])
 def test_an_unknown_bench_switch_is_one_line_and_exit_2(switch):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "sft_speed.py"), "--models", "tiny",
