@@ -14,19 +14,25 @@ model=${1:?usage: reproduce_refcoco.sh MODEL [PROTOCOL] [OUT]}
 protocol=${2:-qwen}
 out=${3:-refcoco-$(basename "$model")-$protocol}
 mkdir -p "$out"
-declare -A hub=([refcoco]=RefCOCO [refcoco+]=RefCOCOplus [refcocog]=RefCOCOg)
-for split in refcoco:val refcoco:testA refcoco:testB refcoco+:val refcoco+:testA refcoco+:testB refcocog:val refcocog:test; do
-  benchmark=${split%%:*}; name=${split#*:}
-  if [[ -n "${REFCOCO_DIR:-}" ]]; then data="$REFCOCO_DIR/${benchmark}_${name}.jsonl"; else data="hf:lmms-lab/${hub[$benchmark]}:$name"; fi
-  echo "== $benchmark $name ($data)"
-  # shellcheck disable=SC2086
-  groundtune eval --model "$model" --data "$data" --protocol "$protocol" --out "$out/${benchmark}_${name}.json" ${EVAL_ARGS:-}
-done
-python - "$out" "$model" "$protocol" <<'PY'
-import json, sys
+# the eight evals and the table in one interpreter: torch and transformers are imported once, not nine times
+python - "$model" "$protocol" "$out" <<'PY'
+import json, os, shlex, sys
 from pathlib import Path
 from groundtune import protocols
-out, model, protocol = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+from groundtune.cli import main
+model, protocol, out = sys.argv[1:4]
+hub = {"refcoco": "RefCOCO", "refcoco+": "RefCOCOplus", "refcocog": "RefCOCOg"}
+for benchmark, name in [("refcoco", "val"), ("refcoco", "testA"), ("refcoco", "testB"), ("refcoco+", "val"),
+                        ("refcoco+", "testA"), ("refcoco+", "testB"), ("refcocog", "val"), ("refcocog", "test")]:
+    local = os.environ.get("REFCOCO_DIR")
+    data = f"{local}/{benchmark}_{name}.jsonl" if local else f"hf:lmms-lab/{hub[benchmark]}:{name}"
+    print(f"== {benchmark} {name} ({data})", flush=True)
+    code = main(["eval", "--model", model, "--data", data, "--protocol", protocol,
+                 "--out", f"{out}/{benchmark}_{name}.json", *shlex.split(os.environ.get("EVAL_ARGS", ""))])
+    if code:
+        sys.exit(code)
+
+out = Path(out)
 rows = []
 for report_path in sorted(out.glob("refcoco*_*.json")):
     benchmark, split = report_path.stem.rsplit("_", 1)

@@ -2,7 +2,7 @@
 a plain transformers `generate` + PEFT implementation of the same step, in one run.
 
     python bench/rl_speed.py --model 3b --out bench/results/rl_speed.json
-    python bench/rl_speed.py --model tiny --steps 2          # CPU smoke test of this script
+    python bench/rl_speed.py --model tiny --steps 2 --prompts 2 --group 4 --new-tokens 16   # CPU smoke test
 
 One step: P prompts (RefCOCO-like images and phrases, as in sft_speed.py) x G = 8 sampled answers
 of up to --new-tokens tokens (random weights rarely stop early, so every answer is full length:

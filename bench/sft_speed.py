@@ -3,7 +3,7 @@ batches: the naive transformers + PEFT stack against `groundtune train`'s own st
 
     python bench/sft_speed.py --models 3b,7b --out bench/results/sft_speed.json
     python bench/sft_speed.py --models 3b --variants naive,preset:qwen2.5-vl-3b-lora-24gb --profile 1
-    python bench/sft_speed.py --models tiny --steps 4          # CPU smoke test of this script
+    python bench/sft_speed.py --models tiny --steps 4 --loader-seconds 0.5   # CPU smoke test of this script
     python bench/sft_speed.py --models 3b --variants trl,preset:qwen2.5-vl-3b-lora-24gb     # against TRL
     python bench/sft_speed.py --models 3b --variants swift,trl,preset:qwen2.5-vl-3b-lora-24gb --peer-site /tmp/swift
     python bench/sft_speed.py --models 3b --variants P,P@ddp,P@fsdp2,P@zero2,P   # P: preset:qwen2.5-vl-3b-lora-24gb
@@ -610,6 +610,8 @@ def main() -> None:
     parser.add_argument("--cap-gib", type=float, default=24.0, help="GPU memory cap (a 24 GB card)")
     parser.add_argument("--ladder", action="store_true", help="also time the step one change at a time")
     parser.add_argument("--no-loader", action="store_true", help="skip timing the data loader alone")
+    parser.add_argument("--loader-seconds", type=float, default=5.0,
+                        help="how long the data loader alone is timed, with each worker count")
     parser.add_argument("--variant-timeout", type=float, default=600, help="seconds allowed to each variant")
     parser.add_argument("--in-process", action="store_true", help="measure here, not one process per variant")
     parser.add_argument("--data", type=earlier_samples,
@@ -650,7 +652,7 @@ def main() -> None:
 
         gm = load_model("tiny", device="cpu")  # the random architectures speak its tokenizer and processor
         for workers in () if args.no_loader else (1, 8):
-            rate = loader_rate(gm, 4, workers, 5.0, str(data))
+            rate = loader_rate(gm, 4, workers, args.loader_seconds, str(data))
             results.append({"variant": f"loader-{workers}-workers", "model": "-", "samples_per_s": round(rate, 1)})
             print(f"loader alone, {workers} worker(s): {rate:.0f} samples/s", flush=True)
         _save(results, args.out)

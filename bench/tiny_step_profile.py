@@ -40,13 +40,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--workers", default="1,4,12")
     parser.add_argument("--ladder-only", action="store_true", help="skip the forward timings and the profile")
+    parser.add_argument("--loader-seconds", type=float, default=8.0,
+                        help="how long the data loader alone is timed, with each worker count")
     parser.add_argument("--out")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()  # CPU: a smoke test of this script
     gm = load_model(args.model, device="cuda" if cuda else "cpu", dtype="bf16" if cuda else "fp32")
     out = {"batch": args.batch, "loader_samples_per_s": {}}
     for w in [int(v) for v in args.workers.split(",") if v]:
-        out["loader_samples_per_s"][w] = round(loader_rate(gm, args.batch, w, 8.0), 1)
+        out["loader_samples_per_s"][w] = round(loader_rate(gm, args.batch, w, args.loader_seconds), 1)
         print(f"loader, {w} workers: {out['loader_samples_per_s'][w]:.0f} samples/s", flush=True)
 
     cfg = TrainConfig(train_data="synth:full", method="full", freeze_vision=False, freeze_merger=False)

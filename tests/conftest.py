@@ -1,9 +1,21 @@
-"""Shared fixtures: small synthetic data sets made once per test session."""
+"""Shared fixtures: small synthetic data sets made once per test session; the threads of a worker."""
 
-import pytest
-from family_models import FAMILIES, build_family_folder
+import json
+import os
+from pathlib import Path
 
-from groundtune.data import synth
+# Under pytest-xdist (the README's test command runs one worker per core) each worker, and every
+# process a test starts, gets its share of the cores as torch's thread count: with each worker's
+# OpenMP pool spinning on both cores of a 2-core machine, a box-head training test took 59 s, with
+# one thread each 8 s. Set before torch is imported; a thread count the caller chose is kept.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
+import pytest  # noqa: E402
+from family_models import FAMILIES, build_family_folder  # noqa: E402
+
+from groundtune.data import synth  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -48,3 +60,15 @@ def pytest_unconfigure(config):
     import sys
 
     faulthandler.dump_traceback_later(300, exit=True, file=sys.__stderr__)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slowest test modules first, by their seconds in docs/test-profile.json (a module not
+    there, whose time is unknown, before them all). Each module runs whole on one worker: a long one
+    started near the end would keep its worker busy while the others, done, wait."""
+    try:
+        seconds = json.loads((Path(__file__).parent.parent / "docs" / "test-profile.json").read_text())
+        seconds = {module: row["seconds"] for module, row in seconds["after"]["per_module_s"].items()}
+    except (OSError, KeyError, ValueError):
+        return
+    items.sort(key=lambda item: -seconds.get(Path(str(item.fspath)).stem, float("inf")))  # stable: a module's order kept

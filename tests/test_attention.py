@@ -86,7 +86,7 @@ def test_language_model_attention_is_ours_and_falls_back_to_sdpa():
     assert torch.equal(ours, theirs)
 
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available() or attention._varlen_attn is None,
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available() or attention._varlen_kernel()[0] is None,
                                reason="the variable-length flash kernel runs on CUDA only (PyTorch >= 2.10)")
 
 

@@ -1,4 +1,4 @@
-"""A corpus of bad input, each case a real `python -m groundtune` process on real files.
+"""A corpus of bad input, each case a `groundtune` command line on real files.
 
 Every case asserts three things:
 
@@ -11,10 +11,14 @@ Every case asserts three things:
   every case, and a case with an out_dir of its own leaves nothing half-made there (no model/,
   no checkpoints/, no .lock).
 
-Each case's command line is in CASES; the module's fixture starts them all once the finished run
-is made, as many at a time as there are CPU cores (each is one interpreter start, ~2 s, almost all
-of it importing torch), and each test asserts on its case's result. The refusals happen before any
-model loads, so only the bad_records=skip case trains.
+Each case's command line is in CASES; the module's fixture runs them all once the finished run
+is made, and each test asserts on its case's result. Most cases run the CLI's `main()` in this
+process (tests/cli_in_process.py): a refusal takes milliseconds, a new interpreter ~3 s of
+importing torch. The cases in AS_PROCESSES are real `python -m groundtune` processes, started
+side by side while the others run: the console entry point itself, FIFOs (a regression would
+wait forever, which only a process's timeout can end) and a hub lookup (huggingface_hub reads
+HF_HUB_OFFLINE and HF_ENDPOINT once, at import). The refusals happen before any model loads, so
+only the bad_records=skip case trains.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import pytest
 import torch
 from PIL import Image
 
+from cli_in_process import groundtune
 from groundtune.data.synth import make_synthetic_set
 
 REFGEN_INSTANCES = Path(__file__).parent / "fixtures" / "refgen" / "instances_val.json"
@@ -48,13 +53,18 @@ on_cpu_only = pytest.mark.skipif(not CPU_ONLY, reason="this machine has a CUDA G
 
 
 def _run(args, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m groundtune ARGS` in ``cwd``; ``.seconds`` is how long it took. A wide terminal,
-    so the refusal's table keeps each row on one line."""
+    """`python -m groundtune ARGS` in ``cwd``, a real process; ``.seconds`` is how long it took. A
+    wide terminal, so the refusal's table keeps each row on one line."""
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "groundtune", *map(str, args)], capture_output=True, text=True,
                           timeout=TIMEOUT, cwd=cwd, env={**os.environ, "COLUMNS": "200", **(env or {})})
     done.seconds = time.monotonic() - started
     return done
+
+
+def _run_here(args, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The same command line through the CLI's `main()` in this process."""
+    return groundtune(*args, cwd=cwd, env={"COLUMNS": "200", **(env or {})})
 
 
 def _show(done: subprocess.CompletedProcess) -> str:
@@ -161,6 +171,9 @@ CANNOT_RUN = {  # case -> (a setting refused once the run is claimed, what is sa
     "31-model=missing": ("model=./no/such/model", r"\./no/such/model: no such model folder"),
 }
 HUB_OFF = {"HF_HUB_OFFLINE": "1"}
+# real processes (the module's docstring says why): the entry point with a refused record, FIFOs, hub lookups
+AS_PROCESSES = {"01-image_missing", "22-eval-no-folder", "24-eval-hub-offline", "42-check-fifo", "43-train-fifo",
+                "44-train-image-fifo"}
 
 
 def _train(c, out, *settings, data=None):
@@ -263,7 +276,7 @@ def corpus(tmp_path_factory):
                          + json.dumps({"image": "data/images/train-0000001.png"}) + "\n")
     _files_that_are_not_what_they_seem(c, good_lines)
 
-    done = _run(["train", "quickstart", f"train_data={train}", f"out_dir={c.finished}", *TINY], base)
+    done = _run_here(["train", "quickstart", f"train_data={train}", f"out_dir={c.finished}", *TINY], base)
     assert done.returncode == 0, _show(done)
     assert (c.finished / "model").is_dir() and not (c.finished / ".lock").exists()
     c.snapshot = _snapshot(c.finished)
@@ -275,9 +288,13 @@ def corpus(tmp_path_factory):
     (base / "runs").mkdir(exist_ok=True)
     (base / "runs" / "27-predict-jsonl-no-phrase").mkdir()
 
+    assert AS_PROCESSES <= CASES.keys()
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        futures = {case: pool.submit(_run, make(c, c.out[case]), base, env) for case, (make, env) in CASES.items()}
-        c.result = lambda case: futures[case].result()
+        processes = {case: pool.submit(_run, make(c, c.out[case]), base, env) for case, (make, env) in CASES.items()
+                     if case in AS_PROCESSES}
+        here = {case: _run_here(make(c, c.out[case]), base, env) for case, (make, env) in CASES.items()
+                if case not in AS_PROCESSES}
+        c.result = lambda case: here[case] if case in here else processes[case].result()
         yield c
 
 

@@ -5,7 +5,8 @@ fewest samples and steps (the smoke form its docstring shows). Here each runs so
 process as a user starts it, and must write a JSON stamped with its provenance (command, commit,
 date, device, library versions: bench/provenance.py) and the rows of every stage it has. The
 figures mean nothing on a CPU; what is tested is that no stage of a bench has rotted (eval_speed's
-breakdown once crashed where nothing ran it).
+breakdown once crashed where nothing ran it). The benches' refusals of their arguments, which
+end before any work, run each script as ``__main__`` in this process (tests/cli_in_process.py).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_in_process import script as run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 STAMP = {"command", "commit", "date", "device", "versions"}
 # script -> (its smoke arguments, the rows it must write: variants, or keys of its result)
 SMOKE = {
-    "sft_speed": (["--models", "tiny", "--steps", "2", "--samples", "16",
+    "sft_speed": (["--models", "tiny", "--steps", "2", "--samples", "16", "--loader-seconds", "0.5",
                    "--variants", "naive,gt-b4-no-ckpt,preset:quickstart,preset:quickstart+loss=unfused"],
                   {"naive", "gt-b4-no-ckpt", "preset:quickstart", "preset:quickstart+loss=unfused"}),
     "eval_speed": (["--models", "tiny", "--samples", "24", "--plain-samples", "16", "--batch", "8"],
@@ -30,11 +32,12 @@ SMOKE = {
                     "mean_answer_tokens"}),
     "head_speed": (["--models", "tiny", "--samples", "16", "--batch", "8", "--compile"],
                    {"text", "box", "box_vs_text", "box_compiled", "box_compiled_vs_box"}),
-    "rl_speed": (["--model", "tiny", "--steps", "2"], {"impl", "rollouts_per_s"}),
+    "rl_speed": (["--model", "tiny", "--steps", "2", "--prompts", "2", "--group", "4", "--new-tokens", "16"],
+                 {"impl", "rollouts_per_s"}),
     "memory_probe": (["--model", "tiny", "--batch", "2"], {"stages"}),
     "tiny_breakdown": (["tiny", "--n", "20"], {"tiny"}),
-    "tiny_step_profile": (["--batch", "4", "--workers", "1"], {"ladder", "step_s", "full forward ms", "top_ops"}),
-    "plan_check": (["measure", "--models", "tiny", "--samples", "16", "--limit", "2"], {"rows", "data"}),
+    "tiny_step_profile": (["--batch", "4", "--workers", "1", "--loader-seconds", "0.5"], {"ladder", "step_s", "full forward ms", "top_ops"}),
+    "plan_check": (["measure", "--models", "tiny", "--samples", "16", "--limit", "1"], {"rows", "data"}),
 }
 
 
@@ -102,42 +105,38 @@ def test_the_ms_swift_peer_variant_trains_the_same_samples(tmp_path):
         assert theirs == pytest.approx(ours, rel=0.02)
 
 
-@pytest.mark.parametrize("script", ["sft_speed", "eval_speed", "head_speed"])
-def test_a_data_file_that_is_not_there_is_one_line_and_exit_2(script, tmp_path):
+@pytest.mark.parametrize("name", ["sft_speed", "eval_speed", "head_speed"])
+def test_a_data_file_that_is_not_there_is_one_line_and_exit_2(name, tmp_path):
     missing = tmp_path / "train.jsonl"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), "--data", str(missing)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    done = run_script(ROOT / "bench" / f"{name}.py", "--data", missing, cwd=ROOT)
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"{missing}: no such file" in done.stderr and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("script", ["sft_speed", "eval_speed", "head_speed"])
-def test_a_data_file_with_a_line_that_is_no_sample_is_one_line_and_exit_2(script, tmp_path):
+@pytest.mark.parametrize("name", ["sft_speed", "eval_speed", "head_speed"])
+def test_a_data_file_with_a_line_that_is_no_sample_is_one_line_and_exit_2(name, tmp_path):
     corrupt = tmp_path / "train.jsonl"
     corrupt.write_text('{"image": "a.jpg", "phrase": "a cat", "bbox": [0, 0, 4, 4]}\nnot json\n')
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), "--data", str(corrupt)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    done = run_script(ROOT / "bench" / f"{name}.py", "--data", corrupt, cwd=ROOT)
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"{corrupt}:" in done.stderr and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("script", ["sft_speed", "eval_speed", "head_speed"])
-def test_a_data_file_whose_image_does_not_decode_is_one_line_and_exit_2(script, tmp_path):
+@pytest.mark.parametrize("name", ["sft_speed", "eval_speed", "head_speed"])
+def test_a_data_file_whose_image_does_not_decode_is_one_line_and_exit_2(name, tmp_path):
     (tmp_path / "a.jpg").write_bytes(b"no jpeg")
     corrupt = tmp_path / "train.jsonl"
     corrupt.write_text('{"id": "a", "image": "a.jpg", "width": 64, "height": 64, "phrase": "a cat", '
                        '"bbox": [0, 0, 4, 4]}\n')
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), "--data", str(corrupt)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    done = run_script(ROOT / "bench" / f"{name}.py", "--data", corrupt, cwd=ROOT)
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"{corrupt}:1: image_unreadable" in done.stderr and "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize("switch", ["rotary", "loss"])
 def test_an_unknown_bench_switch_is_one_line_and_exit_2(switch):
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "sft_speed.py"), "--models", "tiny",
-                           "--variants", f"preset:quickstart+{switch}=fast"], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    done = run_script(ROOT / "bench" / "sft_speed.py", "--models", "tiny", "--variants", f"preset:quickstart+{switch}=fast",
+                  cwd=ROOT)
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"+{switch}= takes fused or unfused" in done.stderr and "Traceback" not in done.stderr
 
@@ -145,8 +144,7 @@ def test_an_unknown_bench_switch_is_one_line_and_exit_2(switch):
 @pytest.mark.parametrize("arguments, says", [(["--only", "engine,enigne"], "--only: no variant enigne"),
                                              (["--stop-every", "1"], "--stop-every 1: expected 2 or more")])
 def test_eval_speed_refuses_a_variant_it_lacks_and_a_rule_that_stops_at_once(arguments, says):
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "eval_speed.py"), "--models", "tiny", *arguments],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    done = run_script(ROOT / "bench" / "eval_speed.py", "--models", "tiny", *arguments, cwd=ROOT)
     assert done.returncode == 2, done.stderr[-2000:]
     assert says in done.stderr and "Traceback" not in done.stderr
 

@@ -1,6 +1,8 @@
 """The command line's error policy: a user's mistake is one line and exit 2; anything else keeps
 its traceback (exit 1), CUDA out-of-memory with what to change; --debug shows every traceback.
-And the speed-ups refuse a transformers they were not tested on, instead of breaking quietly."""
+And the speed-ups refuse a transformers they were not tested on, instead of breaking quietly.
+The commands run the CLI's `main()` in this process (tests/cli_in_process.py); importing
+groundtune is checked in a fresh interpreter, the only place an import's side effects show."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from cli_in_process import groundtune
 
 from groundtune import cli
 from groundtune.errors import UnsupportedVersionError
@@ -17,7 +20,7 @@ from groundtune.models import qwen, speedups
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "groundtune", *args], capture_output=True, text=True, timeout=300)
+    return groundtune(*args)  # the CLI's main() in this process (tests/cli_in_process.py)
 
 
 def test_a_users_mistake_is_one_line_and_exit_2():

@@ -35,7 +35,7 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-folder, image_path, phrase = sys.argv[1:4]
+folder, pairs = sys.argv[1], sys.argv[2:]  # then IMAGE PHRASE, IMAGE PHRASE, ...: one answer line each
 model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
 tokenizer = AutoTokenizer.from_pretrained(folder)
 try:
@@ -43,19 +43,20 @@ try:
 except ImportError:  # transformers < 5.24 without torchvision: its PIL class reads the same file
     from transformers import Qwen2VLImageProcessorPil
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(folder)
-prompt = json.load(open(folder + "/groundtune.json"))["prompt"].format(phrase=phrase)
-image = Image.open(image_path).convert("RGB")
-vision = image_processor(images=[image], return_tensors="pt")
-messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-n = int(vision["image_grid_thw"][0].prod()) // image_processor.merge_size ** 2
-text = text.replace("<|image_pad|>", "<|image_pad|>" * n, 1)
-ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
-image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-out = model.generate(**ids, **vision, mm_token_type_ids=(ids["input_ids"] == image_token).int())
-answer = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=False)
-print(json.dumps({"answer": answer, "resized": (vision["image_grid_thw"][0, 1:] * image_processor.patch_size).tolist(),
-                  "groundtune_imported": any(m.startswith("groundtune") for m in sys.modules)}))
+for image_path, phrase in zip(pairs[::2], pairs[1::2]):
+    prompt = json.load(open(folder + "/groundtune.json"))["prompt"].format(phrase=phrase)
+    image = Image.open(image_path).convert("RGB")
+    vision = image_processor(images=[image], return_tensors="pt")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    n = int(vision["image_grid_thw"][0].prod()) // image_processor.merge_size ** 2
+    text = text.replace("<|image_pad|>", "<|image_pad|>" * n, 1)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    out = model.generate(**ids, **vision, mm_token_type_ids=(ids["input_ids"] == image_token).int())
+    answer = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=False)
+    print(json.dumps({"answer": answer, "resized": (vision["image_grid_thw"][0, 1:] * image_processor.patch_size).tolist(),
+                      "groundtune_imported": any(m.startswith("groundtune") for m in sys.modules)}))
 '''
 
 
@@ -113,11 +114,13 @@ def test_plain_transformers_answers_with_groundtunes_boxes(any_family_model, pho
     meta = json.loads((out / "groundtune.json").read_text())
     assert meta["family"] == gm.family and meta["resize"] == gm.resize.to_dict() and meta["eval"]["n"] == 8
     boxes_seen = 0
-    for file, phrase in photos:
+    # one process of plain transformers answers every photo, a line each
+    plain = subprocess.run([sys.executable, "-c", PLAIN, str(out), *(str(a) for pair in photos for a in pair)],
+                           capture_output=True, text=True, check=True)
+    results = [json.loads(line) for line in plain.stdout.strip().splitlines() if line.startswith("{")]
+    assert len(results) == len(photos), plain.stdout
+    for (file, phrase), result in zip(photos, results):
         ours = infer.predict(gm, [Image.open(file)], [phrase], max_new_tokens=64)[0]
-        plain = subprocess.run([sys.executable, "-c", PLAIN, str(out), str(file), phrase],
-                               capture_output=True, text=True, check=True)
-        result = json.loads(plain.stdout.strip().splitlines()[-1])
         assert not result["groundtune_imported"]
         assert result["answer"].split("<|im_end|>")[0] == ours.raw
         size = Image.open(file).size

@@ -1,5 +1,6 @@
 """`groundtune train --help` and `groundtune rl --help` document every setting with its default:
-the dataclass is the config, and its help must not drift from it."""
+the dataclass is the config, and its help must not drift from it. One real `groundtune train
+--help` process checks the console entry point prints what the parser says."""
 
 import argparse
 import ast

@@ -2,7 +2,8 @@
 through huggingface_hub's own client, pushed to a stand-in of the hub's HTTP API on 127.0.0.1
 (HF_ENDPOINT); what cannot be pushed (no token, a bad repo id) is refused before the export starts,
 and what the hub refuses or cannot be reached is one line naming the repo and the folder left on
-disk."""
+disk. Two cases are real processes: the console entry point pushing through HF_ENDPOINT, and the
+missing token (huggingface_hub reads HF_HOME once, at import); the rest call `main()` here."""
 
 from __future__ import annotations
 

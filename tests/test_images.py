@@ -1,6 +1,8 @@
 """data/images.py: deep (16-bit, 32-bit, float) images to 8-bit RGB as before, in a bounded
 amount of memory (measured); images a stranger sends refused on their frame's own size before
-anything is decoded; a path that is no regular file refused before it is opened."""
+anything is decoded; a path that is no regular file refused before it is opened. Peak memory
+is measured in a fresh process (its own high-water mark), and a FIFO is opened in one that a
+timeout can end if it ever waits."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """ONNX export of a box-head model (onnx_export.py) and its standalone runner (onnx_predict.py):
 the graph answers as groundtune's own box-head path does, slot by slot, ONNX Runtime as PyTorch
 does (boxes within 0.5 px, the same scores, the same slots kept by the export's threshold), for
-any batch and phrase length, and the runner needs neither torch nor groundtune."""
+any batch and phrase length, and the runner needs neither torch nor groundtune (shown in a
+process of its own, where those imports are blocked)."""
 
 import json
 import re

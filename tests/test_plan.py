@@ -1,6 +1,7 @@
 """groundtune plan: the model's shape counted as transformers builds it, the constants equal to a fit
 of the measured file, what that file records (predicted against measured), the command line (fast,
-no torch, one line and exit 2 for bad input), and batch_size=auto in train."""
+no torch, one line and exit 2 for bad input), and batch_size=auto in train. The command line
+runs in fresh processes: that it never imports torch can only be seen there."""
 
 from __future__ import annotations
 

@@ -1,16 +1,18 @@
 """Evaluation protocols (protocols.py): the harnesses' readings against their own code where it
 installs, the mis-reading they suffer on Qwen2.5-VL's absolute pixels, the published table, and
-`groundtune eval --protocol` end to end on the tiny model."""
+`groundtune eval --protocol` end to end on the tiny model (the CLI's `main()` in this process), and
+bench/reproduce_refcoco.sh as a user runs it (a real bash and Python process: the script is what is
+tested)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_in_process import groundtune
 
 from groundtune import boxes, protocols
 from groundtune.evaluate import score
@@ -125,16 +127,14 @@ def test_eval_protocol_end_to_end(synth_single, tmp_path):
     recorded in the report; an unknown protocol exits 2 before a model loads."""
     data = synth_single / "val.jsonl"
     out = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, "-m", "groundtune", "eval", "--model", "tiny", "--data", str(data),
-                           "--protocol", "lmms-eval", "--limit", "4", "--max-new-tokens", "8", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    done = groundtune("eval", "--model", "tiny", "--data", data, "--protocol", "lmms-eval", "--limit", "4",
+                      "--max-new-tokens", "8", "--out", out)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["protocol"]["name"] == "lmms-eval"
     assert report["prompt"] == protocols.PROTOCOLS["lmms-eval"].prompt
     assert report["n"] == 4 and report["parse_fail_rate"] == 0  # the harness reads every answer to a box
-    bad = subprocess.run([sys.executable, "-m", "groundtune", "eval", "--model", "tiny", "--data", str(data),
-                          "--protocol", "nope"], capture_output=True, text=True, timeout=120)
+    bad = groundtune("eval", "--model", "tiny", "--data", data, "--protocol", "nope")
     assert bad.returncode == 2 and "--protocol" in bad.stderr
 
 

@@ -6,6 +6,8 @@ A command runs as written: the files a newcomer would bring (a RefCOCO pickle, C
 photo) are made first, small, and the runs eval and predict name are copies of the quickstart's run.
 Only sizes are replaced (SIZES, and the step counts the tests append), and the server's port (a free
 one for 8000, so that tests running side by side do not collide).
+Processes are started where the page's command starts one: the server, torchrun, a script run
+with python.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ TORCHRUN = shutil.which("torchrun")
 RULES = [
     (r"^pip install ", None, "installs packages: .ci/run runs the install line "
      "(test_install_and_test_commands_are_what_ci_runs), and .[dev] holds every extra"),
-    (r"^python -m pytest$", None, "the tests themselves"),
+    (r"^python -m pytest\b", None, "the tests themselves"),
+    (r"^python scripts/test_profile\.py ", None, "summarises a run of the tests; tests/test_suite_profile.py runs it "
+     "on a JUnit file of its own"),
     (r"^python bench/", None, "a benchmark: minutes to hours, most on a GPU; tests/test_claims.py holds its "
      "figures to bench/results"),
     (r"Qwen/", None, "downloads a real model from the hub"),

@@ -2,7 +2,9 @@
 checkpoint write) resume to the losses and weights of an uninterrupted run, with each step logged
 once; SIGTERM to the whole process group saves and exits 0; one writer per run folder; a refused
 write (a full disk) leaves the run as it was; an image broken during a run is skipped and counted.
-(tests/test_bad_input.py: what bad input gets, command by command.)"""
+(tests/test_bad_input.py: what bad input gets, command by command.)
+The processes are real where the process is the point (kill -9, signals, a file-size limit, a
+second writer's lock); the runs they are compared with, and the refusals, run in this process."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_in_process import groundtune
 from safetensors.torch import load_file
 
 from groundtune.config import TrainConfig
@@ -65,9 +68,7 @@ def _wait(proc: subprocess.Popen, ready, what: str, timeout: float = 120) -> Non
 
 def test_kill_9_at_five_moments_then_resume_equals_an_uninterrupted_run(data, tmp_path):
     straight = tmp_path / "straight"
-    done = subprocess.run([sys.executable, "-m", "groundtune", *_new(data, straight)], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+    uninterrupted = _start(_new(data, straight))  # the reference runs beside the killed ones: two cores
 
     run = tmp_path / "killed"
     rng = random.Random(14)
@@ -97,6 +98,8 @@ def test_kill_9_at_five_moments_then_resume_equals_an_uninterrupted_run(data, tm
     proc = _start(["train", "--resume", str(run)])
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
+    out, _ = uninterrupted.communicate(timeout=300)
+    assert uninterrupted.returncode == 0, out
 
     theirs, ours = _steps(straight), _steps(run)
     assert [r["step"] for r in ours] == list(range(1, 19))  # each step once, however often resumed
@@ -189,10 +192,9 @@ def test_one_writer_per_run_folder(data, tmp_path):
     first = _start(_new(data, run)[:-5] + ["max_steps=100000", "save_every=0", "log_every=1", "warmup_steps=0",
                                          "num_workers=0"])
     try:
-        _wait(first, lambda: (run / "metrics.jsonl").exists(), "the first run's start")
-        second = subprocess.run([sys.executable, "-m", "groundtune", "train", "quickstart", f"train_data={data}",
-                                 f"out_dir={run}", "eval_data=", "max_steps=2"], capture_output=True, text=True,
-                                timeout=120)
+        # its first step logged: by then its SIGTERM handler is in place (setup writes metrics.jsonl before)
+        _wait(first, lambda: (run / "metrics.jsonl").exists() and len(_steps(run)) >= 1, "the first run's first step")
+        second = groundtune("train", "quickstart", f"train_data={data}", f"out_dir={run}", "eval_data=", "max_steps=2")
         assert second.returncode == 2
         assert f"is being written by process {first.pid}" in second.stderr and "Traceback" not in second.stderr
     finally:
@@ -213,9 +215,8 @@ def test_a_write_the_disk_refuses_is_one_line_and_the_last_checkpoint_stays(data
     """A file-size limit refuses the checkpoint of step 6 as a full disk would: exit 2, a message
     with where and how much, nothing half-written, the checkpoint of step 3 still resumes."""
     run = tmp_path / "full"
-    first = subprocess.run([sys.executable, "-m", "groundtune", *_new(data, run)[:-8], "max_steps=3", "batch_size=2",
-                            "save_every=3", "log_every=1", "warmup_steps=0", "num_workers=0", "lr=1e-3"],
-                           capture_output=True, text=True, timeout=300)
+    first = groundtune(*_new(data, run)[:-8], "max_steps=3", "batch_size=2", "save_every=3", "log_every=1",
+                       "warmup_steps=0", "num_workers=0", "lr=1e-3")
     assert first.returncode == 0, first.stdout + first.stderr
     config = (run / "config.yaml").read_text()
     (run / "config.yaml").write_text(config.replace("max_steps: 3", "max_steps: 9"))  # a longer run, resumed
@@ -232,8 +233,7 @@ def test_a_write_the_disk_refuses_is_one_line_and_the_last_checkpoint_stays(data
     assert sorted(p.name for p in (run / ckpt.CHECKPOINTS).iterdir()) == ["step-000003"]  # nothing half-written
     assert {p: p.read_bytes() for p in (run / ckpt.CHECKPOINTS / "step-000003").iterdir()} == before
     assert not (run / ckpt.LOCK).exists()
-    resumed = subprocess.run([sys.executable, "-m", "groundtune", "train", "--resume", str(run)], capture_output=True,
-                             text=True, timeout=300)
+    resumed = groundtune("train", "--resume", run)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert [r["step"] for r in _steps(run)] == list(range(1, 10))
 

@@ -4,7 +4,11 @@ through both APIs, the official openai client included; boxes in the caller's or
 requests (bad JSON, wrong types, forged and oversized images, OpenAI parameters it cannot honour,
 lying headers, stalled bodies, clients that leave) with no 500 and the server answering after each;
 a real bug a 500 saying only "internal error" and a request id; the API key; batching; the bounded
-queue; the memory decoding takes, bounded by the decode budget."""
+queue; the memory decoding takes, bounded by the decode budget.
+
+Servers are real processes (the process is what is served, killed and measured); the tests that
+only send requests share two module servers. Refusals said before a server starts (a bad flag, a
+taken port) run the CLI's `main()` in this process (tests/cli_in_process.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from typing import NamedTuple
 import httpx
 import numpy as np
 import pytest
+from cli_in_process import groundtune
 from PIL import Image, ImageOps
 
 from groundtune import infer
@@ -641,14 +646,12 @@ def test_a_full_queue_answers_503_with_retry_after():
 
 def test_a_taken_port_is_one_line_and_exit_2():
     import socket
-    import sys
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "groundtune", "serve", "--model", "tiny", "--port", str(port)],
-                              capture_output=True, text=True, timeout=120)
+        done = groundtune("serve", "--model", "tiny", "--port", port)
     assert done.returncode == 2
     assert done.stderr.strip() == (f"error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in "
                                    "use); choose another --port (or --host)")
@@ -792,10 +795,7 @@ def test_decoding_memory_is_bounded_by_the_decode_budget():
 
 
 def test_serve_flags_say_their_defaults_and_a_bad_port_is_one_line():
-    import sys
-
-    shown = subprocess.run([sys.executable, "-m", "groundtune", "serve", "--help"], capture_output=True, text=True,
-                           timeout=60).stdout
+    shown = groundtune("serve", "--help").stdout
     flags = ["--port", "--max-image-pixels", "--max-phrase-chars", "--body-timeout-s", "--decode-budget-mb",
              "--max-body-mb", "--max-phrases", "--batch-size", "--queue-size", "--max-wait-ms", "--max-new-tokens"]
     text = " ".join(shown.split())
@@ -803,13 +803,11 @@ def test_serve_flags_say_their_defaults_and_a_bad_port_is_one_line():
         said = text.split(f" {flag} {flag.lstrip('-').replace('-', '_').upper()} ", 1)[1].split(" --", 1)[0]
         assert "(default: " in said and len(said) > 30, (flag, said)
     for port in ("99999", "0", "http"):
-        done = subprocess.run([sys.executable, "-m", "groundtune", "serve", "--model", "tiny", "--port", port],
-                              capture_output=True, text=True, timeout=60)
+        done = groundtune("serve", "--model", "tiny", "--port", port)
         assert done.returncode == 2 and "Traceback" not in done.stderr
         (said,) = done.stderr.strip().splitlines()  # one line, as every other mistake
         assert said.startswith("error: groundtune serve: argument --port:"), done.stderr
-    done = subprocess.run([sys.executable, "-m", "groundtune", "serve", "--model", "tiny", "--body-timeout-s", "nan"],
-                          capture_output=True, text=True, timeout=60)
+    done = groundtune("serve", "--model", "tiny", "--body-timeout-s", "nan")
     assert done.returncode == 2 and "--body-timeout-s" in done.stderr.splitlines()[-1]
 
 

@@ -1,7 +1,7 @@
 """Experiment trackers (report_to): W&B (offline) and MLflow (its store in the run folder) hold
 what metrics.jsonl holds at the same steps, with the config and the eval reports, and a resumed
 run goes on in the same tracker runs; a tracker unknown or not installed is one line and exit 2,
-before the model loads."""
+before the model loads (a fresh process, where the tracker's import is blocked)."""
 
 import json
 import struct

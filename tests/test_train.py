@@ -1,5 +1,5 @@
 """The SFT loop on the tiny model: label mask, learning, exact resume, STOP file, NaN guard,
-the run folder and loading it back."""
+the run folder and loading it back. One real process, for SIGTERM: a signal is sent to a process."""
 
 import importlib.util
 import json

@@ -28,6 +28,7 @@ this and nothing is replaced.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 import types
@@ -36,11 +37,19 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
-try:
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-except ImportError:  # PyTorch < 2.10
-    _varlen_attn = None
-_VARLEN_PARAMS = inspect.signature(_varlen_attn).parameters if _varlen_attn is not None else {}
+
+
+@functools.cache
+def _varlen_kernel() -> tuple:
+    """(PyTorch's variable-length flash kernel or None before 2.10, its parameters). Imported on
+    first use, on a GPU: its module imports torch._dynamo, ~1.3 s of every process's start on a
+    2-core machine that a CPU run never needs."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # PyTorch < 2.10
+        return None, {}
+    return varlen_attn, inspect.signature(varlen_attn).parameters
+
 
 TEXT_ATTENTION = "groundtune"  # the name our language-model attention is registered under
 VARLEN_ENABLED = True  # the benchmarks switch the kernel off to measure what it gives (bench/step_ladder.py)
@@ -81,7 +90,8 @@ def keeps_packed_samples_apart(model) -> bool:
 
 def varlen_usable(t: torch.Tensor) -> bool:
     """Whether the variable-length flash kernel can take ``t`` (q, k or v) here."""
-    return VARLEN_ENABLED and _varlen_attn is not None and t.is_cuda and t.dtype in (torch.float16, torch.bfloat16)
+    return (VARLEN_ENABLED and t.is_cuda and t.dtype in (torch.float16, torch.bfloat16)
+            and _varlen_kernel()[0] is not None)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
@@ -93,17 +103,18 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     (a piece with more keys than queries: its queries are the LAST ones, causal masking aligned
     to the end, as flash-attention aligns it). Written against the two signatures PyTorch has had
     (2.10: ``is_causal``; 2.11 on: ``window_size``) and with or without ``enable_gqa``."""
+    varlen_attn, parameters = _varlen_kernel()
     extra = {}
     if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in _VARLEN_PARAMS:
+        if "enable_gqa" in parameters:
             extra["enable_gqa"] = True
         else:  # each key/value head serves a block of consecutive query heads (transformers' repeat_kv)
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     if causal:
-        extra.update({"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True})
+        extra.update({"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True})
     cu_seqlens = cu_seqlens.to(torch.int32)
     cu_seqlens_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k.to(torch.int32)
-    return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens_k, max_len, max_len if max_len_k is None else max_len_k,
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens_k, max_len, max_len if max_len_k is None else max_len_k,
                         scale=scale, **extra)
 
 
