@@ -36,7 +36,8 @@ SMOKE = {
                  {"impl", "rollouts_per_s"}),
     "memory_probe": (["--model", "tiny", "--batch", "2"], {"stages"}),
     "tiny_breakdown": (["tiny", "--n", "20"], {"tiny"}),
-    "tiny_step_profile": (["--batch", "4", "--workers", "1", "--loader-seconds", "0.5"], {"ladder", "step_s", "full forward ms", "top_ops"}),
+    "tiny_step_profile": (["--batch", "4", "--workers", "1", "--loader-seconds", "0.5"],
+                          {"ladder", "step_s", "full forward ms", "top_ops"}),
     "plan_check": (["measure", "--models", "tiny", "--samples", "16", "--limit", "1"], {"rows", "data"}),
 }
 
@@ -135,8 +136,8 @@ def test_a_data_file_whose_image_does_not_decode_is_one_line_and_exit_2(name, tm
 
 @pytest.mark.parametrize("switch", ["rotary", "loss"])
 def test_an_unknown_bench_switch_is_one_line_and_exit_2(switch):
-    done = run_script(ROOT / "bench" / "sft_speed.py", "--models", "tiny", "--variants", f"preset:quickstart+{switch}=fast",
-                  cwd=ROOT)
+    done = run_script(ROOT / "bench" / "sft_speed.py", "--models", "tiny", "--variants",
+                      f"preset:quickstart+{switch}=fast", cwd=ROOT)
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"+{switch}= takes fused or unfused" in done.stderr and "Traceback" not in done.stderr
 

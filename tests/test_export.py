@@ -43,8 +43,9 @@ try:
 except ImportError:  # transformers < 5.24 without torchvision: its PIL class reads the same file
     from transformers import Qwen2VLImageProcessorPil
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(folder)
+template = json.load(open(folder + "/groundtune.json"))["prompt"]
 for image_path, phrase in zip(pairs[::2], pairs[1::2]):
-    prompt = json.load(open(folder + "/groundtune.json"))["prompt"].format(phrase=phrase)
+    prompt = template.format(phrase=phrase)
     image = Image.open(image_path).convert("RGB")
     vision = image_processor(images=[image], return_tensors="pt")
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]

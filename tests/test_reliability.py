@@ -3,8 +3,9 @@ checkpoint write) resume to the losses and weights of an uninterrupted run, with
 once; SIGTERM to the whole process group saves and exits 0; one writer per run folder; a refused
 write (a full disk) leaves the run as it was; an image broken during a run is skipped and counted.
 (tests/test_bad_input.py: what bad input gets, command by command.)
-The processes are real where the process is the point (kill -9, signals, a file-size limit, a
-second writer's lock); the runs they are compared with, and the refusals, run in this process."""
+The processes are real where the process is the point (kill -9, signals, a file-size limit, the
+first writer holding its lock); the second writer's refusal, and the runs before and after the
+refused write, run the CLI in this process (tests/cli_in_process.py)."""
 
 from __future__ import annotations
 
