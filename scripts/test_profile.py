@@ -57,8 +57,13 @@ def profile(junit: Path, slowest: int = 25) -> dict:
     }
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit 2, as every groundtune command says a mistake
+        self.exit(2, f"error: {message}\n")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("junit", type=Path, help="pytest's --junitxml file")
     parser.add_argument("--label", required=True, help="the key the profile is written under (before, after, ...)")
     parser.add_argument("--command", default="python -m pytest", help="the command that ran the suite")
@@ -71,8 +76,12 @@ def main() -> None:
                                            text=True).stdout.strip()
     stamp = {"command": args.command, "commit": commit, "date": datetime.date.today().isoformat(),
              "machine": f"{os.cpu_count()} cores, {_cpu()}"}
+    try:
+        measured = profile(args.junit)
+    except ET.ParseError as e:
+        parser.error(f"{args.junit}: not a JUnit XML file ({e})")
     profiles = json.loads(args.out.read_text()) if args.out.is_file() else {}
-    profiles[args.label] = {**stamp, **profile(args.junit)}
+    profiles[args.label] = {**stamp, **measured}
     args.out.write_text(json.dumps(profiles, indent=1) + "\n")
     print(f"{args.label}: {profiles[args.label]['wall_s']} s wall, {profiles[args.label]['passed']} passed -> {args.out}")
 

@@ -35,7 +35,10 @@ def test_a_junit_file_is_summed_per_module_under_its_label(tmp_path):
                                                          "tests.test_a::test_two[x]", "tests.test_b.TestGroup::test_four"]
 
 
-def test_a_missing_file_is_one_line_and_exit_2(tmp_path):
+def test_a_missing_or_broken_file_is_one_line_and_exit_2(tmp_path):
     done = script(SCRIPT, tmp_path / "nothing.xml", "--label", "after", "--out", tmp_path / "p.json")
-    assert done.returncode == 2 and "nothing.xml: no such file" in done.stderr
-    assert not (tmp_path / "p.json").exists()
+    assert (done.returncode, done.stderr) == (2, f"error: {tmp_path / 'nothing.xml'}: no such file\n")
+    (tmp_path / "cut.xml").write_text(JUNIT[:200])
+    done = script(SCRIPT, tmp_path / "cut.xml", "--label", "after", "--out", tmp_path / "p.json")
+    assert done.returncode == 2 and done.stderr.startswith(f"error: {tmp_path / 'cut.xml'}: not a JUnit XML file (")
+    assert len(done.stderr.splitlines()) == 1 and not (tmp_path / "p.json").exists()
