@@ -22,9 +22,9 @@ from groundtune import protocols
 from groundtune.cli import main
 model, protocol, out = sys.argv[1:4]
 hub = {"refcoco": "RefCOCO", "refcoco+": "RefCOCOplus", "refcocog": "RefCOCOg"}
+local = os.environ.get("REFCOCO_DIR")
 for benchmark, name in [("refcoco", "val"), ("refcoco", "testA"), ("refcoco", "testB"), ("refcoco+", "val"),
                         ("refcoco+", "testA"), ("refcoco+", "testB"), ("refcocog", "val"), ("refcocog", "test")]:
-    local = os.environ.get("REFCOCO_DIR")
     data = f"{local}/{benchmark}_{name}.jsonl" if local else f"hf:lmms-lab/{hub[benchmark]}:{name}"
     print(f"== {benchmark} {name} ({data})", flush=True)
     code = main(["eval", "--model", model, "--data", data, "--protocol", protocol,

@@ -31,8 +31,6 @@ ENGINES = ["ddp", "fsdp2",
              for k in ("zero2", "zero3"))]
 
 
-
-
 def make_data(tmp_path_factory) -> Path:
     """64 one-shape samples, the data of the SFT runs."""
     out = tmp_path_factory.mktemp("ddp_data")
@@ -41,9 +39,9 @@ def make_data(tmp_path_factory) -> Path:
 
 
 def launch(command: str, ranks: int, args: list[str]) -> subprocess.Popen:
-    launch = [TORCHRUN, "--nproc-per-node", str(ranks), "-m"] if ranks else [sys.executable, "-m"]
+    launcher = [TORCHRUN, "--nproc-per-node", str(ranks), "-m"] if ranks else [sys.executable, "-m"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([*launch, "groundtune", command, *args], env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([*launcher, "groundtune", command, *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 

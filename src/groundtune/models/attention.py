@@ -38,12 +38,12 @@ import torch
 import torch.nn.functional as F
 
 
-
 @functools.cache
 def _varlen_kernel() -> tuple:
     """(PyTorch's variable-length flash kernel or None before 2.10, its parameters). Imported on
-    first use, on a GPU: its module imports torch._dynamo, ~1.3 s of every process's start on a
-    2-core machine that a CPU run never needs."""
+    first use, on a GPU: its module imports torch._dynamo, ~1.3 s of a 2-core machine that a
+    command loading no model (a refusal, `data`, `plan`) would otherwise pay at start (loading a
+    model, transformers imports torch._dynamo itself)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # PyTorch < 2.10
