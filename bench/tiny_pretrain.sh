@@ -10,14 +10,17 @@
 #   resume NAME DIR          continue run NAME from DIR/NAME.tgz.* (a previous call's output,
 #                            carried back to the machine): `groundtune train --resume`
 # Every run folder comes back as OUT/NAME.tgz.aa, .ab, ... (15 MB pieces: checkpoint, model, log);
-# KEEP=N brings back only the N best by the breakdown's overall Acc@0.5 (a run folder is ~40 MB).
+# KEEP=N brings back only the N best by the breakdown's overall Acc@0.5 (a run folder is ~40 MB);
+# PACK=model brings back each run's model, log and settings only (no checkpoint: ~11 MB a run).
+# VAL="synth args" sets the held-out set runs are evaluated and selected on (default: the full task
+# at 112 px).
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 PLAN=$1
 T=${SECONDS_PER_RUN:-470}
 W=/tmp/tp
 mkdir -p $W/arch $OUT
-python -m groundtune data synth --out $W/data --n 500 --seed 12 --task full --split val | tail -1
+python -m groundtune data synth --out $W/data --n 500 --seed 12 --split val ${VAL:---task full} | tail -1
 runs=()
 while read -r kind name rest; do
   case "$kind" in
@@ -47,6 +50,10 @@ keep=$(python -c "import json,sys; b=json.load(open('$OUT/breakdown.json'))
 best=sorted(b, key=lambda m: -b[m]['all']['acc@0.5'])[:int(sys.argv[1])]
 print(' '.join(m.split('/')[-2] for m in best))" "${KEEP:-${#runs[@]}}")
 for r in $keep; do
-  tar czf - -C $W --exclude=tb $r | split -b 15M - $OUT/$r.tgz.
+  if [ "${PACK:-}" = model ]; then
+    tar czf $OUT/$r.model.tgz -C $W $r/model $r/config.yaml $r/metrics.jsonl
+  else
+    tar czf - -C $W --exclude=tb $r | split -b 15M - $OUT/$r.tgz.
+  fi
 done
 ls -la $OUT

@@ -164,13 +164,20 @@ def build_assets(out_dir: str | Path = TINY_DIR, text: dict | None = None, visio
 def install_weights(model_folder: str | Path, out_dir: str | Path = TINY_DIR) -> Path:
     """Ship a trained model of the tiny architecture as `tiny`: its weights in bf16 (half the
     size; the tiny model trains and serves in fp32 on CPU, bf16 on GPU) next to the tokenizer,
-    image processor and metadata already in ``out_dir``."""
+    image processor and metadata already in ``out_dir``; and the pixel budget it was trained with
+    (a run with min_pixels/max_pixels of its own), in groundtune.json and the image processor."""
     import torch
 
-    from groundtune.models.loading import load_model
+    from groundtune.models.loading import load_model, read_metadata, write_metadata
 
     gm = load_model(str(model_folder), device="cpu", dtype="fp32")
     gm.model.to(torch.bfloat16).save_pretrained(out_dir)
+    shipped = read_metadata(Path(out_dir))
+    if shipped.get("resize") != gm.resize.to_dict():
+        write_metadata(out_dir, {**shipped, "resize": gm.resize.to_dict()})
+        FAMILY.transformers_class("image_processor_class")(
+            patch_size=FAMILY.patch_size, merge_size=FAMILY.merge_size, temporal_patch_size=2,
+            min_pixels=gm.resize.min_pixels, max_pixels=gm.resize.max_pixels).save_pretrained(out_dir)
     return Path(out_dir) / "model.safetensors"
 
 

@@ -9,7 +9,7 @@ from groundtune.data import synth
 from groundtune.train.batches import encode_sample
 from groundtune.models import adapt, qwen, speedups
 from groundtune.models.loading import load_model
-from groundtune.train.objective import answer_loss
+from groundtune.train.objective import answer_loss, answer_tokens, weigh_samples
 
 
 def _batch(gm):
@@ -71,6 +71,29 @@ def test_packed_batch_gives_the_padded_batch_loss(any_family_model):
     total = packed["input_ids"].shape[1]
     joined = dict(packed, cu_seq_lens_q=torch.tensor([0, total], dtype=torch.int32), max_length_q=total)
     assert not torch.allclose(answer_loss(model, joined).detach(), a)
+
+
+def test_loss_per_sample_is_the_mean_of_each_answers_own_mean():
+    """loss_per=sample: a set of three answers of different lengths (one box, none, two boxes),
+    padded or packed, gives the mean of the three answers' own mean NLLs, not the token mean."""
+    gm = load_model("tiny", device="cpu", dtype="fp32")
+    speedups.install(gm.model)
+    encoded = []
+    for i in (1, 2, 0):  # one box, none, two boxes
+        image, record = synth.make_sample(3, i, task="every")
+        encoded.append(encode_sample(gm.processor, gm.family, gm.resize, gm.prompt, image, record, answer_label=False))
+    lengths = [int((e["labels"] != qwen.IGNORE_INDEX).sum()) for e in encoded]
+    assert len(set(lengths)) == 3, lengths  # answers of three lengths, or the test proves nothing
+    with torch.no_grad():
+        own_means = torch.stack([answer_loss(gm.model, qwen.collate([e], gm.processor.pad_token_id))
+                                 for e in encoded])
+        for batch in (qwen.collate(encoded, gm.processor.pad_token_id), qwen.collate_packed(encoded)):
+            weighted = weigh_samples(batch)
+            assert answer_tokens(weighted) == 3 and answer_tokens(batch) == sum(lengths)
+            torch.testing.assert_close(answer_loss(gm.model, weighted), own_means.mean(), rtol=1e-5, atol=1e-6)
+            token_mean = (own_means * torch.tensor(lengths)).sum() / sum(lengths)
+            torch.testing.assert_close(answer_loss(gm.model, batch), token_mean, rtol=1e-5, atol=1e-6)
+            assert not torch.allclose(own_means.mean(), token_mean)
 
 
 def test_a_packed_batch_is_refused_where_attention_would_cross_samples():

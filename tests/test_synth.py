@@ -233,6 +233,32 @@ def test_palette_variant_is_one_argument():
         assert independent_resolve(scene.phrase, scene.shapes, pal) == scene.targets
 
 
+def test_varied_canvases_are_drawn_per_sample_and_reproducible(tmp_path):
+    """canvas=(MIN, MAX): each sample's sides drawn from the range (non-square too), the same
+    files whatever the workers, and a sample's layout on a drawn canvas is its layout on that
+    canvas given as width x height."""
+    sides = [synth.canvas_size(3, i, "train", (112, 224)) for i in range(300)]
+    assert all(112 <= w <= 224 and 112 <= h <= 224 for w, h in sides)
+    assert sum(w != h for w, h in sides) > 250 and len({w for w, _ in sides}) > 60
+    assert sides != [synth.canvas_size(3, i, "val", (112, 224)) for i in range(300)]  # the split is in the key
+    a = synth.make_synthetic_set(tmp_path / "a", n=16, seed=3, task="every", canvas=(112, 224), workers=1)
+    b = synth.make_synthetic_set(tmp_path / "b", n=16, seed=3, task="every", canvas=(112, 224), workers=2)
+    assert a.read_bytes() == b.read_bytes()
+    for i, record in enumerate(read_samples(a)):
+        width, height = synth.canvas_size(3, i, "train", (112, 224))
+        with Image.open(tmp_path / "a" / record["image"]) as image:
+            assert image.size == (record["width"], record["height"]) == (width, height)
+        assert all(0 <= x1 < x2 <= width and 0 <= y1 < y2 <= height for x1, y1, x2, y2 in record["bboxes"])
+    drawn_image, drawn = synth.make_sample(3, 5, task="full", canvas=(112, 224))
+    given_image, given = synth.make_sample(3, 5, *synth.canvas_size(3, 5, "train", (112, 224)), task="full")
+    assert drawn == given and drawn_image.tobytes() == given_image.tobytes()
+    assert synth.parse_canvas("112-224") == (112, 224) and synth.parse_canvas("168") == (168, 168)
+    with pytest.raises(ValueError, match="MIN-MAX"):
+        synth.parse_canvas("big")
+    with pytest.raises(ValueError, match="MIN <= MAX"):
+        synth.parse_canvas("224-112")
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="cannot draw"):
         synth.Palette(shapes=("hexagon",))
@@ -248,10 +274,10 @@ def test_bad_arguments_are_refused():
 
 def independent_set(phrase: str, shapes: list[synth.Shape], palette=PAL) -> list[int]:
     """The shapes a set phrase names, read with a grammar of its own: "every red circle", "all the
-    red circles", "the red circles", "every red shape", "all the squares" ..."""
+    red circles", "all red circles", "the red circles", "every red shape", "all the squares" ..."""
     c, k = "|".join(palette.colours), "|".join(palette.shapes)
     m = (re.fullmatch(rf"every (?:(?P<c>{c}) )?(?P<k>{k}|shape)", phrase)
-         or re.fullmatch(rf"(?:all the|the) (?:(?P<c>{c}) )?(?P<k>(?:{k})e?s|shapes)", phrase))
+         or re.fullmatch(rf"(?:all the|all|the) (?:(?P<c>{c}) )?(?P<k>(?:{k})e?s|shapes)", phrase))
     assert m, f"not a set phrase: {phrase!r}"
     colour = m.group("c")
     kind = m.group("k")

@@ -192,6 +192,12 @@ def test_synthetic_stream_is_the_synthetic_set_drawn_on_the_fly(synth_single):
     mixture = open_samples("synth:single+attribute", 1)  # a curriculum mixture: tasks alternate
     assert [mixture[i][1]["task"] for i in range(4)] == ["single", "attribute", "single", "attribute"]
     assert mixture[2][1] == stream[2][1]  # sample 2 of the mixture is sample 2 of its task
+    varied = open_samples("synth:single+every@112-224", 1)  # canvases drawn per sample
+    image, record = varied[3]
+    assert image.size == synth.canvas_size(1, 3, "train", (112, 224)) == (record["width"], record["height"])
+    assert record == synth.make_sample(1, 3, task="every", canvas=(112, 224))[1]
+    with pytest.raises(ValueError, match="synth:single@big: canvas 'big': expected MIN-MAX"):
+        open_samples("synth:single@big", 0)
 
 
 def test_training_on_the_stream_resumes_exactly(tmp_path):

@@ -129,6 +129,7 @@ def _data_synth(args: argparse.Namespace) -> int:
         split=args.split,
         task=args.task,
         workers=args.workers,
+        canvas=args.canvas,
     )
     print(f"wrote {args.n} samples to {path}")
     return 0
@@ -200,6 +201,16 @@ def _int_at_least(minimum: int, name: str):
 _positive_int = _int_at_least(1, "positive integer")
 _count = _int_at_least(0, "count")
 _canvas_side = _int_at_least(8, "canvas side")  # synth draws shapes of a few pixels at least
+
+
+def _canvas_range(text: str) -> tuple[int, int]:
+    """An argparse type: ``MIN-MAX`` canvas sides (synth.parse_canvas)."""
+    from groundtune.data.synth import parse_canvas
+
+    try:
+        return parse_canvas(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _require(args: argparse.Namespace, *names: str, command: str = "convert") -> None:
@@ -314,6 +325,9 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=_count, default=0, help="random seed")
     p.add_argument("--width", type=_canvas_side, default=112, help="canvas width in pixels")
     p.add_argument("--height", type=_canvas_side, default=112, help="canvas height in pixels")
+    p.add_argument("--canvas", type=_canvas_range, metavar="MIN-MAX",
+                   help="varied canvases: each sample's width and height drawn from MIN..MAX px, independently "
+                        "(non-square too), in place of --width/--height; e.g. 112-224")
     p.add_argument("--split", default="train", help="split name: the file is OUT/SPLIT.jsonl")
     from groundtune.data.synth import TASKS  # numpy and Pillow only: --help stays quick
 

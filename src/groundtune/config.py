@@ -36,6 +36,7 @@ KERNEL_MODES = ("auto", "liger", "none")
 BAD_RECORD_POLICIES = ("refuse", "skip")
 MAX_NEW_TOKENS = 64  # longest greedy answer by default: one box and its label is ~20-40 tokens
 ADVANTAGES = ("grpo", "ema")
+LOSS_PER = ("token", "sample")  # train/objective.py: what the text loss averages over
 HEADS = ("text", "box")  # models/head.py
 ENGINES = ("ddp", "fsdp2", "zero2", "zero3")  # train/parallel.py
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # report_to: train/monitor.py's WRITERS
@@ -198,6 +199,10 @@ class _Optimisation(_Settings):
 class _Step(_Settings):
     # --- the SFT step
     grad_accum: int = setting(1, "micro-batches per optimizer step")
+    loss_per: str = setting("token", "how the text loss weighs the update's answers: token (the mean over all answer "
+                            "tokens: a six-box answer weighs ~25x a none) | sample (each answer's own mean, averaged "
+                            "over the samples: a none, whose first token decides it, weighs what a six-box answer "
+                            "does); head=box weighs samples alike already")
     packing: bool = setting(False, "a micro-batch in one row, no padding, attention within each sample: on a GPU one "
                             "variable-length flash call per layer (the fast setting); on a CPU a dense mask (slow)")
     compile: bool = setting(False, "torch.compile the vision blocks, and the LLM decoder layers where liger-kernel "
@@ -208,6 +213,8 @@ class _Step(_Settings):
 
     def check(self) -> None:
         _positive(self, "grad_accum")
+        if self.loss_per not in LOSS_PER:
+            raise ConfigError(f"loss_per={self.loss_per!r}: expected one of {', '.join(LOSS_PER)}")
         if self.fp8 and getattr(self, "method", "lora") != "lora":
             raise ConfigError(f"fp8=true with method={self.method}: FP8 matmuls are for a LoRA run's frozen bf16 base "
                               "(a 4-bit base is quantized already; full fine-tuning in FP8 is not measured)")

@@ -57,26 +57,33 @@ class FileSamples:
 class SyntheticStream:
     """``synth:TASK``: synthetic sample i of (seed, "train"), drawn when it is asked for.
     ``synth:TASK1+TASK2``: a mixture, sample i of task i mod 2 (a curriculum that keeps a harder
-    task in every batch, e.g. ``synth:full+attribute``)."""
+    task in every batch, e.g. ``synth:full+attribute``). ``synth:TASKS@MIN-MAX``: each sample on a
+    canvas whose sides are drawn from MIN..MAX px (``synth.canvas_size``), else 112 x 112."""
 
     shuffle = False  # fresh samples in index order: nothing to shuffle, nothing repeats
 
-    def __init__(self, tasks: str, seed: int):
-        self.tasks = tasks.split("+")
+    def __init__(self, spec: str, seed: int):
+        tasks, _, canvas = spec.partition("@")
+        try:
+            self.canvas = synth.parse_canvas(canvas) if canvas else None
+        except ValueError as e:
+            raise ConfigError(f"train_data=synth:{spec}: {e}") from None
+        self.spec, self.tasks = spec, tasks.split("+")
         for task in self.tasks:
             if task not in synth.TASKS:
-                raise ConfigError(f"train_data=synth:{tasks}: unknown task {task!r}; expected one of "
-                                 f"{', '.join(SYNTH_PREFIX + t for t in synth.TASKS)}, or several joined by +")
+                raise ConfigError(f"train_data=synth:{spec}: unknown task {task!r}; expected one of "
+                                 f"{', '.join(SYNTH_PREFIX + t for t in synth.TASKS)}, or several joined by +, "
+                                 "then optionally @MIN-MAX (canvas sides in px)")
         self.seed = seed
 
     def __len__(self) -> int:
         return SYNTH_STREAM_LENGTH
 
     def __getitem__(self, index: int) -> tuple[Image.Image, dict]:
-        return synth.make_sample(self.seed, index, task=self.tasks[index % len(self.tasks)])
+        return synth.make_sample(self.seed, index, task=self.tasks[index % len(self.tasks)], canvas=self.canvas)
 
     def where(self, index: int) -> str:
-        return f"synth:{'+'.join(self.tasks)} sample {index}"
+        return f"synth:{self.spec} sample {index}"
 
 
 def open_samples(train_data: str, seed: int) -> FileSamples | SyntheticStream:

@@ -91,8 +91,8 @@ DEFAULT_PALETTE = Palette()
 
 SET_TASK = "every"
 NO_TARGET_SHARE = 0.25  # of the every task's samples: a phrase naming nothing in the image
-# "every red circle", "all the red circles", "the red circles": the ways a set is asked for
-SET_TEMPLATES = ("every {one}", "all the {many}", "the {many}")
+# "every red circle", "all the red circles", "all red circles", "the red circles": the ways a set is asked for
+SET_TEMPLATES = ("every {one}", "all the {many}", "all {many}", "the {many}")
 
 REL_WORDS = ("left of", "right of", "above", "below")
 EXTREMES = ("left", "right", "top", "bottom")
@@ -427,6 +427,28 @@ def _render(rng: np.random.Generator, scene: Scene, palette: Palette) -> Image.I
     return image
 
 
+def parse_canvas(text: str) -> tuple[int, int]:
+    """``"112-224"`` -> (112, 224): the range each side of a canvas is drawn from (``"168"``: one
+    size). Raises ValueError with the accepted form."""
+    low, _, high = text.partition("-")
+    try:
+        sides = (int(low), int(high or low))
+    except ValueError:
+        raise ValueError(f"canvas {text!r}: expected MIN-MAX pixels, e.g. 112-224") from None
+    if not 8 <= sides[0] <= sides[1]:
+        raise ValueError(f"canvas {text!r}: need 8 <= MIN <= MAX")
+    return sides
+
+
+def canvas_size(seed: int, index: int, split: str, sides: tuple[int, int]) -> tuple[int, int]:
+    """Sample ``index``'s (width, height) when canvases vary: each side uniform in ``sides``,
+    drawn independently (so non-square too), from a generator of its own: a sample's layout is
+    the same function of its canvas whether the canvas was drawn or given."""
+    rng = np.random.default_rng([seed, zlib.crc32(f"{split}/canvas".encode()), index])
+    width, height = (int(v) for v in rng.integers(sides[0], sides[1] + 1, size=2))
+    return width, height
+
+
 def make_scene(
     seed: int,
     index: int,
@@ -435,8 +457,12 @@ def make_scene(
     task: str = "full",
     palette: Palette = DEFAULT_PALETTE,
     split: str = "train",
+    canvas: tuple[int, int] | None = None,
 ) -> Scene:
-    """The layout and phrase of a sample (every shape, the target, the query), without drawing it."""
+    """The layout and phrase of a sample (every shape, the target, the query), without drawing it.
+    ``canvas``: (MIN, MAX) side range, drawn per sample (``canvas_size``) in place of width x height."""
+    if canvas is not None:
+        width, height = canvas_size(seed, index, split, canvas)
     return _scene(_rng(seed, index, split), width, height, task, palette)
 
 
@@ -448,9 +474,13 @@ def make_sample(
     task: str = "full",
     palette: Palette = DEFAULT_PALETTE,
     split: str = "train",
+    canvas: tuple[int, int] | None = None,
 ) -> tuple[Image.Image, dict]:
     """Sample ``index`` of the set ``(seed, split)``: an RGB image and its record without the
-    id/image/split fields (make_synthetic_set and iter_samples add those)."""
+    id/image/split fields (make_synthetic_set and iter_samples add those). ``canvas``: as
+    make_scene's."""
+    if canvas is not None:
+        width, height = canvas_size(seed, index, split, canvas)
     rng = _rng(seed, index, split)
     scene = _scene(rng, width, height, task, palette)
     image = _render(rng, scene, palette)
@@ -520,10 +550,10 @@ def encode_png(image: Image.Image) -> bytes:
 
 def _write_chunk(job: tuple) -> list[dict]:
     """Worker: draw and save samples [start, start+count), return their records in order."""
-    out_dir, split, start, count, seed, width, height, task, palette = job
+    out_dir, split, start, count, seed, width, height, task, palette, canvas = job
     records = []
     for i in range(start, start + count):
-        image, sample = make_sample(seed, i, width, height, task, palette, split)
+        image, sample = make_sample(seed, i, width, height, task, palette, split, canvas)
         rel = f"images/{split}-{i:07d}.png"
         path = Path(out_dir) / rel
         tmp = path.with_name(f".{path.name}.tmp")
@@ -558,17 +588,19 @@ def make_synthetic_set(
     task: str = "full",
     workers: int = 0,
     palette: Palette = DEFAULT_PALETTE,
+    canvas: tuple[int, int] | None = None,
 ) -> Path:
     """Write ``out_dir/{split}.jsonl`` and ``out_dir/images/{split}-{index:07d}.png``; return the
-    JSONL path. workers=0: one process per CPU core. The same arguments give byte-identical files
+    JSONL path. ``canvas``: (MIN, MAX), each sample's sides drawn from it instead of width x height.
+    workers=0: one process per CPU core. The same arguments give byte-identical files
     whatever the number of workers. The JSONL is written last and atomically: it exists only when
     every image it names does."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
-    if width < 8 or height < 8:
-        raise ValueError(f"canvas {width}x{height} is too small; use at least 8x8")
+    if min(width, height, *(canvas or (8,))) < 8:
+        raise ValueError(f"canvas {canvas or (width, height)} is too small; use at least 8x8")
     out_dir = Path(out_dir)
     _not_someone_elses(out_dir / f"{split}.jsonl")
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
@@ -578,7 +610,8 @@ def make_synthetic_set(
     # the progress bar moves and the last worker does not finish long after the others.
     chunk = max(1, min(256, math.ceil(n / (workers * 4))))
     jobs = [
-        (str(out_dir), split, s, min(chunk, n - s), seed, width, height, task, palette) for s in range(0, n, chunk)
+        (str(out_dir), split, s, min(chunk, n - s), seed, width, height, task, palette, canvas)
+        for s in range(0, n, chunk)
     ]
 
     def records(bar, task_id):

@@ -6,6 +6,8 @@ and ~1.2 TFLOP, of which only the ~30 answer positions per sample carry loss. He
 model runs as usual, the hidden states of the labelled positions are picked out, and only those
 go through the LM head: the same loss (the mean over answer tokens, as transformers computes it;
 tests/test_objective.py checks value and gradients), a fraction of the memory and time. With
+``loss_per=sample`` each answer token is weighted by 1 / its answer's length (``weigh_samples``)
+and the loss is the mean of the samples' own means. With
 ``kernels=liger`` the SFT loss goes further: liger-kernel's fused linear cross-entropy makes the
 answer tokens' logits a chunk at a time (``kernels.fused_answer_nll``).
 """
@@ -23,9 +25,10 @@ from groundtune.models.adapt import base_model
 from groundtune.models.attention import attached, keeps_packed_samples_apart, shares_prefixes
 from groundtune.models.qwen import IGNORE_INDEX
 
-# what a batch carries besides the model's inputs: the targets, and a row of answers' layout and answer
-# positions (qwen.collate_answers)
-NOT_MODEL_INPUTS = ("labels", "box_target", "box_count", "layout", "answer_index", "answer_targets", "answer_owner")
+# what a batch carries besides the model's inputs: the targets, a row of answers' layout and answer
+# positions (qwen.collate_answers), the answer tokens' weights (weigh_samples)
+NOT_MODEL_INPUTS = ("labels", "box_target", "box_count", "layout", "answer_index", "answer_targets", "answer_owner",
+                    "token_weight")
 
 
 def answer_logprobs(model, batch: dict[str, torch.Tensor],
@@ -85,11 +88,36 @@ def answer_nll(model, batch: dict[str, torch.Tensor], image_of_row: list[int] | 
 
 def _answer_nll(core, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The answer tokens' negative log-likelihood, summed: liger-kernel's fused linear cross-entropy
-    where ``kernels`` installed it (the logits never whole in memory), else ``_answer_logprobs``'."""
+    where ``kernels`` installed it (the logits never whole in memory), else ``_answer_logprobs``'.
+    A batch with ``token_weight`` (``weigh_samples``) sums each token's NLL times its weight."""
     rows, targets, _ = _answer_rows(hidden, batch)
     lm_head = core.get_output_embeddings()
+    if "token_weight" in batch:  # per-sample means: weighted, so not through the fused kernel (it only sums)
+        nll = F.cross_entropy(lm_head(rows).float(), targets, reduction="none")
+        return (nll * batch["token_weight"]).sum()
     fused = kernels.fused_answer_nll(core, rows, lm_head.weight, targets)
     return fused if fused is not None else F.cross_entropy(lm_head(rows).float(), targets, reduction="sum")
+
+
+def answer_samples(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The sample each answer token of ``batch`` belongs to (in ``_answer_rows``' order): its row of a
+    padded batch, its sample of a packed row (by ``cu_seq_lens_q``) or of a row of answers."""
+    if "answer_index" in batch:
+        return batch["answer_owner"]
+    answer = batch["labels"][:, 1:] != IGNORE_INDEX
+    rows, positions = answer.nonzero().unbind(1)
+    if "cu_seq_lens_q" in batch:  # one packed row: position t + 1 holds the token, its sample starts before it
+        return torch.searchsorted(batch["cu_seq_lens_q"][1:].to(positions.device), positions + 1, right=True)
+    return rows
+
+
+def weigh_samples(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``batch`` with ``token_weight``: 1 / (its sample's answer tokens) for every answer token, so
+    that the summed weighted NLL is the sum of the samples' mean NLLs (``loss_per=sample``): a
+    ``[]`` of a few tokens then weighs as much as a six-box answer of ~100."""
+    owner = answer_samples(batch)
+    counts = torch.bincount(owner)
+    return {**batch, "token_weight": 1.0 / counts[owner].float()}
 
 
 class Objective(torch.nn.Module):
@@ -150,7 +178,10 @@ def answer_loss(model, batch: dict[str, torch.Tensor], tokens: int | None = None
 
 def answer_tokens(batch: dict[str, torch.Tensor]) -> int:
     """The labelled positions ``answer_logprobs`` scores in ``batch`` (read from its labels, on
-    whatever device they are)."""
+    whatever device they are); for a batch of ``weigh_samples``, its samples with an answer (the
+    weights of each sum to 1): the denominator that makes ``answer_loss`` a mean either way."""
+    if "token_weight" in batch:
+        return int(torch.unique(answer_samples(batch)).numel())
     if "answer_targets" in batch:
         return len(batch["answer_targets"])
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) if "labels" in batch else 0

@@ -32,7 +32,7 @@ from groundtune.train import distributed
 from groundtune.train.batches import GroundingDataset, make_loader, to_device
 from groundtune.train.loop import Loop, RunData, TrainingError, run_stage, seed_everything, use_bf16
 from groundtune.train.monitor import StopRequest, gpu_stats
-from groundtune.train.objective import BoxObjective, answer_loss, answer_tokens, box_head_loss
+from groundtune.train.objective import BoxObjective, answer_loss, answer_tokens, box_head_loss, weigh_samples
 from groundtune.train.parallel import Parallel
 
 __all__ = ["TrainingError", "train"]
@@ -80,6 +80,8 @@ def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData,
             # ---- one optimizer step: grad_accum micro-batches, their answer tokens counted first
             # (on the CPU) so that each token weighs the same whatever micro-batch it is in
             micro_batches = [next(batches) for _ in range(cfg.grad_accum)]
+            if cfg.loss_per == "sample" and not box_head:  # each answer's own mean (objective.weigh_samples)
+                micro_batches = [weigh_samples(b) for b in micro_batches]
             # ... on every rank: the global batch's
             tokens = max(1, int(distributed.total(sum(answer_tokens(b) for b in micro_batches), ranks, device)))
             if box_head:  # ... and samples: a box head's loss is per sample
