@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from groundtune.config import TrainConfig
 from groundtune.models import adapt
 from groundtune.models.loading import load_model
+from groundtune.runs import RunFolder
 from groundtune.train import checkpoint as ckpt
 from groundtune.train.loop import lr_lambda
 from groundtune.train.monitor import MetricsLog, thermal_pause
@@ -182,7 +183,7 @@ def test_on_an_eval_set_of_no_target_phrases_the_best_is_kept_by_set_acc(synth_s
 
 def test_keep_last_prunes_to_the_newest_checkpoints(synth_single, tmp_path):
     run = train(_cfg(synth_single, tmp_path / "keep", method="lora", lora_r=4, save_every=1, keep_last=2))
-    parent = run / ckpt.CHECKPOINTS
+    parent = RunFolder(run).checkpoints
     assert sorted(p.name for p in parent.iterdir()) == ["step-000003", "step-000004"]  # no leftovers either
     assert [json.loads((p / "state.json").read_text())["step"] for p in ckpt.list_checkpoints(run)] == [3, 4]
 
@@ -234,7 +235,7 @@ def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_pa
         ckpt.save_checkpoint(run, model, optimizer, _BrokenScheduler(scheduler), {"step": 2, "samples": 8}, 2)
 
     assert ckpt.list_checkpoints(run) == [first]  # nothing half-written under a real name
-    visible = [p.name for p in (run / ckpt.CHECKPOINTS).iterdir() if not p.name.startswith(".")]
+    visible = [p.name for p in RunFolder(run).checkpoints.iterdir() if not p.name.startswith(".")]
     assert visible == ["step-000001"]
     assert {p.name: p.read_bytes() for p in first.iterdir()} == files  # byte for byte as written
 
@@ -256,10 +257,10 @@ def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_pa
     # a write that failed leaves nothing, not even under a hidden name; what a kill -9 leaves behind
     # (a .step-N.tmp) is cleared by the next save of any step (a resumed run may never write that
     # step again): tests/test_reliability.py kills real runs
-    assert sorted(p.name for p in (run / ckpt.CHECKPOINTS).iterdir()) == ["step-000001"]
-    (run / ckpt.CHECKPOINTS / ".step-000002.tmp").mkdir()  # as a kill -9 in the middle would leave it
+    assert sorted(p.name for p in RunFolder(run).checkpoints.iterdir()) == ["step-000001"]
+    (RunFolder(run).checkpoints / ".step-000002.tmp").mkdir()  # as a kill -9 in the middle would leave it
     second = ckpt.save_checkpoint(run, model, optimizer, scheduler, {"step": 3, "samples": 12}, keep_last=2)
-    assert sorted(p.name for p in (run / ckpt.CHECKPOINTS).iterdir()) == ["step-000001", "step-000003"]
+    assert sorted(p.name for p in RunFolder(run).checkpoints.iterdir()) == ["step-000001", "step-000003"]
     saved = load_file(second / "trainable.safetensors")
     assert all(torch.equal(saved[n], p) for n, p in model.named_parameters() if p.requires_grad)
 

@@ -28,6 +28,7 @@ from groundtune.config import TrainConfig
 from groundtune.data import synth
 from groundtune.data.samples import ResumableBatches
 from groundtune.errors import TrainingError
+from groundtune.runs import RunFolder
 from groundtune.train import checkpoint as ckpt
 from groundtune.train.sft import train
 
@@ -80,7 +81,7 @@ def test_kill_9_at_five_moments_then_resume_equals_an_uninterrupted_run(data, tm
         proc = _start(args)
         logged = len(_steps(run)) if (run / "metrics.jsonl").exists() else 0
         if kill == inside_a_write:
-            parent = run / ckpt.CHECKPOINTS
+            parent = RunFolder(run).checkpoints
 
             def writing():  # a checkpoint being written: its hidden folder is there
                 return parent.is_dir() and any(p.name.endswith(".tmp") for p in parent.iterdir())
@@ -91,9 +92,9 @@ def test_kill_9_at_five_moments_then_resume_equals_an_uninterrupted_run(data, tm
             _wait(proc, lambda: (run / "metrics.jsonl").exists() and len(_steps(run)) >= target, f"step {target}")
         proc.kill()
         proc.wait()
-        caught_in_write |= any(p.name.endswith(".tmp") for p in (run / ckpt.CHECKPOINTS).iterdir()) \
-            if (run / ckpt.CHECKPOINTS).is_dir() else False
-        assert (run / ckpt.LOCK).exists()  # a kill -9 leaves its lock: the next start must see it is stale
+        caught_in_write |= any(p.name.endswith(".tmp") for p in RunFolder(run).checkpoints.iterdir()) \
+            if RunFolder(run).checkpoints.is_dir() else False
+        assert RunFolder(run).lock.exists()  # a kill -9 leaves its lock: the next start must see it is stale
     assert caught_in_write, "no kill landed inside a checkpoint write"
 
     proc = _start(["train", "--resume", str(run)])
@@ -107,8 +108,8 @@ def test_kill_9_at_five_moments_then_resume_equals_an_uninterrupted_run(data, tm
     assert [r["loss"] for r in ours] == [r["loss"] for r in theirs]
     a, b = load_file(straight / "model" / "model.safetensors"), load_file(run / "model" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert not (run / ckpt.LOCK).exists()
-    assert sorted(p.name for p in (run / ckpt.CHECKPOINTS).iterdir()) == ["step-000015", "step-000018"]
+    assert not RunFolder(run).lock.exists()
+    assert sorted(p.name for p in RunFolder(run).checkpoints.iterdir()) == ["step-000015", "step-000018"]
 
 
 def test_sigterm_to_the_process_group_saves_and_exits_0(data, tmp_path):
@@ -125,7 +126,7 @@ def test_sigterm_to_the_process_group_saves_and_exits_0(data, tmp_path):
     saved = ckpt.list_checkpoints(run)
     assert len(saved) == 1 and not ckpt.is_finished(saved[0])
     assert json.loads((saved[0] / "state.json").read_text())["step"] >= 3
-    assert not (run / ckpt.LOCK).exists()
+    assert not RunFolder(run).lock.exists()
 
 
 def test_a_program_that_keeps_a_failed_predictions_error_still_exits(data, tmp_path):
@@ -202,7 +203,7 @@ def test_one_writer_per_run_folder(data, tmp_path):
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=120)
     assert first.returncode == 0  # the first run went on and stopped cleanly: nothing of it was touched
-    assert not (run / ckpt.LOCK).exists()
+    assert not RunFolder(run).lock.exists()
 
 
 def _no_bigger_files(limit: int):
@@ -221,19 +222,19 @@ def test_a_write_the_disk_refuses_is_one_line_and_the_last_checkpoint_stays(data
     assert first.returncode == 0, first.stdout + first.stderr
     config = (run / "config.yaml").read_text()
     (run / "config.yaml").write_text(config.replace("max_steps: 3", "max_steps: 9"))  # a longer run, resumed
-    (run / ckpt.CHECKPOINTS / "step-000003" / "state.json").write_text(
-        (run / ckpt.CHECKPOINTS / "step-000003" / "state.json").read_text().replace('"finished": true',
+    (RunFolder(run).checkpoint(3) / "state.json").write_text(
+        (RunFolder(run).checkpoint(3) / "state.json").read_text().replace('"finished": true',
                                                                                  '"finished": false'))
-    before = {p: p.read_bytes() for p in (run / ckpt.CHECKPOINTS / "step-000003").iterdir()}
+    before = {p: p.read_bytes() for p in RunFolder(run).checkpoint(3).iterdir()}
     refused = subprocess.run([sys.executable, "-m", "groundtune", "train", "--resume", str(run)], capture_output=True,
                              text=True, timeout=300, preexec_fn=_no_bigger_files(4 * 2**20))
     assert refused.returncode == 2, refused.stdout + refused.stderr
     message = refused.stderr.strip().splitlines()[-1]
-    assert message.startswith(f"error: could not write {run / ckpt.CHECKPOINTS / 'step-000006'}: the disk refused")
+    assert message.startswith(f"error: could not write {RunFolder(run).checkpoint(6)}: the disk refused")
     assert "GiB is free there" in message and "Traceback" not in refused.stderr
-    assert sorted(p.name for p in (run / ckpt.CHECKPOINTS).iterdir()) == ["step-000003"]  # nothing half-written
-    assert {p: p.read_bytes() for p in (run / ckpt.CHECKPOINTS / "step-000003").iterdir()} == before
-    assert not (run / ckpt.LOCK).exists()
+    assert sorted(p.name for p in RunFolder(run).checkpoints.iterdir()) == ["step-000003"]  # nothing half-written
+    assert {p: p.read_bytes() for p in RunFolder(run).checkpoint(3).iterdir()} == before
+    assert not RunFolder(run).lock.exists()
     resumed = groundtune("train", "--resume", run)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert [r["step"] for r in _steps(run)] == list(range(1, 10))
@@ -286,7 +287,7 @@ def test_an_image_deleted_during_the_run_is_skipped_and_counted(data, tmp_path):
     with pytest.raises(TrainingError, match=r"4 of 4 samples of a batch failed to load .*max_bad_fraction=0.5"):
         train(_cfg(copy / "train.jsonl", tmp_path / "stopped", max_bad_fraction=0.5), on_step=delete_all_at_1)
     saved = ckpt.list_checkpoints(tmp_path / "stopped")
-    assert [p.name for p in saved] == ["step-000001"] and not (tmp_path / "stopped" / ckpt.LOCK).exists()
+    assert [p.name for p in saved] == ["step-000001"] and not RunFolder(tmp_path / "stopped").lock.exists()
 
 
 def test_resume_takes_a_corrected_file_of_the_same_records(data, tmp_path):
@@ -309,4 +310,4 @@ def test_resume_takes_a_corrected_file_of_the_same_records(data, tmp_path):
 
     with pytest.raises(DataError, match="holds 15 usable records .* not the 16 the run started with"):
         train(resume=other, resume_overrides=(f"train_data={fewer}",))
-    assert not (other / ckpt.LOCK).exists()
+    assert not RunFolder(other).lock.exists()

@@ -14,7 +14,8 @@ import pytest
 from groundtune.cli import main
 from groundtune.config import TRACKERS, TrainConfig, load_config, preset_path
 from groundtune.errors import MissingPackageError
-from groundtune.train.monitor import TRACKER_IDS, WRITERS, MetricsLog, check_trackers
+from groundtune.runs import RunFolder
+from groundtune.train.monitor import WRITERS, MetricsLog, check_trackers
 
 
 def test_every_tracker_setting_has_a_writer():
@@ -45,7 +46,7 @@ def test_no_tracker_writes_metrics_jsonl_alone(tmp_path):
     log = MetricsLog(tmp_path, report_to=[])
     log.log(1, {"loss": 0.5})
     log.close()
-    assert not (tmp_path / "tb").exists() and not (tmp_path / TRACKER_IDS).exists()
+    assert not (tmp_path / "tb").exists() and not RunFolder(tmp_path).trackers.exists()
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 0.5
 
 
@@ -158,9 +159,9 @@ def test_wandb_and_mlflow_hold_the_log_and_a_resumed_run_goes_on_in_the_same_run
             (run / "STOP").touch()
 
     train(load_config(TrainConfig, preset_path("quickstart"), overrides), on_step=stop_at_2)
-    first = json.loads((run / TRACKER_IDS).read_text())
+    first = json.loads(RunFolder(run).trackers.read_text())
     assert main(["train", "--resume", str(run)]) == 0
-    assert json.loads((run / TRACKER_IDS).read_text()) == first
+    assert json.loads(RunFolder(run).trackers.read_text()) == first
 
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = sorted({line["step"] for line in lines})

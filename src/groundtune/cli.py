@@ -24,6 +24,7 @@ from groundtune.boxes import FAMILIES
 from groundtune.errors import GroundtuneError, RankLostError, UsageError
 from groundtune.files import not_an_input
 from groundtune.protocols import PROTOCOLS
+from groundtune.runs import RunFolder
 
 
 class _Parser(argparse.ArgumentParser):
@@ -779,7 +780,7 @@ def _train(args: argparse.Namespace) -> int:
         given = [args.config] if args.config and "=" in args.config else []
         if args.config and not given:
             raise UsageError(f"groundtune {args.command} --resume RUN takes no config file: the run's saved "
-                             "config.yaml is used, so the resumed run is the same run")
+                             f"{RunFolder(args.resume).config.name} is used, so the resumed run is the same run")
         start = dict(resume=args.resume, resume_overrides=tuple(given + args.overrides))
     else:
         if not args.config:
@@ -793,7 +794,7 @@ def _train(args: argparse.Namespace) -> int:
 
     run = run_fn(**start)
     if from_environment().main:  # under torchrun, rank 0 speaks for the run
-        print(f"run folder: {run}  (model: {run / 'model'})")
+        print(f"run folder: {run}  (model: {RunFolder(run).model})")
     return 0
 
 

@@ -29,6 +29,7 @@ import yaml
 
 from groundtune.errors import ConfigError, MissingError
 from groundtune.files import regular_file
+from groundtune.runs import RunFolder
 
 MODEL_PARTS = ("vision", "merger", "llm")
 LORA_TARGETS = ("llm_attn", "llm_mlp", "merger", "vision")
@@ -430,7 +431,7 @@ class InferSettings:
 def _adapter_folder(model: str) -> Path | None:
     """The adapter folder of a model setting that names one (an SFT run with LoRA, or the adapter
     itself), else None. Read from the file system only: no model is loaded to judge settings."""
-    for folder in (Path(model) / "model", Path(model)):
+    for folder in (RunFolder(model).model, Path(model)):
         if (folder / "adapter_config.json").is_file():
             return folder
     return None

@@ -53,7 +53,8 @@ from groundtune.config import MAX_NEW_TOKENS
 from groundtune.errors import DiskFullError, GroundtuneError, RunExistsError, UsageError
 from groundtune.files import not_an_input
 from groundtune.models import head
-from groundtune.models.loading import METADATA_FILE, load_model, read_metadata, resolve
+from groundtune.models.loading import load_model, read_metadata, resolve
+from groundtune.runs import METADATA_FILE, RunFolder
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HEAD = "text"  # how a model without a box head answers: the box written as text
@@ -70,7 +71,7 @@ def export(name: str, out: str | Path, dtype: str = "base", overwrite: bool = Fa
     _check_target(out, overwrite, {"the model being exported": path if kind in ("run", "folder") else None})
     if onnx_image_size is not None:
         onnx_export.check_ready()
-    run_meta = read_metadata(path / "model") if kind == "run" else (read_metadata(path) if path else {})
+    run_meta = read_metadata(RunFolder(path).model) if kind == "run" else (read_metadata(path) if path else {})
     gm = load_model(name, device="cpu", dtype="fp32")  # merged in fp32, then cast once
     if gm.base_model != name:  # an adapter's base: read as well, so never written over either
         base_kind, base_path = resolve(gm.base_model)
@@ -285,7 +286,7 @@ def _check_disk(out: Path, needed: int) -> None:
 def _run_method(run: Path) -> str | None:
     import yaml
 
-    config = run / "config.yaml"
+    config = RunFolder(run).config
     return (yaml.safe_load(config.read_text()) or {}).get("method") if config.exists() else None
 
 
@@ -294,7 +295,7 @@ def _stored_dtype(base: str) -> torch.dtype:
     from transformers import AutoConfig
 
     kind, path = resolve(base)
-    folder = path / "model" if kind == "run" else path  # a full fine-tuning run's weights are its model/
+    folder = RunFolder(path).model if kind == "run" else path  # a full fine-tuning run's weights are its model/
     config = AutoConfig.from_pretrained(folder if folder is not None else base)
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(stored, str):

@@ -43,6 +43,7 @@ from groundtune.boxes import ResizeError, smart_resize
 from groundtune.config import TrainConfig
 from groundtune.errors import ConfigError, MissingError
 from groundtune.files import regular_file
+from groundtune.runs import RunFolder
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 CARDS_FILE = ASSETS / "cards.json"
@@ -169,7 +170,7 @@ def shape_of(model: str) -> Shape:
     if arch is not None:
         return shape_from_config(arch.config())
     folder = Path(model)
-    for candidate in (folder, folder / "model"):
+    for candidate in (folder, RunFolder(folder).model):  # a model folder, or a run's
         if (candidate / "config.json").is_file():
             return shape_from_config(json.loads((candidate / "config.json").read_text()))
         if (candidate / "adapter_config.json").is_file():

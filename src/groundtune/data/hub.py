@@ -36,7 +36,7 @@ from groundtune.files import cache_dir
 from . import sources
 from .records import write_samples
 
-PREFIX = "hf:"  # records.jsonl_file tests for it as a literal: importing this module costs pyarrow
+PREFIX = "hf:"  # groundtune.data registers it as a literal: importing this module costs pyarrow
 RECORDS = "records.jsonl"
 _ONE_SPLIT = "_"  # the cache folder of ``hf:REPO``, the split left to the repo's only one
 _TRUE = ("1", "ON", "YES", "TRUE")

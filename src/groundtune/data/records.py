@@ -21,7 +21,7 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterable, Iterator
+from typing import IO, Callable, Iterable, Iterator
 
 from groundtune.boxes import as_box
 from groundtune.errors import DataError
@@ -29,9 +29,14 @@ from groundtune.files import regular_file
 
 # What a canonical record must have (design.md); "bbox" stands for "bbox or bboxes".
 REQUIRED_FIELDS = ("id", "image", "width", "height", "phrase", "bbox")
+# Data paths that name no local file, by prefix, and what makes each a local JSONL file. Records
+# imports none of them: groundtune.data (the package) registers ``hf:`` (data/hub.py), which
+# writes its records through this module, so an import of it from here would close a circle.
+REMOTE_DATA: dict[str, Callable[[str], Path]] = {}
 
-__all__ = ["DataError", "REQUIRED_FIELDS", "Line", "jsonl_file", "iter_jsonl", "read_samples", "missing_fields", "box_problem",
-           "record_size", "sample_boxes", "image_path", "atomic_write", "dumps_sample", "write_samples"]
+__all__ = ["DataError", "REQUIRED_FIELDS", "REMOTE_DATA", "Line", "jsonl_file", "iter_jsonl", "read_samples",
+           "missing_fields", "box_problem", "record_size", "sample_boxes", "image_path", "atomic_write", "dumps_sample",
+           "write_samples"]
 
 
 @dataclass
@@ -46,11 +51,11 @@ class Line:
 def jsonl_file(path: str | Path) -> Path:
     """``path`` as a data file to read, or a DataError saying what it is instead (a folder, nothing).
     THE place a data path becomes a file: ``hf:REPO:SPLIT`` (a data set of the Hugging Face Hub)
-    becomes its converted copy in the cache here (data/hub.py), for every command that reads data."""
-    if str(path).startswith("hf:"):
-        from groundtune.data import hub  # datasets and the hub's client load only for an hf: path
-
-        return hub.local_jsonl(str(path))
+    becomes its converted copy in the cache here (data/hub.py, through ``REMOTE_DATA``), for every
+    command that reads data."""
+    for prefix, local_copy in REMOTE_DATA.items():
+        if str(path).startswith(prefix):
+            return local_copy(str(path))
     path = Path(path)
     if path.is_dir():
         inside = sorted(p.name for p in path.glob("*.jsonl"))[:5]

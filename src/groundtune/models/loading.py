@@ -26,12 +26,12 @@ from groundtune import families
 from groundtune.boxes import ResizeSpec
 from groundtune.errors import ConfigError, MissingError, MissingPackageError, ModelError
 from groundtune.models import head, qwen
+from groundtune.runs import METADATA_FILE, RunFolder, is_run
 
-METADATA_FILE = "groundtune.json"
 TINY_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny"  # the built-in tiny model
 TINY_SEED = 0  # the randomly initialised tiny model is the same everywhere
 # where a model's pixel budget came from, in the order they are tried
-RESIZE_SAVED, RESIZE_PROCESSOR, RESIZE_FAMILY = "groundtune.json", "preprocessor_config.json", "family default"
+RESIZE_SAVED, RESIZE_PROCESSOR, RESIZE_FAMILY = METADATA_FILE, "preprocessor_config.json", "family default"
 
 
 @dataclass
@@ -153,15 +153,16 @@ def resolve(name: str) -> tuple[str, Path | None]:
         return "random", TINY_DIR
     path = Path(name).expanduser()
     if path.is_dir():
-        if (path / "model" / METADATA_FILE).exists():
+        if RunFolder(path).has_model:
             return "run", path
         if (path / "config.json").exists() or (path / "adapter_config.json").exists():
             return "folder", path
-        if (path / "config.yaml").exists() or (path / "checkpoints").is_dir():
+        if is_run(path):  # its settings or checkpoints, and no model yet
             raise MissingError(f"{path}: this run has no model yet (RUN/model is written at its end and at each new "
                                f"best eval); finish it first: groundtune train --resume {path} (an RL run: "
                                f"groundtune rl --resume {path})")
-        raise MissingError(f"{path}: neither a training run (model/{METADATA_FILE}) nor a model folder (config.json)")
+        raise MissingError(f"{path}: neither a training run ({RunFolder(path).model.name}/{METADATA_FILE}) nor a model "
+                           "folder (config.json)")
     if path.exists():
         raise MissingError(f"{path}: a file, not a model folder")
     if _looks_like_a_path(name):
@@ -223,7 +224,7 @@ def load_model(
                          "4-bit (method=qlora); use method=lora, or name weights (a model folder or a hub id)")
     dev = pick_device(device)
     torch_dtype = pick_dtype(dev, dtype)
-    folder = path / "model" if kind == "run" else path
+    folder = RunFolder(path).model if kind == "run" else path
     meta = read_metadata(folder) if folder and kind != "random" else {}
 
     if folder is not None and (folder / "adapter_config.json").exists():
@@ -373,4 +374,4 @@ def _load_weights(source, kind: str, torch_dtype: torch.dtype, quantize_on: torc
 
 
 __all__ = ["GroundingModel", "load_model", "load_processor", "resolve", "with_resize", "write_metadata",
-           "read_metadata", "METADATA_FILE", "TINY_DIR"]
+           "read_metadata", "TINY_DIR"]

@@ -1,1 +1,2 @@
-"""Training stages: sft.py (supervised), checkpoint.py (run folders), monitor.py (logs, stop, GPU)."""
+"""Training stages: sft.py (supervised), checkpoint.py (run folders; their layout: groundtune/runs.py),
+monitor.py (logs, stop, GPU)."""

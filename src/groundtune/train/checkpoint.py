@@ -1,15 +1,6 @@
 """Run folders: one writer at a time, resumable checkpoints written atomically, and the model
-folder users load.
-
-    RUN/config.yaml                 the resolved settings
-    RUN/metrics.jsonl, RUN/tb/      logs
-    RUN/bad_records.jsonl           records left out (bad_records=skip) or that failed to load
-    RUN/checkpoints/step-000100/    trainable weights, optimizer, scheduler, RNG, loop state
-    RUN/model/                      the model to use: best by Acc@0.5 when evaluating (by F1@0.5 or
-                                    set_acc@0.5 where Acc@0.5 counts no eval sample: evaluate.headline),
-                                    else the last (a LoRA adapter or full weights, + processor +
-                                    groundtune.json)
-    RUN/.lock                       the process writing the run (pid, host), while it runs
+folder users load (RUN/checkpoints/step-000100/, RUN/model/, RUN/.lock: the layout is
+groundtune/runs.py's).
 
 Every folder is written under a temporary name and renamed into place, so a kill -9 at any moment
 leaves the previous checkpoint intact and never a half-written one under a real name. A write the
@@ -37,9 +28,8 @@ from safetensors.torch import load_file, save_file
 from groundtune.errors import DiskFullError, RunBusyError
 from groundtune.models import head
 from groundtune.models.loading import GroundingModel, write_metadata
+from groundtune.runs import STEP_PREFIX, RunFolder
 
-CHECKPOINTS = "checkpoints"
-LOCK = ".lock"
 # the errors of a write the disk, a quota or a file-size limit refused, and how libraries that wrap
 # them word them (torch.save: "file write failed"; safetensors: "I/O error: ... (os error 28)")
 _FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -52,7 +42,7 @@ class RunLock:
     the first. A lock whose process is gone (killed, crashed; same host) is stale and taken over."""
 
     def __init__(self, run: Path, command: str = ""):
-        self.path, self.command = Path(run) / LOCK, command
+        self.path, self.command = RunFolder(run).lock, command
         self.mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "command": command}
 
     def __enter__(self) -> "RunLock":
@@ -135,8 +125,9 @@ def restore_interrupted_swap(final: Path) -> None:
         os.replace(old, final)
 
 
-def _fresh_tmp(parent: Path, name: str) -> Path:
-    tmp = parent / f".{name}.tmp"
+def _fresh_tmp(final: Path) -> Path:
+    """Where ``final`` is written before it is renamed into place."""
+    tmp = final.parent / f".{final.name}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)  # left by a run killed while writing
     tmp.mkdir(parents=True)
@@ -147,7 +138,7 @@ def _remove_leftovers(parent: Path) -> None:
     """Folders a run killed while writing left behind (.step-N.tmp, .step-N.old): a resumed run may
     never write that step again, and for full fine-tuning each holds gigabytes. A .step-N.old whose
     step-N is missing is that checkpoint, caught between two renames: it is put back instead."""
-    for path in parent.glob(".step-*"):
+    for path in parent.glob(f".{STEP_PREFIX}*"):
         if path.is_dir() and path.suffix == ".old":
             restore_interrupted_swap(path.with_name(path.name[1:].removesuffix(".old")))
         if path.is_dir() and path.suffix in (".tmp", ".old"):
@@ -178,16 +169,15 @@ def save_checkpoint(run: Path, model, optimizer, scheduler, state: dict, keep_la
     ``weights``, ``optimizer_state``: whole ones gathered from several ranks (by default the
     model's trainable weights and the optimizer's state dict); ``rng``: every rank's generators
     (by default this process's)."""
-    parent = run / CHECKPOINTS
-    name = f"step-{state['step']:06d}"
-    if parent.is_dir():
-        _remove_leftovers(parent)
-    tmp = _fresh_tmp(parent, name)
+    final = RunFolder(run).checkpoint(state["step"])
+    if final.parent.is_dir():
+        _remove_leftovers(final.parent)
+    tmp = _fresh_tmp(final)
     trainable = weights if weights is not None else {
         n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
     size = sum(t.numel() * t.element_size() for t in trainable.values())
     try:
-        with _refused_writes_named(parent / name, needed_bytes=3 * size):  # weights + Adam's two moments
+        with _refused_writes_named(final, needed_bytes=3 * size):  # weights + Adam's two moments
             save_file(trainable, tmp / "trainable.safetensors")
             torch.save(optimizer_state if optimizer_state is not None else optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
@@ -196,19 +186,19 @@ def save_checkpoint(run: Path, model, optimizer, scheduler, state: dict, keep_la
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays, not even under a hidden name
         raise
-    _replace_dir(tmp, parent / name)
+    _replace_dir(tmp, final)
     for stale in list_checkpoints(run)[:-keep_last]:
         shutil.rmtree(stale)
-    return parent / name
+    return final
 
 
 def list_checkpoints(run: Path) -> list[Path]:
-    parent = run / CHECKPOINTS
+    parent = RunFolder(run).checkpoints
     if not parent.is_dir():
         return []
-    for old in parent.glob(".step-*.old"):  # a checkpoint caught between two renames counts as written
+    for old in parent.glob(f".{STEP_PREFIX}*.old"):  # a checkpoint caught between two renames counts as written
         restore_interrupted_swap(old.with_name(old.name[1:].removesuffix(".old")))
-    return sorted(p for p in parent.iterdir() if p.is_dir() and p.name.startswith("step-"))
+    return sorted(p for p in parent.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX))
 
 
 @dataclass
@@ -257,7 +247,8 @@ def save_model(run: Path, gm: GroundingModel, model, extra: dict | None = None,
                weights: dict[str, torch.Tensor] | None = None) -> Path:
     """Write RUN/model: the adapter (LoRA) or full weights, the processor and groundtune.json.
     ``weights``: whole ones gathered from ranks that each hold a part (else the model's own)."""
-    tmp = _fresh_tmp(run, "model")
+    final = RunFolder(run).model
+    tmp = _fresh_tmp(final)
     adapter = hasattr(model, "peft_config")
     saved = list(weights.values()) if weights is not None else [
         p for n, p in model.named_parameters() if not adapter or "lora_" in n]
@@ -267,7 +258,7 @@ def save_model(run: Path, gm: GroundingModel, model, extra: dict | None = None,
         weights = {k: v for k, v in everything.items() if not k.startswith(f"{head.ATTRIBUTE}.")}
     whole = {"state_dict": weights} if weights is not None else {}
     try:
-        with _refused_writes_named(run / "model", needed_bytes=sum(p.numel() * p.element_size() for p in saved)):
+        with _refused_writes_named(final, needed_bytes=sum(p.numel() * p.element_size() for p in saved)):
             # an adapter model saves its trained adapter only (RL may hold a frozen reference copy beside it)
             model.save_pretrained(tmp, **({"selected_adapters": ["default"]} if adapter else {}), **whole)
             if box_head is not None:
@@ -280,8 +271,8 @@ def save_model(run: Path, gm: GroundingModel, model, extra: dict | None = None,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _replace_dir(tmp, run / "model")
-    return run / "model"
+    _replace_dir(tmp, final)
+    return final
 
 
 def is_finished(path: Path) -> bool:

@@ -37,14 +37,14 @@ from groundtune.files import not_an_input
 from groundtune.infer import Decoding
 from groundtune.models import adapt
 from groundtune.models.loading import GroundingModel, pick_device, resolve
+from groundtune.runs import RunFolder
 from groundtune.train import checkpoint as ckpt
 from groundtune.train import distributed
-from groundtune.train.monitor import EVAL_REPORTS, TRACKER_IDS, MetricsLog, StopRequest, check_trackers, thermal_pause
+from groundtune.train.monitor import MetricsLog, StopRequest, check_trackers, thermal_pause
 from groundtune.train.parallel import Parallel, check_launch
 
 __all__ = ["Loop", "RunData", "TrainingError", "run_stage", "prepare_run", "check_data", "open_run",
            "seed_everything", "use_bf16", "lr_lambda"]
-BAD_RECORDS = "bad_records.jsonl"
 # what each eval during a run logs (eval/KEY) and keeps with the best model; and the line it says
 EVAL_LOGGED = ("acc@0.5", "acc@0.75", "miou", "parse_fail_rate", "f1@0.5", "set_acc@0.5", "n_acc")
 EVAL_SHOWN = {"acc@0.5": "Acc@0.5", "miou": "mIoU", "f1@0.5": "F1@0.5", "set_acc@0.5": "set_acc@0.5",
@@ -119,33 +119,34 @@ def prepare_run(cfg, resume, cls: type = TrainConfig,
     Writes nothing; refuses a new run where a run is (unless ``overwrite``) and a resume where none can be."""
     if resume is not None:
         run = Path(resume)
-        saved = run / "config.yaml"
+        saved = RunFolder(run).config
         if not saved.exists():
-            raise MissingError(f"{run}: no config.yaml; is this a groundtune run folder?")
+            raise MissingError(f"{run}: no {saved.name}; is this a groundtune run folder?")
         unknown = sorted({item.split("=", 1)[0].strip() for item in resume_overrides} - set(RESUME_OVERRIDES))
         if unknown:
-            raise ConfigError(f"--resume takes no {', '.join(unknown)}: the run's saved config.yaml is used, so the "
-                              f"resumed run is the same run (only {' and '.join(RESUME_OVERRIDES)} may name a corrected "
-                              "file of the same records)")
+            raise ConfigError(f"--resume takes no {', '.join(unknown)}: the run's saved {saved.name} is used, so "
+                              f"the resumed run is the same run (only {' and '.join(RESUME_OVERRIDES)} may name a "
+                              "corrected file of the same records)")
         cfg = load_config(cls, saved, resume_overrides)
         checkpoints = ckpt.list_checkpoints(run)
         if not checkpoints:
-            raise MissingError(f"{run}: no checkpoint to resume from in {run / ckpt.CHECKPOINTS}")
+            raise MissingError(f"{run}: no checkpoint to resume from in {RunFolder(run).checkpoints}")
         _check_machine_and_model(cfg)
         return run, cfg, checkpoints[-1]
     run = Path(cfg.out_dir)
     _check_out_dir(run, cfg, _check_machine_and_model(cfg))  # before anything of an old run is replaced
     # what a run leaves that is worth keeping: its model, or checkpoints to resume from
-    checkpoints = ckpt.list_checkpoints(run)
-    held = [name for name, there in (("model/", (run / "model").is_dir()), ("checkpoints", checkpoints)) if there]
+    checkpoints, folder = ckpt.list_checkpoints(run), RunFolder(run)
+    held = [name for name, there in ((f"{folder.model.name}/", folder.model.is_dir()),
+                                     (folder.checkpoints.name, checkpoints)) if there]
     if held and not cfg.overwrite:
         how = (f"resume it with `groundtune {cfg.command} --resume {run}`, "
                if checkpoints and not ckpt.is_finished(checkpoints[-1]) else "")
         raise RunExistsError(f"{run} already holds a run ({', '.join(held)}); {how}choose another out_dir, or "
                              "set overwrite=true to replace it")
-    if held and not (run / "config.yaml").is_file():
-        raise RunExistsError(f"overwrite=true: {run} holds {', '.join(held)} but no config.yaml: not a groundtune "
-                             "run, so nothing there is replaced; choose another out_dir")
+    if held and not folder.config.is_file():
+        raise RunExistsError(f"overwrite=true: {run} holds {', '.join(held)} but no {folder.config.name}: not a "
+                             "groundtune run, so nothing there is replaced; choose another out_dir")
     return run, cfg, None
 
 
@@ -174,8 +175,8 @@ def finished_already(run: Path, resume_from: Path | None) -> bool:
     if resume_from is None or not ckpt.is_finished(resume_from):
         return False
     step = json.loads((resume_from / "state.json").read_text())["step"]
-    print(f"{run} finished at step {step}: nothing to resume. Its model is {run / 'model'}; to train on, start a "
-          f"new run from it (model={run} out_dir=...)")
+    print(f"{run} finished at step {step}: nothing to resume. Its model is {RunFolder(run).model}; to train on, "
+          f"start a new run from it (model={run} out_dir=...)")
     return True
 
 
@@ -216,7 +217,7 @@ def check_data(cfg) -> RunData:
         usable[role] = [record for _, record in checked.usable]
         if checked.bad:
             print(f"{role}: {len(checked.bad)} of {checked.report.lines} records of {path} left out "
-                  f"(bad_records=skip), listed in {BAD_RECORDS}")
+                  f"(bad_records=skip), listed in {RunFolder(cfg.out_dir).bad_records.name}")
     samples = (open_samples(cfg.train_data, cfg.seed) if cfg.train_data.startswith(SYNTH_PREFIX)
                else FileSamples(usable["train_data"], cfg.train_data))
     return RunData(samples, usable.get("eval_data", [])[: cfg.eval_samples], bad)
@@ -226,8 +227,9 @@ def open_run(run: Path, cfg, resume_from: Path | None, data: RunData) -> None:
     """Write the run folder of a claimed run (under its RunLock): a replaced run's files gone
     (``overwrite``), the settings, the records left out; a resumed run's data checked against the
     records it started with, first."""
+    folder = RunFolder(run)
     if resume_from is not None:
-        started = json.loads((run / "data.json").read_text()) if (run / "data.json").exists() else {}
+        started = json.loads(folder.data.read_text()) if folder.data.exists() else {}
         now = data.fingerprint()
         if started and now != started:
             raise DataError(f"train_data={cfg.train_data} holds {now.get('train_records')} usable records "
@@ -235,21 +237,20 @@ def open_run(run: Path, cfg, resume_from: Path | None, data: RunData) -> None:
                             f"started with (ids {started.get('train_ids_sha1', '')[:12]}): a resumed run goes on in "
                             "the same order over the same records; correct the file without adding or removing "
                             "records, or start a new run")
-        ckpt.restore_interrupted_swap(run / "model")
+        ckpt.restore_interrupted_swap(folder.model)
     else:
         run.mkdir(parents=True, exist_ok=True)
-        for stale in ("metrics.jsonl", "tb", EVAL_REPORTS, TRACKER_IDS, "model", ckpt.CHECKPOINTS, BAD_RECORDS):
-            path = run / stale
+        for path in folder.replaced_by_a_new_run:
             if path.is_dir():
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
-        (run / "data.json").write_text(json.dumps(data.fingerprint(), indent=2) + "\n")
+        folder.data.write_text(json.dumps(data.fingerprint(), indent=2) + "\n")
         if data.bad:  # a resumed run keeps the list, and what it adds of samples that broke since
-            with atomic_write(run / BAD_RECORDS) as f:
+            with atomic_write(folder.bad_records) as f:
                 f.writelines(json.dumps(b, ensure_ascii=False) + "\n" for b in data.bad)
-    (run / "STOP").unlink(missing_ok=True)
-    (run / "config.yaml").write_text(to_yaml(cfg))
+    folder.stop.unlink(missing_ok=True)
+    folder.config.write_text(to_yaml(cfg))
 
 
 def seed_everything(seed: int) -> None:
@@ -337,7 +338,7 @@ class Loop:
         check): left out, counted and listed; more than ``max_bad_fraction`` of a batch stops the run."""
         self.state["skipped_samples"] = self.state.get("skipped_samples", 0) + len(failed)
         if self.ranks.main:
-            with open(self.run / BAD_RECORDS, "a", encoding="utf-8") as f:
+            with open(RunFolder(self.run).bad_records, "a", encoding="utf-8") as f:
                 f.writelines(json.dumps({"step": self.state["step"] + 1, "message": m}, ensure_ascii=False) + "\n"
                              for m in failed)
         self.log.log(self.state["step"] + 1, {"data/skipped": len(failed), "data/skipped_total": self.state["skipped_samples"]})

@@ -17,8 +17,7 @@ import torch
 
 from groundtune.data.records import atomic_write
 from groundtune.errors import MissingPackageError
-
-STOP_FILE = "STOP"
+from groundtune.runs import STEP_PREFIX, RunFolder
 
 
 class MetricsLog:
@@ -31,13 +30,13 @@ class MetricsLog:
 
     def __init__(self, run: Path, resume_step: int | None = None, report_to=("tensorboard",),
                  config: dict | None = None):
-        self.run, self.path = run, run / "metrics.jsonl"
+        self.run, self.path = run, RunFolder(run).metrics
         if resume_step is not None and self.path.exists():
             kept = [line for line in self.path.read_text(encoding="utf-8").splitlines(keepends=True)
                     if _logged_step(line) <= resume_step]
             with atomic_write(self.path) as f:
                 f.writelines(kept)
-            for report in (run / EVAL_REPORTS).glob("step-*.json"):
+            for report in RunFolder(run).eval_reports.glob(f"{STEP_PREFIX}*.json"):
                 if _report_step(report) > resume_step:
                     report.unlink()
         self.file = open(self.path, "a", encoding="utf-8")
@@ -45,7 +44,7 @@ class MetricsLog:
         self.writers = [WRITERS[name](run, resume_step, config or {}, ids.get(name)) for name in report_to]
         ids = {w.name: w.id for w in self.writers if w.id is not None}
         if ids:
-            with atomic_write(run / TRACKER_IDS) as f:
+            with atomic_write(RunFolder(run).trackers) as f:
                 f.write(json.dumps(ids, indent=2) + "\n")
 
     def log(self, step: int, values: dict) -> None:
@@ -66,7 +65,7 @@ class MetricsLog:
     def report(self, step: int, report: dict) -> Path:
         """Write an eval's whole report (by split and source too) to RUN/eval/step-N.json and hand
         it to the trackers; the log has its headline numbers."""
-        path = self.run / EVAL_REPORTS / f"step-{step:06d}.json"
+        path = RunFolder(self.run).eval_report(step)
         with atomic_write(path) as f:
             f.write(json.dumps(report, indent=2) + "\n")
         for writer in self.writers:
@@ -77,10 +76,6 @@ class MetricsLog:
         self.file.close()
         for writer in self.writers:
             writer.close()
-
-
-EVAL_REPORTS = "eval"  # RUN/eval/step-N.json
-TRACKER_IDS = "trackers.json"  # {"wandb": run id, "mlflow": run id}: what a resumed run goes on with
 
 
 class TensorBoard:
@@ -98,7 +93,7 @@ class TensorBoard:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step: TensorBoard drops the events past the checkpoint too
-            self.tb = SummaryWriter(str(run / "tb"), purge_step=None if resume_step is None else resume_step + 1)
+            self.tb = SummaryWriter(str(RunFolder(run).tb), purge_step=None if resume_step is None else resume_step + 1)
         except ImportError:  # tensorboard is a dependency, but a broken install must not stop training
             self.tb = None
 
@@ -164,12 +159,12 @@ class MLflow:
         # SQLite, not a file store (file:RUN/mlruns): MLflow 3 keeps the file store in maintenance,
         # and 3.18 refuses to open one unless MLFLOW_ALLOW_FILE_STORE=true
         local = not os.environ.get("MLFLOW_TRACKING_URI")
-        self.client = MlflowClient(f"sqlite:///{(run / 'mlflow.db').resolve()}" if local else None)
+        self.client = MlflowClient(f"sqlite:///{RunFolder(run).mlflow_db.resolve()}" if local else None)
         if run_id is None:
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "groundtune"
             experiment = self.client.get_experiment_by_name(name)
             experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
-                name, artifact_location=(run / "mlartifacts").resolve().as_uri() if local else None)
+                name, artifact_location=RunFolder(run).mlflow_artifacts.resolve().as_uri() if local else None)
             run_id = self.client.create_run(experiment_id, run_name=run.name).info.run_id
         else:
             self.client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
@@ -189,7 +184,7 @@ class MLflow:
                                                 for k, v in scalars.items()])
 
     def artifact(self, step: int, path: Path) -> None:
-        self.client.log_artifact(self.id, str(path), EVAL_REPORTS)
+        self.client.log_artifact(self.id, str(path), path.parent.name)  # RUN/eval/step-N.json: under eval/ there too
 
     def close(self) -> None:
         self.client.set_terminated(self.id)
@@ -214,13 +209,13 @@ def _mlflow_key(key: str) -> str:
 
 
 def _read_ids(run: Path) -> dict:
-    path = run / TRACKER_IDS
+    path = RunFolder(run).trackers
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
 
 
 def _report_step(path: Path) -> int:
     try:
-        return int(path.stem.removeprefix("step-"))
+        return int(path.stem.removeprefix(STEP_PREFIX))
     except ValueError:
         return 0
 
@@ -284,7 +279,7 @@ class StopRequest:
     A second Ctrl-C falls through to Python's default and interrupts at once."""
 
     def __init__(self, run: Path):
-        self.stop_file = run / STOP_FILE
+        self.stop_file = RunFolder(run).stop
         self.signalled: str | None = None
         self._previous = {}
 

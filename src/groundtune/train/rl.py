@@ -57,6 +57,7 @@ from groundtune.models import adapt, attention, head, qwen, speedups
 from groundtune.models.adapt import base_model
 from groundtune.models.loading import GroundingModel, load_model, pick_device, resolve
 from groundtune.progress import progress_bar
+from groundtune.runs import RunFolder
 from groundtune.train import distributed
 from groundtune.train.batches import to_device
 from groundtune.train.loop import Loop, RunData, run_stage, seed_everything, use_bf16
@@ -376,7 +377,7 @@ def _setup_policy(cfg: RLConfig, device_setting: str | None = None):
         reference = contextlib.nullcontext
         if cfg.kl_coef > 0:
             kind, path = resolve(cfg.model)
-            model.load_adapter(path / "model" if kind == "run" else path, adapter_name=REFERENCE)
+            model.load_adapter(RunFolder(path).model if kind == "run" else path, adapter_name=REFERENCE)
             reference = functools.partial(_active_adapter, model, REFERENCE)
     else:
         model = adapt.add_lora(gm.model, cfg)
