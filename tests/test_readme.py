@@ -277,7 +277,7 @@ def test_presets_named_in_the_docs_exist():
 
     presets = re.search(r"^## Presets\n(.*?)^## ", (ROOT / "docs" / "training.md").read_text(), re.S | re.M).group(1)
     names = re.findall(r"`([a-z0-9.\-]+)`:", presets)
-    assert len(names) == 7
+    assert len(names) == 8
     for name in names:
         assert preset_path(name).exists(), name
     for command in _all_commands():
@@ -317,11 +317,14 @@ def test_data_commands_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _newcomer_files(tmp_path)
     commands = _commands("test_data_commands_run")
-    assert len(commands) == 12
+    assert len(commands) == 13
     for command in commands:
         assert _run(command) == 0, command
     assert len(Path("synth/train.jsonl").read_text().splitlines()) == 24
     assert len(Path("synth/val.jsonl").read_text().splitlines()) == 8
+    mixed = [json.loads(line) for line in Path("synth-mixed/train.jsonl").read_text().splitlines()]
+    assert len(mixed) == 8 and all(112 <= r["width"] <= 224 and 112 <= r["height"] <= 224 for r in mixed)
+    assert len({(r["width"], r["height"]) for r in mixed}) > 1
     assert Path("grid.png").stat().st_size > 0
     assert [json.loads(line)["split"] for line in Path("refcoco-val.jsonl").read_text().splitlines()] == ["val"]
     for out in ("refcoco.jsonl", "coco.jsonl", "mine-clean.jsonl", "clean.jsonl", "refs.jsonl", "shelf-refs.jsonl"):
@@ -427,13 +430,19 @@ def test_rl_commands_run(workspace, monkeypatch):
 
 @pytest.mark.slow
 def test_every_commands_run(tmp_path, monkeypatch):
-    """docs/training.md's "every object, or none": the val set, the preset (a few steps), eval."""
+    """docs/training.md's "every object, or none": the val set, the preset (a few steps), eval; then
+    RL on sets from that run (a few steps) and its eval."""
     monkeypatch.chdir(tmp_path)
-    synth, train, evaluate = _commands("test_every_commands_run")
+    synth, train, evaluate, rl, rl_evaluate = _commands("test_every_commands_run")
     assert _run(synth.replace("--n 300", "--n 6")) == 0
     assert train.startswith("groundtune train quickstart-every ") and _run(train + SHORT) == 0
     assert Path("every/run/model/model.safetensors").exists()
     assert _run(evaluate) == 0
+    assert rl == "groundtune rl quickstart-every-rl"
+    assert _run(rl + " max_steps=2 batch_size=2 group_size=2 max_new_tokens=16 eval_samples=4 eval_every=0 "
+                     "save_every=0") == 0
+    assert (Path("every/rl/model") / "adapter_config.json").exists()
+    assert _run(rl_evaluate) == 0
 
 
 @pytest.mark.slow
