@@ -23,7 +23,7 @@ import traceback
 from groundtune.boxes import FAMILIES
 from groundtune.errors import GroundtuneError, RankLostError, UsageError
 from groundtune.files import not_an_input
-from groundtune.protocols import PROTOCOLS
+from groundtune.protocols import DEFAULT_PROTOCOL, PROTOCOLS
 from groundtune.runs import RunFolder
 
 
@@ -313,6 +313,8 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-pixels", type=_positive_int, help="the run's minimum pixels (default: the family's)")
     p.set_defaults(handler=_data_show)
 
+    from groundtune.data import synth  # numpy and Pillow only: --help stays quick
+
     p = dsub.add_parser(
         "synth",
         help="make the built-in synthetic grounding set",
@@ -324,15 +326,13 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="folder to write SPLIT.jsonl and images/ to")
     p.add_argument("--n", type=_count, default=1000, help="number of samples")
     p.add_argument("--seed", type=_count, default=0, help="random seed")
-    p.add_argument("--width", type=_canvas_side, default=112, help="canvas width in pixels")
-    p.add_argument("--height", type=_canvas_side, default=112, help="canvas height in pixels")
+    p.add_argument("--width", type=_canvas_side, default=synth.CANVAS_SIDE, help="canvas width in pixels")
+    p.add_argument("--height", type=_canvas_side, default=synth.CANVAS_SIDE, help="canvas height in pixels")
     p.add_argument("--canvas", type=_canvas_range, metavar="MIN-MAX",
                    help="varied canvases: each sample's width and height drawn from MIN..MAX px, independently "
                         "(non-square too), in place of --width/--height; e.g. 112-224")
-    p.add_argument("--split", default="train", help="split name: the file is OUT/SPLIT.jsonl")
-    from groundtune.data.synth import TASKS  # numpy and Pillow only: --help stays quick
-
-    p.add_argument("--task", default="full", choices=TASKS,
+    p.add_argument("--split", default=synth.SPLIT, help="split name: the file is OUT/SPLIT.jsonl")
+    p.add_argument("--task", default=synth.TASK, choices=synth.TASKS,
                    help="full: 1-3 shapes and relational phrases; single: one shape, 'the {colour} {shape}'; "
                         "attribute: 2-3 shapes named by colour and/or kind; multi: like full with 2-3 shapes; "
                         "every: sets, 1-6 shapes whose colour and kind may repeat and a phrase naming all of a "
@@ -345,6 +345,7 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_data_refgen(dsub: argparse._SubParsersAction) -> None:
+    from groundtune.data import refgen
     from groundtune.data.refgen import KINDS, MODEL_FILTER_IOU, RefgenSettings
 
     d = RefgenSettings()
@@ -389,7 +390,7 @@ def _add_data_refgen(dsub: argparse._SubParsersAction) -> None:
     p.add_argument("--images", help="coco: folder holding the images")
     p.add_argument("--path", help="jsonl: the detections file")
     p.add_argument("--split", help="coco: split name to record (default: from the file name, instances_SPLIT.json)")
-    p.add_argument("--attribute-field", default="attributes",
+    p.add_argument("--attribute-field", default=refgen.ATTRIBUTE_FIELD,
                    help="the annotation's/record's field holding attribute words of a box (a word or a list)")
     p.add_argument("--kinds", default=",".join(d.kinds),
                    help="kinds to emit, each with an optional weight (kind=weight): any of " + ", ".join(KINDS)
@@ -517,7 +518,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-pixels", type=_positive_int, help="override the model's saved pixel budget (warned: "
                    "a budget other than training's usually costs accuracy)")
     p.add_argument("--min-pixels", type=_positive_int, help="override the model's saved minimum pixels")
-    p.add_argument("--protocol", choices=list(PROTOCOLS), default="groundtune",
+    p.add_argument("--protocol", choices=list(PROTOCOLS), default=DEFAULT_PROTOCOL,
                    help="whose prompt is asked and whose rules read the answers: groundtune (the model's own "
                    "prompt, its family's coordinates), qwen (Qwen's official prompt), lmms-eval or vlmevalkit "
                    "(those harnesses' prompts and readings, for numbers comparable with theirs; "
@@ -574,6 +575,8 @@ def _add_predict(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
+    from groundtune.config import EXPORT_DTYPE, EXPORT_DTYPES
+
     p = sub.add_parser(
         "export",
         help="write a model as a folder transformers and vLLM load without groundtune (LoRA merged)",
@@ -598,7 +601,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", help=_MODEL_HELP)
     p.add_argument("--out", required=True, help="the folder to write (refused if it exists and is not empty)")
-    p.add_argument("--dtype", default="base", choices=["base", "bf16", "fp16", "fp32"],
+    p.add_argument("--dtype", default=EXPORT_DTYPE, choices=EXPORT_DTYPES,
                    help="weights' dtype: base = the dtype the base's weights are stored in")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--onnx", action="store_true",
@@ -644,7 +647,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    from groundtune.serve import MB, Limits, flag
+    from groundtune.serve import HOST, MB, PORT, Limits, flag
 
     def port(text: str) -> int:
         value = int(text)
@@ -674,8 +677,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         formatter_class=_Formatter,
     )
     p.add_argument("--model", required=True, help=_MODEL_HELP)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=port, default=8000, help="port to listen on (1-65535)")
+    p.add_argument("--host", default=HOST, help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=port, default=PORT, help="port to listen on (1-65535)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and /metrics")
     for f in dataclasses.fields(Limits):  # --batch-size among them: its default and help are InferSettings'
         name, in_mb = flag(f.name), flag(f.name).endswith("-mb")  # a size in bytes is given in MB
@@ -717,12 +720,13 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.gpus < 1:
         raise UsageError(f"groundtune plan: --gpus {args.gpus}: expected 1 or more")
-    card = plan.card(args.gpu, args.memory_gib) if (args.gpu or args.memory_gib is not None) else plan.card("rtx4090")
+    given_card = args.gpu or args.memory_gib is not None
+    card = plan.card(args.gpu, args.memory_gib) if given_card else plan.card(plan.DEFAULT_CARD)
     if args.data and not os.path.isfile(args.data):
         what = "a folder, not a JSONL file" if os.path.isdir(args.data) else "no such file"
         raise UsageError(f"groundtune plan: --data {args.data}: {what}")
     given = dict(o.split("=", 1) for o in args.overrides if "=" in o)
-    overrides = list(args.overrides) + ([] if "train_data" in given else ["train_data=synth:full"])
+    overrides = list(args.overrides) + ([] if "train_data" in given else [f"train_data={plan.PLAN_TRAIN_DATA}"])
     cfg = load_config(TrainConfig, preset_path(args.config), overrides)
     result = plan.plan_run(cfg, card, args.data, args.gpus)  # batch_size=auto: planned at the largest that fits
     if args.json:
@@ -736,6 +740,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from groundtune.plan import DEFAULT_CARD
+
     p = sub.add_parser(
         "plan",
         help="will a training run fit a GPU, how fast will it go, and what to change if not (no model loaded)",
@@ -756,7 +762,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", metavar="CONFIG", help="a YAML file or a preset name (as groundtune train takes)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="settings over the file's, as in train")
     p.add_argument("--gpu", metavar="NAME", help="the card, e.g. rtx3090, rtx4090, l4, a100-80gb, h100 (default: "
-                   "rtx4090 unless --memory-gib is given); an unknown name lists the known ones")
+                   f"{DEFAULT_CARD} unless --memory-gib is given); an unknown name lists the known ones")
     p.add_argument("--memory-gib", type=float, help="the card's memory in GiB (with --gpu: that card with this "
                    "memory; alone: a card of this memory with the reference card's speeds)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs of the run (per-GPU memory under distributed=fsdp2/"
@@ -854,6 +860,8 @@ def _quickstart(args: argparse.Namespace) -> int:
 
 
 def _add_quickstart(sub: argparse._SubParsersAction) -> None:
+    from groundtune.quickstart import N_EVAL, N_TRAIN, OUT
+
     p = sub.add_parser(
         "quickstart",
         help="the first run: the pre-trained tiny model, LoRA-tuned to a new task variant (CPU, minutes)",
@@ -864,9 +872,9 @@ def _add_quickstart(sub: argparse._SubParsersAction) -> None:
         formatter_class=_Formatter,
     )
     p.add_argument("overrides", nargs="*", help="key=value training settings (see groundtune train --help)")
-    p.add_argument("--out", default="quickstart", help="folder for data/, run/, report.json and gallery/")
-    p.add_argument("--n-train", type=_positive_int, default=8000, help="synthetic training samples of the variant")
-    p.add_argument("--n-eval", type=_positive_int, default=200, help="synthetic held-out samples (another seed)")
+    p.add_argument("--out", default=OUT, help="folder for data/, run/, report.json and gallery/")
+    p.add_argument("--n-train", type=_positive_int, default=N_TRAIN, help="synthetic training samples of the variant")
+    p.add_argument("--n-eval", type=_positive_int, default=N_EVAL, help="synthetic held-out samples (another seed)")
     p.set_defaults(handler=_quickstart)
 
 

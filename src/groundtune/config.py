@@ -36,6 +36,10 @@ LORA_TARGETS = ("llm_attn", "llm_mlp", "merger", "vision")
 KERNEL_MODES = ("auto", "liger", "none")
 BAD_RECORD_POLICIES = ("refuse", "skip")
 MAX_NEW_TOKENS = 64  # longest greedy answer by default: one box and its label is ~20-40 tokens
+# export.py's weight dtypes (base: the one the base's weights are stored in) and its default: here,
+# not there, because export.py imports torch and the command line builds its --help without it
+EXPORT_DTYPES = ("base", "bf16", "fp16", "fp32")
+EXPORT_DTYPE = "base"
 ADVANTAGES = ("grpo", "ema")
 LOSS_PER = ("token", "sample")  # train/objective.py: what the text loss averages over
 HEADS = ("text", "box")  # models/head.py

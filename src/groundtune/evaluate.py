@@ -220,7 +220,7 @@ def summarise(rows: list[dict]) -> dict:
 
 def evaluate(gm, samples: list[dict], data_path, batch_size: int = InferSettings.batch_size,
              limit: int | None = None, progress: bool = True, max_new_tokens: int = InferSettings.max_new_tokens,
-             predictions: list | None = None, protocol: str = "groundtune") -> tuple[dict, list[dict]]:
+             predictions: list | None = None, protocol: str = protocols.DEFAULT_PROTOCOL) -> tuple[dict, list[dict]]:
     """Predict (greedy) and score every sample; returns (report, one row per sample). The report
     records what was measured and how: model, data, family, pixel budget, prompt, decoding.
 
@@ -424,7 +424,7 @@ pre {{ white-space: pre-wrap; word-break: break-all; background: #f4f4f4; font-s
 def run_eval(model: str, data, limit: int | None = None, out=None, gallery=None, compare: str | None = None,
              batch_size: int = InferSettings.batch_size, max_pixels: int | None = None,
              min_pixels: int | None = None, device: str = InferSettings.device,
-             max_new_tokens: int = InferSettings.max_new_tokens, protocol: str = "groundtune",
+             max_new_tokens: int = InferSettings.max_new_tokens, protocol: str = protocols.DEFAULT_PROTOCOL,
              compile: bool = InferSettings.compile) -> dict:
     """Evaluate ``model`` (and ``compare`` on the same samples) on a canonical JSONL file, print
     the metrics (and the published figure beside them where one matches: protocols.published), and

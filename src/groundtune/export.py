@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from groundtune import boxes, families, onnx_export
-from groundtune.config import MAX_NEW_TOKENS
+from groundtune.config import EXPORT_DTYPE, MAX_NEW_TOKENS
 from groundtune.errors import DiskFullError, GroundtuneError, RunExistsError, UsageError
 from groundtune.files import not_an_input
 from groundtune.models import head
@@ -60,7 +60,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HEAD = "text"  # how a model without a box head answers: the box written as text
 
 
-def export(name: str, out: str | Path, dtype: str = "base", overwrite: bool = False, say=print,
+def export(name: str, out: str | Path, dtype: str = EXPORT_DTYPE, overwrite: bool = False, say=print,
            onnx_image_size: tuple[int, int] | None = None) -> Path:
     """Write the model ``name`` (a run folder, a model folder, a hub id, ``tiny``) to ``out`` as a
     self-contained Hugging Face folder; returns ``out``. ``dtype``: ``base`` (the dtype the base

@@ -50,6 +50,10 @@ CARDS_FILE = ASSETS / "cards.json"
 MODEL_FILE = ASSETS / "plan_model.json"  # written by bench/plan_check.py fit
 TINY_CONFIG = ASSETS / "tiny" / "config.json"
 GIB = 2**30
+DEFAULT_CARD = "rtx4090"  # groundtune plan without --gpu or --memory-gib: the 24 GB card the presets are sized for
+# A config loads only with a train_data (TrainConfig checks it) and a plan needs only its settings:
+# without train_data=... on the command line, groundtune plan names this stream (so no file is read)
+PLAN_TRAIN_DATA = "synth:full"
 # bitsandbytes' NF4 with double quantization (QLoRA's base): two weights a byte, an 8-bit scale per 64
 # weights, an fp32 scale per 256 of those
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)

@@ -54,6 +54,7 @@ _VLMEVAL_BOX = re.compile(r"\[\s*" + r"(?:\s*,\s*|\s+)".join([f"({_ANY_NUMBER})"
 
 
 OFFICIAL = "official"  # Qwen's grounding prompt, kept with the rest of Qwen's knowledge (models/qwen.py)
+DEFAULT_PROTOCOL = "groundtune"  # a model is asked as it was trained: its own prompt, its family's coordinates
 
 
 @dataclasses.dataclass(frozen=True)

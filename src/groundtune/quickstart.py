@@ -14,17 +14,22 @@ from pathlib import Path
 from groundtune.config import TrainConfig, load_config, preset_path
 from groundtune.data import synth
 from groundtune.data.records import atomic_write, read_samples
-from groundtune.train import checkpoint as ckpt
 
 # The variant: the full task (1-3 shapes, relational phrases) on a canvas the model has not seen.
 VARIANT = {"width": 168, "height": 168, "task": "full"}
+# quickstart()'s defaults, and so its flags' (--out, --n-train, --n-eval): the command line reads
+# them here, which is why this module imports torch only inside quickstart()
+OUT = "quickstart"
+N_TRAIN = 8000
+N_EVAL = 200
 
 
-def quickstart(out: str | Path = "quickstart", n_train: int = 8000, n_eval: int = 200,
+def quickstart(out: str | Path = OUT, n_train: int = N_TRAIN, n_eval: int = N_EVAL,
                overrides: tuple[str, ...] = ()) -> dict:
     """Variant data -> eval the tiny model -> LoRA fine-tune -> eval again + gallery. Re-running
     resumes an unfinished run and re-evaluates a finished one. Returns {"before", "after", "gain"}."""
     from groundtune import evaluate, infer
+    from groundtune.train import checkpoint as ckpt
     from groundtune.train.sft import train
 
     out = Path(out)

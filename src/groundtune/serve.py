@@ -59,6 +59,8 @@ from groundtune.data import images
 from groundtune.errors import ConfigError, DataError, MissingPackageError
 
 UI_FILE = Path(__file__).resolve().parent / "assets" / "serve_ui.html"
+HOST = "127.0.0.1"  # this machine only: another interface is the operator's choice (--host 0.0.0.0)
+PORT = 8000
 MB = 2**20  # a Limits field counted in bytes (*_bytes) is a flag in MB: max_body_bytes is --max-body-mb
 
 
@@ -664,7 +666,7 @@ def _chat_settings(body: dict, model_name: str, max_new_tokens: int) -> int:
     return min([max_new_tokens] + [limit for limit in limits if limit is not None])
 
 
-def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+def serve(model: str, host: str = HOST, port: int = PORT, api_key: str | None = None,
           limits: Limits = Limits(), device: str = InferSettings.device,
           max_new_tokens: int = InferSettings.max_new_tokens, compile: bool = InferSettings.compile) -> None:
     """Load ``model`` and serve it until interrupted."""

@@ -158,39 +158,39 @@ class Frame:
     file_bytes: int  # a decoder may read the file's data whole (an uncompressed TIFF strip)
 
 
-def untrusted_frame(data: bytes, max_pixels: int, formats: tuple[str, ...] = PLAIN_FORMATS) -> Frame:
+def untrusted_frame(data: bytes, max_image_pixels: int, formats: tuple[str, ...] = PLAIN_FORMATS) -> Frame:
     """The frame ``data`` decodes to, from its header: NotAnImage when it is none of ``formats``,
-    TooManyPixels when it is over ``max_pixels``. Nothing of the image's size is allocated:
+    TooManyPixels when it is over ``max_image_pixels``. Nothing of the image's size is allocated:
     WebP's size is read from its RIFF header here, because Pillow's WebP plugin creates its
     decoder, which allocates the whole canvas, while opening the file."""
     size = _webp_canvas(data) if "WEBP" in formats else None
     if size is not None:
-        if size[0] * size[1] > max_pixels:
-            raise TooManyPixels(size, max_pixels)
+        if size[0] * size[1] > max_image_pixels:
+            raise TooManyPixels(size, max_image_pixels)
         return Frame("WEBP", size, "RGBA", True, len(data))  # its EXIF is read by the decoder
-    image = open_untrusted(data, max_pixels, formats)
+    image = open_untrusted(data, max_image_pixels, formats)
     # Pillow's PNG getexif decodes the image to look for an eXIf chunk after the pixels: assume one
     may_turn = image.format == "PNG" or image.getexif().get(0x0112, 1) in range(2, 9)
     return Frame(image.format, image.size, image.mode, may_turn, len(data))
 
 
-def open_untrusted(data: bytes, max_pixels: int, formats: tuple[str, ...] = PLAIN_FORMATS) -> Image.Image:
+def open_untrusted(data: bytes, max_image_pixels: int, formats: tuple[str, ...] = PLAIN_FORMATS) -> Image.Image:
     """``data`` opened (headers read, nothing decoded yet) when it is one of ``formats`` and its
-    frame is at most ``max_pixels``; NotAnImage or TooManyPixels otherwise, before any pixel is
+    frame is at most ``max_image_pixels``; NotAnImage or TooManyPixels otherwise, before any pixel is
     decoded. Pillow's own decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``) is not the
     judge: where it is on, a header it refuses is a TooManyPixels too."""
     size = _webp_canvas(data) if "WEBP" in formats else None
-    if size is not None and size[0] * size[1] > max_pixels:  # before Pillow's decoder allocates it
-        raise TooManyPixels(size, max_pixels)
+    if size is not None and size[0] * size[1] > max_image_pixels:  # before Pillow's decoder allocates it
+        raise TooManyPixels(size, max_image_pixels)
     try:
         image = Image.open(io.BytesIO(data), formats=list(formats))
     except Image.DecompressionBombError as e:  # "Image size (N pixels) exceeds limit of ...": its N
         pixels = next((int(word.strip("(")) for word in str(e).split() if word.strip("(").isdigit()), None)
-        raise TooManyPixels(None, max_pixels, pixels) from None
+        raise TooManyPixels(None, max_image_pixels, pixels) from None
     except Image.UnidentifiedImageError:
         raise NotAnImage(f"not an image format the server reads; send {FORMAT_NAMES}") from None
-    if image.width * image.height > max_pixels:
-        raise TooManyPixels(image.size, max_pixels)
+    if image.width * image.height > max_image_pixels:
+        raise TooManyPixels(image.size, max_image_pixels)
     return image
 
 

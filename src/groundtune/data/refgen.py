@@ -118,6 +118,8 @@ KINDS = BOX_KINDS + SET_KINDS + ("none",)
 # a model that "[]" is a safe answer.
 NONE_PER_IMAGE = 1
 
+ATTRIBUTE_FIELD = "attributes"  # the annotation's field of a box's attribute words, unless the caller names another
+
 # What "clearly" means, as fractions of the image's shorter side so a phrase means the same at any
 # resolution. refcheck.py reads these same numbers (the definition of the language), not this code.
 MARGIN_FRAC = 0.04  # edges/centres this far apart are clearly apart (synth's own margin is 0.045)
@@ -315,7 +317,7 @@ def _label(value, where: str) -> str:
 
 
 def from_coco(instances: str | Path, images: str | Path, out: str | Path, split: str | None = None,
-              attribute_field: str = "attributes") -> list[Detections]:
+              attribute_field: str = ATTRIBUTE_FIELD) -> list[Detections]:
     """COCO instances.json -> one Detections per image that has annotations, in the file's image
     order. An annotation may carry ``attribute_field`` (a word or a list of words). The file's
     category list is the label set (COCO labels all its categories in every image): a category of
@@ -338,7 +340,7 @@ def from_coco(instances: str | Path, images: str | Path, out: str | Path, split:
     ]
 
 
-def from_jsonl(path: str | Path, out: str | Path, attribute_field: str = "attributes") -> list[Detections]:
+def from_jsonl(path: str | Path, out: str | Path, attribute_field: str = ATTRIBUTE_FIELD) -> list[Detections]:
     """Canonical-style JSONL -> one Detections per image. Either form, per line:
 
     - every box of an image: ``bboxes`` with a ``labels`` list beside it (and, optionally, a list

@@ -49,6 +49,11 @@ from groundtune.progress import progress_bar
 SHAPE_COUNTS = {"full": (1, 3), "single": (1, 1), "attribute": (2, 3), "multi": (2, 3),
                 "every": (1, 6)}  # task -> (fewest, most)
 TASKS = tuple(SHAPE_COUNTS)
+# A set's defaults (make_synthetic_set's and its helpers', and `groundtune data synth`'s flags): the
+# canvas the built-in tiny model was pre-trained on, and relational phrases about 1-3 shapes
+CANVAS_SIDE = 112
+TASK = "full"
+SPLIT = "train"
 # Shapes _shape_mask can draw. A Palette may use any of them: a variant with new shapes is a
 # different Palette, not new code.
 SHAPE_KINDS = ("circle", "square", "triangle", "diamond", "cross")
@@ -452,11 +457,11 @@ def canvas_size(seed: int, index: int, split: str, sides: tuple[int, int]) -> tu
 def make_scene(
     seed: int,
     index: int,
-    width: int = 112,
-    height: int = 112,
-    task: str = "full",
+    width: int = CANVAS_SIDE,
+    height: int = CANVAS_SIDE,
+    task: str = TASK,
     palette: Palette = DEFAULT_PALETTE,
-    split: str = "train",
+    split: str = SPLIT,
     canvas: tuple[int, int] | None = None,
 ) -> Scene:
     """The layout and phrase of a sample (every shape, the target, the query), without drawing it.
@@ -469,11 +474,11 @@ def make_scene(
 def make_sample(
     seed: int,
     index: int,
-    width: int = 112,
-    height: int = 112,
-    task: str = "full",
+    width: int = CANVAS_SIDE,
+    height: int = CANVAS_SIDE,
+    task: str = TASK,
     palette: Palette = DEFAULT_PALETTE,
-    split: str = "train",
+    split: str = SPLIT,
     canvas: tuple[int, int] | None = None,
 ) -> tuple[Image.Image, dict]:
     """Sample ``index`` of the set ``(seed, split)``: an RGB image and its record without the
@@ -511,10 +516,10 @@ def iter_samples(
     seed: int,
     start: int = 0,
     count: int | None = None,
-    width: int = 112,
-    height: int = 112,
-    split: str = "train",
-    task: str = "full",
+    width: int = CANVAS_SIDE,
+    height: int = CANVAS_SIDE,
+    split: str = SPLIT,
+    task: str = TASK,
     palette: Palette = DEFAULT_PALETTE,
 ) -> Iterator[tuple[Image.Image, dict]]:
     """Samples start, start+1, ... (forever when count is None) as (image, record) without touching
@@ -582,10 +587,10 @@ def make_synthetic_set(
     out_dir: str | Path,
     n: int,
     seed: int,
-    width: int = 112,
-    height: int = 112,
-    split: str = "train",
-    task: str = "full",
+    width: int = CANVAS_SIDE,
+    height: int = CANVAS_SIDE,
+    split: str = SPLIT,
+    task: str = TASK,
     workers: int = 0,
     palette: Palette = DEFAULT_PALETTE,
     canvas: tuple[int, int] | None = None,
