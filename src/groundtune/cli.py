@@ -345,8 +345,12 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_data_refgen(dsub: argparse._SubParsersAction) -> None:
-    from groundtune.data import refgen
-    from groundtune.data.refgen import KINDS, MODEL_FILTER_IOU, RefgenSettings
+    from groundtune.data.refgen import (
+        ATTRIBUTE_FIELD,
+        KINDS,
+        MODEL_FILTER_IOU,
+        RefgenSettings,
+    )
 
     d = RefgenSettings()
     p = dsub.add_parser(
@@ -390,7 +394,7 @@ def _add_data_refgen(dsub: argparse._SubParsersAction) -> None:
     p.add_argument("--images", help="coco: folder holding the images")
     p.add_argument("--path", help="jsonl: the detections file")
     p.add_argument("--split", help="coco: split name to record (default: from the file name, instances_SPLIT.json)")
-    p.add_argument("--attribute-field", default=refgen.ATTRIBUTE_FIELD,
+    p.add_argument("--attribute-field", default=ATTRIBUTE_FIELD,
                    help="the annotation's/record's field holding attribute words of a box (a word or a list)")
     p.add_argument("--kinds", default=",".join(d.kinds),
                    help="kinds to emit, each with an optional weight (kind=weight): any of " + ", ".join(KINDS)
