@@ -417,7 +417,10 @@ class Loop:
             self.on_step(step, self.run, self.gm.model)
         reason = stop.reason
         if self.ranks.many and distributed.any_rank(reason is not None, self.ranks, self.gm.device):
-            reason = reason or "another rank was asked to stop"  # every rank stops at the same step
+            # every rank stops at the same step and says why: the reason of a rank that was asked (a
+            # signal to the process group reaches a rank busy in a collective only after it)
+            asked = distributed.everyone(reason, self.ranks)
+            reason = reason or next(r for r in asked if r is not None)
         if (cfg.save_every and step % cfg.save_every == 0) or is_last or reason:
             self.state["finished"] = is_last
             self._save_checkpoint()
