@@ -7,6 +7,7 @@ family (tests/family_models.py, fixture ``family_folder`` in conftest.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -204,7 +205,9 @@ def test_the_family_table_holds_what_qwen_publishes_and_transformers_builds():
     with pytest.raises(ValueError, match="unknown model family 'llava'"):
         families.family("llava")
     with pytest.raises(ValueError, match="neither"):  # a misspelt convention is refused when the table is read
-        families.Facts("qwen9-vl", "qwen9_vl", "pixels", families.JSON, patch_size=16, min_pixels=1, max_pixels=2, onnx=False)
+        dataclasses.replace(families.family("qwen3-vl"), name="qwen9-vl", coordinates="pixels")
+    with pytest.raises(ValueError, match="neither"):
+        dataclasses.replace(families.family("qwen3-vl"), name="qwen9-vl", vision_norm="BatchNorm")
 
 
 @pytest.mark.parametrize("name, part, layer", [

@@ -1,8 +1,10 @@
 """The Qwen-VL families groundtune knows and the facts of each that more than one layer needs: how
 its boxes are written (groundtune.boxes), how its images are resized, and what the deploy half can
-do with it. One record per family, read by every module that needs one of these facts; no module
-keeps a list of its own. transformers' class and module names, the special tokens and the config
-builder stay with the model code (models/qwen.py's ``Family``, which reads its facts from here).
+do with it, and the architecture facts groundtune.plan counts a model's parameters with (it sizes
+models without torch, so without the model code). One record per family, read by every module that
+needs one of these facts; no module keeps a list of its own. transformers' class and module names,
+the special tokens and the config builder stay with the model code (models/qwen.py's ``Family``,
+which reads its facts from here).
 
 Plain Python, no torch: the box conventions (groundtune.boxes) sit on it, in the lowest layer.
 """
@@ -17,12 +19,21 @@ NORM_1000 = "0-1000"  # thousandths of the image's width and height, whatever it
 # How a family writes its answer (groundtune.boxes.format_target)
 JSON = "JSON"  # [{"bbox_2d": [x1, y1, x2, y2], "label": "..."}]
 SPECIAL_TOKENS = "special tokens"  # <|object_ref_start|>label<|object_ref_end|><|box_start|>(x1,y1),(x2,y2)<|box_end|>
+# Which vision_config keys size a family's vision tower (groundtune.plan counts its parameters from them)
+EMBED_DIM_MLP_RATIO = "embed_dim, mlp_ratio"  # width embed_dim, MLP mlp_ratio x width (hidden_size is the LLM's)
+HIDDEN_INTERMEDIATE = "hidden_size, intermediate_size"  # width hidden_size, MLP intermediate_size
+# The vision tower's normalisation: RMSNorm has a weight, LayerNorm a weight and a bias
+LAYER_NORM, RMS_NORM = "LayerNorm", "RMSNorm"
+# The vision blocks' MLP: two linears around a GELU, or SwiGLU's gate, up and down (all three with biases)
+GELU_MLP, SWIGLU_MLP = "GELU", "SwiGLU"
 
 
 @dataclass(frozen=True)
 class Facts:
     """One family's facts. ``min_pixels``/``max_pixels``: the budget of the processor Qwen ships
-    (its preprocessor_config.json), a run's default when it pins none."""
+    (its preprocessor_config.json), a run's default when it pins none. The architecture facts after
+    ``onnx`` are what groundtune.plan needs to count a model's parameters from its config.json
+    without torch (transformers builds them into its modules, which plan cannot import)."""
 
     name: str  # groundtune's name of the family: the key of every table that speaks of families
     model_type: str  # its config.json's model_type (transformers' name)
@@ -32,6 +43,17 @@ class Facts:
     min_pixels: int
     max_pixels: int
     onnx: bool  # whether ``groundtune export --onnx`` can build its graph (onnx_export.py)
+    vision_sizes: str  # EMBED_DIM_MLP_RATIO | HIDDEN_INTERMEDIATE: where the tower's width and MLP width are read
+    default_vision_width: int  # the tower's width when config.json leaves it out (transformers' default)
+    vision_norm: str  # LAYER_NORM | RMS_NORM, in the vision blocks and the merger: its parameters per width
+    vision_mlp: str  # GELU_MLP | SWIGLU_MLP: two linears or three in each vision block's MLP
+    # DeepStack: one more merger for each of vision_config's deepstack_visual_indexes, each normalising
+    # the 4 merged patches, whose features enter early LLM layers (parameters "merger" trains)
+    deepstack: bool
+    patch_bias: bool  # whether the patch embedding (a convolution) has a bias
+    learned_positions: bool  # a learned position table of vision_config's num_position_embeddings x width
+    attention_bias: bool  # whether the LLM's q/k/v projections have biases when config.json does not say
+    qk_norm: bool  # whether the LLM's attention normalises queries and keys (a head_dim RMSNorm each)
     merge_size: int = 2  # patches merged per side into one LLM token
 
     def __post_init__(self) -> None:
@@ -40,6 +62,11 @@ class Facts:
                              f"nor {NORM_1000!r}")
         if self.answer not in (JSON, SPECIAL_TOKENS):
             raise ValueError(f"{self.name}: answer {self.answer!r} is neither {JSON!r} nor {SPECIAL_TOKENS!r}")
+        for key, value, allowed in (("vision_sizes", self.vision_sizes, (EMBED_DIM_MLP_RATIO, HIDDEN_INTERMEDIATE)),
+                                      ("vision_norm", self.vision_norm, (LAYER_NORM, RMS_NORM)),
+                                      ("vision_mlp", self.vision_mlp, (GELU_MLP, SWIGLU_MLP))):
+            if value not in allowed:
+                raise ValueError(f"{self.name}: {key} {value!r} is neither {allowed[0]!r} nor {allowed[1]!r}")
 
     @property
     def factor(self) -> int:
@@ -50,11 +77,17 @@ class Facts:
 FAMILIES = {
     f.name: f
     for f in (
-        Facts("qwen2.5-vl", "qwen2_5_vl", RESIZED_PIXELS, JSON, patch_size=14, min_pixels=3_136, max_pixels=12_845_056, onnx=True),
+        Facts("qwen2.5-vl", "qwen2_5_vl", RESIZED_PIXELS, JSON, patch_size=14, min_pixels=3_136, max_pixels=12_845_056, onnx=True,
+              vision_sizes=HIDDEN_INTERMEDIATE, default_vision_width=1280, vision_norm=RMS_NORM, vision_mlp=SWIGLU_MLP,
+              deepstack=False, patch_bias=False, learned_positions=False, attention_bias=True, qk_norm=False),
         Facts("qwen2-vl", "qwen2_vl", NORM_1000, SPECIAL_TOKENS, patch_size=14, min_pixels=3_136, max_pixels=12_845_056,
-              onnx=True),
+              onnx=True, vision_sizes=EMBED_DIM_MLP_RATIO, default_vision_width=1280, vision_norm=LAYER_NORM,
+              vision_mlp=GELU_MLP, deepstack=False, patch_bias=False, learned_positions=False, attention_bias=True,
+              qk_norm=False),
         # no ONNX yet: Qwen3-VL's tower adds learned position tables and feeds several LLM layers (DeepStack)
-        Facts("qwen3-vl", "qwen3_vl", NORM_1000, JSON, patch_size=16, min_pixels=65_536, max_pixels=16_777_216, onnx=False),
+        Facts("qwen3-vl", "qwen3_vl", NORM_1000, JSON, patch_size=16, min_pixels=65_536, max_pixels=16_777_216, onnx=False,
+              vision_sizes=HIDDEN_INTERMEDIATE, default_vision_width=1152, vision_norm=LAYER_NORM, vision_mlp=GELU_MLP,
+              deepstack=True, patch_bias=True, learned_positions=True, attention_bias=False, qk_norm=True),
     )
 }
 

@@ -121,47 +121,48 @@ class Shape:
         return per_layer * layers + merger + vision
 
 
-def _vision_params(family: str, v: dict, out_hidden: int) -> tuple[int, int, int, int, int]:
+def _vision_params(facts: families.Facts, v: dict, out_hidden: int) -> tuple[int, int, int, int, int]:
     """(width, parameters, the mergers' parameters, the summed in + out sizes of the blocks' linears,
-    of the mergers' linears) of a family's vision tower, from its vision_config: what full
-    fine-tuning and LoRA on "vision" and "merger" train."""
+    of the mergers' linears) of a family's vision tower, from its vision_config and the family's
+    architecture facts: what full fine-tuning and LoRA on "vision" and "merger" train."""
     patch, temporal = v.get("patch_size", 14), v.get("temporal_patch_size", 2)
-    if family == "qwen2-vl":  # LayerNorm, GELU MLP of mlp_ratio x width
-        e = v.get("embed_dim", 1280)
+    if facts.vision_sizes == families.EMBED_DIM_MLP_RATIO:
+        e = v.get("embed_dim", facts.default_vision_width)
         m = int(e * v.get("mlp_ratio", 4))
     else:
-        e, m = v.get("hidden_size", 1280 if family == "qwen2.5-vl" else 1152), v.get("intermediate_size", 3420)
-    gated = family == "qwen2.5-vl"  # RMSNorm and a SwiGLU MLP with biases; the others LayerNorm and GELU
+        e, m = v.get("hidden_size", facts.default_vision_width), v.get("intermediate_size", 3420)
+    norm = 1 if facts.vision_norm == families.RMS_NORM else 2  # a norm's parameters per width: weight (and bias)
+    gated = facts.vision_mlp == families.SWIGLU_MLP
     mlp = 2 * (e * m + m) + (m * e + e) if gated else (e * m + m) + (m * e + e)
-    block = (2 if gated else 4) * e + (3 * e * e + 3 * e) + (e * e + e) + mlp
+    block = 2 * norm * e + (3 * e * e + 3 * e) + (e * e + e) + mlp
     block_io = (e + 3 * e) + (e + e) + ((3 if gated else 2) * (e + m))
     projection = (4 * e) * (4 * e) + 4 * e + 4 * e * out_hidden + out_hidden
     projection_io = (4 * e + 4 * e) + (4 * e + out_hidden)
-    mergers = 1 + (len(v.get("deepstack_visual_indexes", [])) if family == "qwen3-vl" else 0)
-    if family == "qwen3-vl":  # DeepStack mergers, each normalising the 4 merged patches
-        merger = (2 * e + projection) + (mergers - 1) * (8 * e + projection)
-    else:
-        merger = (e if gated else 2 * e) + projection
+    deepstack = len(v.get("deepstack_visual_indexes", [])) if facts.deepstack else 0
+    # the merger normalises each patch; DeepStack's mergers the 4 merged patches
+    merger = (norm * e + projection) + deepstack * (norm * 4 * e + projection)
     embed = 3 * temporal * patch * patch * e
-    if family == "qwen3-vl":  # the patch embedding's bias and the learned position table
-        embed += e + v.get("num_position_embeddings", 0) * e
+    if facts.patch_bias:
+        embed += e
+    if facts.learned_positions:
+        embed += v.get("num_position_embeddings", 0) * e
     depth = v.get("depth", 32)
-    return e, depth * block + merger + embed, merger, depth * block_io, mergers * projection_io
+    return e, depth * block + merger + embed, merger, depth * block_io, (1 + deepstack) * projection_io
 
 
 def shape_from_config(config: dict) -> Shape:
     """A Shape from a Qwen-VL config.json's contents (text_config and vision_config)."""
-    family = families.family_of_model_type(config.get("model_type", ""))
+    facts = families.family(families.family_of_model_type(config.get("model_type", "")))
     text = config.get("text_config") or config
     vision = config.get("vision_config") or {}
     hidden, heads = text["hidden_size"], text["num_attention_heads"]
-    width, vparams, mparams, vision_io, merger_io = _vision_params(family, vision, vision.get("out_hidden_size", hidden))
+    width, vparams, mparams, vision_io, merger_io = _vision_params(facts, vision, vision.get("out_hidden_size", hidden))
     tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-    return Shape(family=family, hidden=hidden, intermediate=text["intermediate_size"],
+    return Shape(family=facts.name, hidden=hidden, intermediate=text["intermediate_size"],
                  layers=text["num_hidden_layers"], heads=heads, kv_heads=text.get("num_key_value_heads", heads),
                  head_dim=text.get("head_dim") or hidden // heads, vocab=text["vocab_size"], tied=bool(tied),
                  vision_width=width, vision_params=vparams, merger_params=mparams, vision_linear_io=vision_io, merger_linear_io=merger_io,
-                 attention_bias=text.get("attention_bias", family != "qwen3-vl"), qk_norm=family == "qwen3-vl")
+                 attention_bias=text.get("attention_bias", facts.attention_bias), qk_norm=facts.qk_norm)
 
 
 def shape_of(model: str) -> Shape:
