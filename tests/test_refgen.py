@@ -9,6 +9,7 @@ stored output.
 
 from __future__ import annotations
 
+import ast
 import json
 import random
 import re
@@ -219,6 +220,31 @@ def test_bad_input_is_one_line_naming_file_line_or_flag(tmp_path, capsys):
 
 # --------------------------------------------------------------------------------------------
 # The checker: agrees with the generator on random layouts, catches wrong phrases
+
+
+def _imported_modules(path: Path, package: str) -> set[str]:
+    """Every module ``path`` (a module of ``package``) imports, at its top or inside a function:
+    ``from .refgen import X``, ``from . import refgen`` and ``import groundtune.data.refgen`` all
+    give groundtune.data.refgen."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
+            source = ".".join(filter(None, (base, node.module)))
+            # from PACKAGE import NAME may name a module: count both, so none slips through
+            found |= {source} | {f"{source}.{a.name}" for a in node.names}
+    return found
+
+
+def test_the_checker_imports_nothing_from_the_generator():
+    """refcheck.py must not trust refgen.py: it reads the language from refexp.py and nothing from
+    the generator, so a slip in the generator's code cannot reach the check that should catch it."""
+    imported = _imported_modules(Path(refcheck.__file__), "groundtune.data")
+    assert "groundtune.data.refexp" in imported  # the parse sees its imports at all
+    assert not {m for m in imported if m == "groundtune.data.refgen" or m.startswith("groundtune.data.refgen.")}
+
 
 
 # names that collide: "table" is also a dining table's name, "teddy" + "bear" spells "teddy bear"; a

@@ -4,9 +4,10 @@ not trust the generator: ``groundtune data check --refs FILE`` and the tests.
 It reads the phrase TEXT back with its own grammar (category, attribute, extreme, ordinal, size,
 relation and anchor) and evaluates that reading against every box of the image the record keeps
 (``objects``, ``target`` = the index of the phrase's box) with its own geometry. It shares with
-data/refgen.py only the definition of the language: the category names (SYNONYMS, PLURALS), the
-four numbers that say what "clearly" means (MARGIN_FRAC, SIZE_RATIO, NEAR_FRAC, FAR_FRAC) and the
-size under which a reader may overlook a box (MIN_SIZE_PX); no function of the generator is called.
+data/refgen.py only the definition of the language, and reads it from data/refexp.py, never from
+refgen.py: the category names (SYNONYMS, PLURALS), the four numbers that say what "clearly" means
+(MARGIN_FRAC, SIZE_RATIO, NEAR_FRAC, FAR_FRAC) and the size under which a reader may overlook a box
+(MIN_SIZE_PX); no function of the generator is called.
 What makes two boxes clearly apart it measures its own way (MAX_IOU, EDGE_SHARE below, the band of
 "next to"), on other quantities than the generator's, so a slip in either rule shows as a
 disagreement; the generator's bounds lie inside these, so its phrases never sit on their edge.
@@ -72,7 +73,15 @@ from groundtune.boxes import as_box
 from groundtune.progress import track
 
 from .records import iter_jsonl, write_samples
-from .refgen import FAR_FRAC, MARGIN_FRAC, MIN_SIZE_PX, NEAR_FRAC, PLURALS, SIZE_RATIO, SYNONYMS
+from .refexp import (
+    FAR_FRAC,
+    MARGIN_FRAC,
+    MIN_SIZE_PX,
+    NEAR_FRAC,
+    PLURALS,
+    SIZE_RATIO,
+    SYNONYMS,
+)
 
 VERDICTS = ("ok", "wrong_box", "second_box", "unparsed", "bad_record")
 

@@ -79,11 +79,12 @@ position or size word of the templates ("top", "small": RESERVED_WORDS), or a wo
 category's name spells another's ("teddy" on a bear beside a teddy bear).
 
 Left/right words are exactly those ``augment.hflip`` swaps (left, right, leftmost, rightmost), so
-a flipped sample's phrase stays true. ``refcheck.py`` re-derives, with its own parser and
-geometry, whether each written phrase picks exactly its box (a reading of "clearly" of its own
-whose bounds this module's rules stay inside); the records keep every box of the image
-(``objects``, and ``target``: the index of the phrase's box, or ``targets``: the indices of its
-set) for it.
+a flipped sample's phrase stays true. Those words, the templates, the category names and the
+numbers of "clearly" are the language, ``refexp.py``, which ``refcheck.py`` reads too; it
+re-derives, with its own parser and geometry, whether each written phrase picks exactly its box (a
+reading of "clearly" of its own whose bounds this module's rules stay inside); the records keep
+every box of the image (``objects``, and ``target``: the index of the phrase's box, or
+``targets``: the indices of its set) for it.
 
     groundtune data refgen --from coco --instances instances_val2017.json --images val2017 --out refs.jsonl
     groundtune data refgen --from jsonl --path shelves.jsonl --out refs.jsonl --kinds relation=2,extreme,size
@@ -104,6 +105,22 @@ from groundtune.progress import track
 
 from .images import header_size
 from .records import DataError, image_path, iter_jsonl, jsonl_file, record_size
+from .refexp import (
+    EXTREME_TEXTS,
+    FAR_FRAC,
+    MARGIN_FRAC,
+    MIN_SIZE_PX,
+    NEAR_FRAC,
+    ORDINAL_WORDS,
+    RELATION_TEXTS,
+    RESERVED_WORDS,
+    SET_ATTRIBUTE_TEXTS,
+    SET_RELATION_TEXTS,
+    SET_TEXTS,
+    SIZE_RATIO,
+    SYNONYMS,
+    plural,
+)
 from .sources import coco_annotations, image_ref, load_instances
 
 # Kinds of a phrase naming one box (a record with "bbox" and "target") ...
@@ -120,12 +137,10 @@ NONE_PER_IMAGE = 1
 
 ATTRIBUTE_FIELD = "attributes"  # the annotation's field of a box's attribute words, unless the caller names another
 
-# What "clearly" means, as fractions of the image's shorter side so a phrase means the same at any
-# resolution. refcheck.py reads these same numbers (the definition of the language), not this code.
-MARGIN_FRAC = 0.04  # edges/centres this far apart are clearly apart (synth's own margin is 0.045)
-SIZE_RATIO = 1.5  # "the biggest cup": at least this many times the area of every other cup
-NEAR_FRAC = 0.05  # "next to": the boxes' gap at most this
-FAR_FRAC = 0.15  # ... and every other box of the category's gap more than this
+# What "clearly" means (MARGIN_FRAC, SIZE_RATIO, NEAR_FRAC, FAR_FRAC) and MIN_SIZE_PX belong to the
+# language, refexp.py, which refcheck.py reads too. The two below are this generator's own rules,
+# kept inside the checker's own reading of "clearly" (its MAX_IOU, EDGE_SHARE).
+
 # Two boxes sharing more than half of the smaller one read as one heap (a cup mostly behind or in
 # another): no "leftmost"/"second from the left" between them, however their edges lie. Half still
 # allows two cups each half hidden by the other, which a reader tells apart.
@@ -133,83 +148,7 @@ MAX_COVERED = 0.5
 # "next to"/"beside": side by side means in one horizontal band; sharing at least half of the
 # shorter box's height excludes one box standing on the other (a laptop on a table shares none).
 BAND_SHARE = 0.5
-# --min-size's default (sqrt of the area, px), and the size under which a box is never counted for
-# an extreme or an ordinal whatever --min-size says: a 15 px bottle in a corner of a 640 px photo is
-# one a reader may overlook (refcheck.py reads boxes under it as ones a reader may or may not count).
-MIN_SIZE_PX = 16.0
 MODEL_FILTER_IOU = 0.5  # --filter-model: a phrase the model boxes back at this IoU or more is kept
-
-# COCO's 80 categories as people say them: the first name is the category's own, the others are
-# synonyms that name no other COCO category ("bag" would also name a backpack or a suitcase).
-# A category not listed (a user's own label) is said as it is written.
-SYNONYMS: dict[str, tuple[str, ...]] = {
-    "person": ("person",), "bicycle": ("bicycle", "bike"), "car": ("car",),
-    "motorcycle": ("motorcycle", "motorbike"), "airplane": ("airplane", "plane"), "bus": ("bus",),
-    "train": ("train",), "truck": ("truck",), "boat": ("boat",), "traffic light": ("traffic light",),
-    "fire hydrant": ("fire hydrant", "hydrant"), "stop sign": ("stop sign",), "parking meter": ("parking meter",),
-    "bench": ("bench",), "bird": ("bird",), "cat": ("cat",), "dog": ("dog",), "horse": ("horse",),
-    "sheep": ("sheep",), "cow": ("cow",), "elephant": ("elephant",), "bear": ("bear",), "zebra": ("zebra",),
-    "giraffe": ("giraffe",), "backpack": ("backpack", "rucksack"), "umbrella": ("umbrella",),
-    "handbag": ("handbag", "purse"), "tie": ("tie",), "suitcase": ("suitcase",), "frisbee": ("frisbee",),
-    "skis": ("pair of skis",), "snowboard": ("snowboard",), "sports ball": ("ball",), "kite": ("kite",),
-    "baseball bat": ("baseball bat", "bat"), "baseball glove": ("baseball glove", "glove"),
-    "skateboard": ("skateboard",), "surfboard": ("surfboard",), "tennis racket": ("tennis racket", "racket"),
-    "bottle": ("bottle",), "wine glass": ("wine glass",), "cup": ("cup", "mug"), "fork": ("fork",),
-    "knife": ("knife",), "spoon": ("spoon",), "bowl": ("bowl",), "banana": ("banana",), "apple": ("apple",),
-    "sandwich": ("sandwich",), "orange": ("orange",), "broccoli": ("broccoli",), "carrot": ("carrot",),
-    "hot dog": ("hot dog",), "pizza": ("pizza",), "donut": ("donut", "doughnut"), "cake": ("cake",),
-    "chair": ("chair",), "couch": ("couch", "sofa"), "potted plant": ("potted plant", "plant"), "bed": ("bed",),
-    "dining table": ("dining table", "table"), "toilet": ("toilet",), "tv": ("tv", "television"),
-    "laptop": ("laptop",), "mouse": ("mouse",), "remote": ("remote", "remote control"), "keyboard": ("keyboard",),
-    "cell phone": ("cell phone", "phone"), "microwave": ("microwave",), "oven": ("oven",), "toaster": ("toaster",),
-    "sink": ("sink",), "refrigerator": ("refrigerator", "fridge"), "book": ("book",), "clock": ("clock",),
-    "vase": ("vase",), "scissors": ("pair of scissors",), "teddy bear": ("teddy bear", "teddy"),
-    "hair drier": ("hair drier", "hair dryer"), "toothbrush": ("toothbrush",),
-}
-# Plurals the -s/-es/-ies rule gets wrong; used only by "the bigger of the two ...".
-PLURALS = {"person": "people", "mouse": "mice", "knife": "knives", "sheep": "sheep", "broccoli": "broccoli",
-           "pair of skis": "pairs of skis", "pair of scissors": "pairs of scissors", "bus": "buses"}
-
-# Phrase words. Left/right ones are augment.hflip's (left, right, leftmost, rightmost).
-_EXTREME_TEXTS = {
-    "left": ("the leftmost {n}", "the {n} on the left"),
-    "right": ("the rightmost {n}", "the {n} on the right"),
-    "top": ("the top {n}", "the {n} at the top"),
-    "bottom": ("the bottom {n}", "the {n} at the bottom"),
-}
-_ORDINAL_WORDS = {2: "second", 3: "third", 4: "fourth", 5: "fifth"}
-# Words of the templates above that an attribute may not be: "the top cup" or "the small cup" would
-# read both as a position/size and as the attribute. Such attribute words are dropped (--stats
-# counts them; _without_ambiguous_words).
-RESERVED_WORDS = frozenset({"left", "right", "leftmost", "rightmost", "top", "bottom", "big", "large", "small",
-                            "bigger", "smaller", "biggest", "largest", "smallest", *_ORDINAL_WORDS.values()})
-_RELATION_WORDS = {
-    "left of": ("left of", "to the left of"),
-    "right of": ("right of", "to the right of"),
-    "above": ("above",),
-    "below": ("below", "under"),
-    "next to": ("next to", "beside"),
-}
-_RELATION_TEXTS = {rel: tuple(f"the {{n}} {w} {{a}}" for w in words) for rel, words in _RELATION_WORDS.items()}
-# Sets: "every cup", "all the red cups", "the cups left of the laptop". "{ns}" is the plural; a
-# template starting "the {ns}" is not used for a name whose plural is itself ("the sheep left of the
-# laptop" would also read as one sheep).
-_SET_TEXTS = ("every {n}", "all the {ns}", "all {ns}")
-_SET_ATTRIBUTE_TEXTS = ("every {w} {{n}}", "all the {w} {{ns}}")
-_SET_RELATION_TEXTS = {rel: tuple(f"the {{ns}} {w} {{a}}" for w in words) + tuple(f"all the {{ns}} {w} {{a}}"
-                                                                                  for w in words)
-                       for rel, words in _RELATION_WORDS.items()}
-
-
-def plural(name: str) -> str:
-    """English plural of a category name (the last word's)."""
-    if name in PLURALS:
-        return PLURALS[name]
-    if name.endswith(("s", "x", "ch", "sh")):
-        return name + "es"
-    if name.endswith("y") and name[-2:-1] not in "aeiou":
-        return name[:-1] + "ies"
-    return name + "s"
 
 
 # --------------------------------------------------------------------------------------------
@@ -560,14 +499,14 @@ def candidates(i: int, d: Detections, settings: RefgenSettings) -> list[Candidat
     group = [t] + others
     out = [Candidate(k[0], k, ("the {n}",) if k[0] == "category" else (f"the {k[1]} {{n}}",))
            for k in _describe_unique(i, d)]
-    for side in _EXTREME_TEXTS:
+    for side in EXTREME_TEXTS:
         if _clearly_extreme(t, others, side, m, settings):
-            out.append(Candidate("extreme", ("extreme", side), _EXTREME_TEXTS[side]))
-    for side in _EXTREME_TEXTS:
+            out.append(Candidate("extreme", ("extreme", side), EXTREME_TEXTS[side]))
+    for side in EXTREME_TEXTS:
         rank = _ordinal_rank(t, others, side, m, settings)
-        if rank in _ORDINAL_WORDS:
+        if rank in ORDINAL_WORDS:
             out.append(Candidate("ordinal", ("ordinal", side, rank),
-                                 (f"the {_ORDINAL_WORDS[rank]} {{n}} from the {side}",)))
+                                 (f"the {ORDINAL_WORDS[rank]} {{n}} from the {side}",)))
     if others and all(t.area >= SIZE_RATIO * p.area for p in others):
         two = len(group) == 2
         texts = ("the big {n}", "the bigger of the two {ns}") if two else ("the biggest {n}", "the largest {n}")
@@ -623,7 +562,7 @@ def _relations(i: int, d: Detections, settings: RefgenSettings, m: float) -> lis
         a = d.objects[j]
         for rel, ok in holds.items():
             if ok(t, a) and all(clearly_not[rel](p, a) for p in others):
-                out.append(Candidate("relation", ("relation", rel, j, *how), _RELATION_TEXTS[rel]))
+                out.append(Candidate("relation", ("relation", rel, j, *how), RELATION_TEXTS[rel]))
     return out
 
 
@@ -640,12 +579,12 @@ def set_candidates(label: str, d: Detections, settings: RefgenSettings) -> list[
     def nameable(members) -> bool:
         return len(members) >= 2 and not any(_too_small(d.objects[i], settings) for i in members)
 
-    out = [Candidate("set", ("set",), _SET_TEXTS, tuple(group))] if nameable(group) else []
+    out = [Candidate("set", ("set",), SET_TEXTS, tuple(group))] if nameable(group) else []
     if all(d.objects[i].attributes is not None for i in group):
         for word in dict.fromkeys(w for i in group for w in d.objects[i].attributes):
             members = tuple(i for i in group if word in d.objects[i].attributes)
             if nameable(members):
-                texts = tuple(t.format(w=word) for t in _SET_ATTRIBUTE_TEXTS)
+                texts = tuple(t.format(w=word) for t in SET_ATTRIBUTE_TEXTS)
                 out.append(Candidate("set_attribute", ("set_attribute", word), texts, members))
     holds, clearly_not = _relation_rules(d, _margin(d))
     for j, how in _anchors(label, d, settings):
@@ -653,7 +592,7 @@ def set_candidates(label: str, d: Detections, settings: RefgenSettings) -> list[
         for rel in holds:
             members = tuple(i for i in group if holds[rel](d.objects[i], a))
             if nameable(members) and all(clearly_not[rel](d.objects[i], a) for i in group if i not in members):
-                out.append(Candidate("set_relation", ("set_relation", rel, j, *how), _SET_RELATION_TEXTS[rel],
+                out.append(Candidate("set_relation", ("set_relation", rel, j, *how), SET_RELATION_TEXTS[rel],
                                      members))
     return out
 
