@@ -41,7 +41,8 @@ from provenance import stamped  # noqa: E402
 HELDOUT_SEED = 7
 SIZES = (112, 168)  # square canvases the held-out scenes are drawn on
 NO_TARGET_SHARE = 0.3
-# Its own ways of asking for a set: some as synth's, some it never writes ("all red circles")
+# Its own ways of asking for a set, written by its own code (synth's set phrases open with the same
+# four words: "every", "all the", "all", "the")
 TEMPLATES = ("every {c} {k}", "all {c} {ks}", "all the {c} {ks}", "the {c} {ks}")
 COLOUR_ONLY = ("every {c} shape", "all {c} shapes", "the {c} shapes")
 KIND_ONLY = ("every {k}", "all {ks}", "all the {ks}")
