@@ -233,7 +233,11 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
         formatter_class=_Formatter,
     )
     dsub = data.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
+    for add in (_add_data_convert, _add_data_check, _add_data_show, _add_data_synth, _add_data_refgen):
+        add(dsub)
 
+
+def _add_data_convert(dsub: argparse._SubParsersAction) -> None:
     p = dsub.add_parser(
         "convert",
         help="turn RefCOCO/gRefCOCO/COCO/parquet/JSONL into canonical JSONL",
@@ -276,6 +280,8 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
                    "in an image (\"cup\" names both cups, the line one); prints a warning saying how often")
     p.set_defaults(handler=_data_convert)
 
+
+def _add_data_check(dsub: argparse._SubParsersAction) -> None:
     p = dsub.add_parser(
         "check",
         help="find bad records: images, boxes, phrases",
@@ -296,6 +302,8 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
                    "generator; no image is read. Exit code 1 when any does not")
     p.set_defaults(handler=_data_check)
 
+
+def _add_data_show(dsub: argparse._SubParsersAction) -> None:
     p = dsub.add_parser(
         "show",
         help="draw samples with their boxes as the model sees them",
@@ -313,6 +321,8 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-pixels", type=_positive_int, help="the run's minimum pixels (default: the family's)")
     p.set_defaults(handler=_data_show)
 
+
+def _add_data_synth(dsub: argparse._SubParsersAction) -> None:
     from groundtune.data import synth  # numpy and Pillow only: --help stays quick
 
     p = dsub.add_parser(
@@ -340,8 +350,6 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
                         "fifth of the samples naming nothing in the image (no target)")
     p.add_argument("--workers", type=_count, default=0, help="worker processes (0: one per CPU core)")
     p.set_defaults(handler=_data_synth)
-
-    _add_data_refgen(dsub)
 
 
 def _add_data_refgen(dsub: argparse._SubParsersAction) -> None:
