@@ -34,7 +34,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from groundtune.serve import Limits, launch
+from groundtune.deploy.serve import Limits, launch
 from provenance import stamped
 
 REPO = Path(__file__).resolve().parent.parent

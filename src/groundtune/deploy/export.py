@@ -48,8 +48,9 @@ from pathlib import Path
 
 import torch
 
-from groundtune import boxes, families, onnx_export
+from groundtune import boxes, families
 from groundtune.config import EXPORT_DTYPE, MAX_NEW_TOKENS
+from groundtune.deploy import onnx_export
 from groundtune.errors import DiskFullError, GroundtuneError, RunExistsError, UsageError
 from groundtune.files import not_an_input
 from groundtune.models import head

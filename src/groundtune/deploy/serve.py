@@ -53,12 +53,12 @@ from pathlib import Path
 
 from PIL import Image, ImageOps
 
-from groundtune.batching import Answer, Model, QueueFull, prepare_decoding
 from groundtune.config import InferSettings
 from groundtune.data import images
+from groundtune.deploy.batching import Answer, Model, QueueFull, prepare_decoding
 from groundtune.errors import ConfigError, DataError, MissingPackageError
 
-UI_FILE = Path(__file__).resolve().parent / "assets" / "serve_ui.html"
+UI_FILE = Path(__file__).resolve().parent.parent / "assets" / "serve_ui.html"
 HOST = "127.0.0.1"  # this machine only: another interface is the operator's choice (--host 0.0.0.0)
 PORT = 8000
 MB = 2**20  # a Limits field counted in bytes (*_bytes) is a flag in MB: max_body_bytes is --max-body-mb
