@@ -632,7 +632,8 @@ def _image_size(text: str) -> tuple[int, int]:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from groundtune.deploy.export import check_hub, export, push_to_hub
+    from groundtune.deploy.export import export
+    from groundtune.deploy.hub import check_hub, push_to_hub
 
     if args.onnx != (args.image_size is not None):
         raise UsageError("--onnx and --image-size WxH go together: the graph is built for one image size")
