@@ -652,7 +652,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    from groundtune.deploy.serve import HOST, MB, PORT, Limits, flag
+    from groundtune.deploy.limits import MB, Limits, flag
+    from groundtune.deploy.serve import HOST, PORT
 
     def port(text: str) -> int:
         value = int(text)
@@ -709,7 +710,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _limits(args: argparse.Namespace):
     """serve's Limits from its flags, a size given in MB back in bytes."""
-    from groundtune.deploy.serve import MB, Limits, flag
+    from groundtune.deploy.limits import MB, Limits, flag
 
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)}
     return Limits(**{name: int(value * MB) if flag(name).endswith("-mb") else value for name, value in given.items()})
