@@ -26,7 +26,8 @@ import torch
 from PIL import Image
 from provenance import stamped
 
-from groundtune import infer, onnx_export, onnx_predict
+from groundtune import infer
+from groundtune.deploy import onnx_export, onnx_predict
 from groundtune.models import head
 from groundtune.models.adapt import base_model, hidden_size
 from groundtune.models.loading import load_model

@@ -34,7 +34,8 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from groundtune.serve import Limits, launch
+from groundtune.deploy.limits import Limits
+from groundtune.deploy.serve import launch
 from provenance import stamped
 
 REPO = Path(__file__).resolve().parent.parent

@@ -182,8 +182,9 @@ def test_the_functions_behind_eval_predict_and_serve_default_to_infer_settings()
     import dataclasses
     import inspect
 
-    from groundtune import evaluate, infer, serve
+    from groundtune import evaluate, infer
     from groundtune.config import InferSettings
+    from groundtune.deploy import serve
 
     shared = {f.name: f.default for f in dataclasses.fields(InferSettings)}
     functions = [infer.load, infer.predict, infer.predict_records, infer.predict_jsonl, infer.Decoding.greedy,

@@ -22,8 +22,8 @@ OWNERS = {
     ("plan",): {"gpus": "groundtune.plan:plan_run"},
     ("eval",): {name: "groundtune.evaluate:run_eval"
                 for name in ("protocol", "batch_size", "max_new_tokens", "device", "compile")},
-    ("export",): {"dtype": "groundtune.export:export"},
-    ("serve",): {name: "groundtune.serve:serve" for name in ("host", "port", "max_new_tokens", "device", "compile")},
+    ("export",): {"dtype": "groundtune.deploy.export:export"},
+    ("serve",): {name: "groundtune.deploy.serve:serve" for name in ("host", "port", "max_new_tokens", "device", "compile")},
     ("quickstart",): {name: "groundtune.quickstart:quickstart" for name in ("out", "n_train", "n_eval")},
 }
 

@@ -20,8 +20,9 @@ from PIL import Image
 from groundtune import infer
 from groundtune.cli import main
 from groundtune.data import synth
+from groundtune.deploy.cards import model_card
+from groundtune.deploy.export import export
 from groundtune.errors import DiskFullError, MissingError, RunExistsError
-from groundtune.export import export, model_card
 from groundtune.models import box_head, head
 from groundtune.models.adapt import base_model, hidden_size
 from groundtune.models.loading import load_model

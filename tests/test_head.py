@@ -264,7 +264,7 @@ def test_the_runners_keep_order_and_map_slots_as_groundtune_does():
     """box_head.py's and onnx_predict.py's ``answer`` (standalone copies: no groundtune where they
     run) against infer.head_answer, on a table of slots: the same boxes kept by the threshold,
     clipped to the image, in reading order, with their scores."""
-    from groundtune import onnx_predict
+    from groundtune.deploy import onnx_predict
     from groundtune.models import box_head
 
     generator = torch.Generator().manual_seed(2)
@@ -352,7 +352,7 @@ def test_a_box_head_trains_saves_loads_and_answers_in_one_pass(synth_single, tmp
         for box in p.boxes:
             assert 0 <= box[0] <= box[2] <= image.width and 0 <= box[1] <= box[3] <= image.height
     # exported (LoRA merged), it loads with its head and answers the same slots (threshold 0: all of them)
-    from groundtune.export import export
+    from groundtune.deploy.export import export
 
     exported = export(str(run), tmp_path / "export")
     assert (exported / head.HEAD_FILE).is_file()

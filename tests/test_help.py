@@ -105,7 +105,7 @@ def test_serve_flags_are_the_limits_fields():
     """`groundtune serve`'s limits flags are Limits' fields, each with its default (sizes in MB) and
     help; the flags left as they are give Limits() itself, and a size given in MB is read in bytes."""
     from groundtune.cli import _limits
-    from groundtune.serve import MB, Limits, flag
+    from groundtune.deploy.limits import MB, Limits, flag
 
     shown = _flat(_subcommand_help("serve"))
     for f in dataclasses.fields(Limits):

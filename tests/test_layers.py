@@ -19,7 +19,7 @@ LAYERS = [
     {"plan"},  # sizes a run from config.json files and settings: no model, no torch
     {"models"},
     {"infer"},
-    {"protocols", "evaluate", "export", "serve", "batching", "onnx_export", "onnx_predict"},  # deploy half, beside evaluate on infer
+    {"protocols", "evaluate", "deploy"},  # deploy/ (export, serve), beside evaluate on infer
     {"train"},
     {"quickstart", "cli", "__main__", "__init__"},
 ]
@@ -194,5 +194,5 @@ def test_the_readmes_layout_lists_the_layers_in_order():
     named = [n for n in named if n != "configs"]  # presets: YAML, no imports
     ranks = [_layer(f"groundtune.{name}") for name in named]
     assert ranks == sorted(ranks), list(zip(named, ranks))
-    layered = {name for layer in LAYERS for name in layer} - {"__main__", "__init__", "onnx_predict"}
+    layered = {name for layer in LAYERS for name in layer} - {"__main__", "__init__"}
     assert layered <= set(named), layered - set(named)

@@ -16,9 +16,10 @@ import torch
 from family_models import build_family_folder
 from PIL import Image
 
-from groundtune import families, infer, onnx_export, onnx_predict
+from groundtune import families, infer
 from groundtune.cli import main
 from groundtune.config import TrainConfig
+from groundtune.deploy import onnx_export, onnx_predict
 from groundtune.errors import ConfigError
 from groundtune.models import head, qwen
 from groundtune.models.adapt import base_model, hidden_size

@@ -478,7 +478,7 @@ def test_serve_commands_run(exported, workspace):
     openai snippet against it (at a free port instead of 8000)."""
     from PIL import Image
 
-    from groundtune.serve import launch
+    from groundtune.deploy.serve import launch
 
     serve, *clients = _commands("test_serve_commands_run")
     words = shlex.split(serve)

@@ -32,7 +32,7 @@ from PIL import Image, ImageOps
 
 from groundtune import infer
 from groundtune.data import synth
-from groundtune.serve import launch
+from groundtune.deploy.serve import launch
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -812,8 +812,8 @@ def test_serve_flags_say_their_defaults_and_a_bad_port_is_one_line():
 
 
 def test_listen_names_the_flags_for_a_port_the_system_refuses():
+    from groundtune.deploy.serve import _listen
     from groundtune.errors import ConfigError
-    from groundtune.serve import _listen
 
     with pytest.raises(ConfigError, match="--host 127.0.0.1 --port 99999: cannot listen there"):
         _listen("127.0.0.1", 99999)
@@ -824,7 +824,7 @@ def test_the_decode_budget_is_first_come_first_served():
     larger than the whole budget waits for all of it; one given up (the server stops) leaves its place."""
     import asyncio
 
-    from groundtune.batching import DecodeBudget
+    from groundtune.deploy.batching import DecodeBudget
 
     async def scenario() -> list[str]:
         budget, said = DecodeBudget(100), []

@@ -640,7 +640,8 @@ def _image_size(text: str) -> tuple[int, int]:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from groundtune.export import check_hub, export, push_to_hub
+    from groundtune.deploy.export import export
+    from groundtune.deploy.hub import check_hub, push_to_hub
 
     if args.onnx != (args.image_size is not None):
         raise UsageError("--onnx and --image-size WxH go together: the graph is built for one image size")
@@ -659,7 +660,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    from groundtune.serve import HOST, MB, PORT, Limits, flag
+    from groundtune.deploy.limits import MB, Limits, flag
+    from groundtune.deploy.serve import HOST, PORT
 
     def port(text: str) -> int:
         value = int(text)
@@ -707,7 +709,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from groundtune.serve import serve
+    from groundtune.deploy.serve import serve
 
     serve(args.model, args.host, args.port, args.api_key, _limits(args), args.device, args.max_new_tokens,
           args.compile)
@@ -716,7 +718,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _limits(args: argparse.Namespace):
     """serve's Limits from its flags, a size given in MB back in bytes."""
-    from groundtune.serve import MB, Limits, flag
+    from groundtune.deploy.limits import MB, Limits, flag
 
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)}
     return Limits(**{name: int(value * MB) if flag(name).endswith("-mb") else value for name, value in given.items()})
