@@ -117,21 +117,7 @@ def export(name: str, out: str | Path, dtype: str = EXPORT_DTYPE, overwrite: boo
         tokenizer.chat_template = gm.processor.chat_template
         tokenizer.save_pretrained(tmp)
         _image_processor_at(gm.processor.image_processor, gm.resize).save_pretrained(tmp)
-        metadata = {
-            "family": gm.family,
-            "convention": families.family(gm.family).coordinates,
-            "resize": gm.resize.to_dict(),
-            "prompt": gm.prompt,
-            "head": "box" if box_head is not None else HEAD,
-            # what a box head's prompts end with: it reads the state of the last token (models/head.py)
-            **({"prompt_end": head.prompt_end(gm.family)} if box_head is not None else {}),
-            "exported_from": str(path.resolve()) if path is not None else name,
-            "base_model": gm.base_model,
-            "dtype": str(target_dtype).removeprefix("torch."),
-            **({"eval": run_meta["eval"]} if "eval" in run_meta else {}),
-            **({"trained_4bit": True} if qlora else {}),
-            **({"onnx": onnx} if onnx is not None else {}),
-        }
+        metadata = _export_metadata(gm, box_head is not None, name, path, target_dtype, run_meta, qlora, onnx)
         (tmp / "README.md").write_text(model_card(metadata, out.name))
         # what this export wrote: all that a later --overwrite may replace
         metadata["files"] = sorted([p.name for p in tmp.iterdir()] + [METADATA_FILE])
@@ -198,6 +184,26 @@ def _replace(out: Path, new: Path) -> None:
     out.rename(old / out.name)
     new.rename(out)
     shutil.rmtree(old)
+
+
+def _export_metadata(gm, box_head: bool, name: str, path: Path | None, dtype: torch.dtype, run_meta: dict,
+                     qlora: bool, onnx: dict | None) -> dict:
+    """The export's groundtune.json (less its "files"): what the model is and how it answers."""
+    return {
+        "family": gm.family,
+        "convention": families.family(gm.family).coordinates,
+        "resize": gm.resize.to_dict(),
+        "prompt": gm.prompt,
+        "head": "box" if box_head else HEAD,
+        # what a box head's prompts end with: it reads the state of the last token (models/head.py)
+        **({"prompt_end": head.prompt_end(gm.family)} if box_head else {}),
+        "exported_from": str(path.resolve()) if path is not None else name,
+        "base_model": gm.base_model,
+        "dtype": str(dtype).removeprefix("torch."),
+        **({"eval": run_meta["eval"]} if "eval" in run_meta else {}),
+        **({"trained_4bit": True} if qlora else {}),
+        **({"onnx": onnx} if onnx is not None else {}),
+    }
 
 
 def _check_disk(out: Path, needed: int) -> None:
