@@ -72,7 +72,7 @@ def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData,
               f"parameters) on {_describe(samples, cfg.train_data)}{on} -> {run}")
 
     model.train()
-    window = {"loss": 0.0, "n": 0, "samples": 0, "tokens": 0, "t0": time.time()}
+    window = _new_window()
     with StopRequest(run) as stop, progress_bar() as bar:
         task = bar.add_task("train", total=cfg.max_steps, completed=state["step"], info="")
         say = functools.partial(bar.console.print, soft_wrap=True)  # never wrap a command users copy
@@ -82,11 +82,7 @@ def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData,
             micro_batches = [next(batches) for _ in range(cfg.grad_accum)]
             if cfg.loss_per == "sample" and not box_head:  # each answer's own mean (objective.weigh_samples)
                 micro_batches = [weigh_samples(b) for b in micro_batches]
-            # ... on every rank: the global batch's
-            tokens = max(1, int(distributed.total(sum(answer_tokens(b) for b in micro_batches), ranks, device)))
-            if box_head:  # ... and samples: a box head's loss is per sample
-                boxed = max(1, int(distributed.total(sum(len(b.get("box_target", ())) for b in micro_batches),
-                                                     ranks, device)))
+            tokens, boxed = _update_size(micro_batches, box_head, ranks, device)
             step_loss, finite = 0.0, True
             for i, batch in enumerate(micro_batches):
                 batch = to_device(batch, device)
@@ -125,20 +121,43 @@ def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData,
 
             # ---- logging, then eval, checkpoints, stop
             if step % cfg.log_every == 0 or step == cfg.max_steps:
-                elapsed = max(time.time() - window["t0"], 1e-9)
-                values = {"loss": window["loss"] / window["n"], "lr": lr,
-                          "grad_norm": float(grad_norm), "samples_per_s": window["samples"] * ranks.world / elapsed,
-                          "tokens_per_s": window["tokens"] * ranks.world / elapsed, "samples": state["samples"],
-                          **gpu_stats(device)}
-                loop.log.log(step, values)
-                mem = f" {values['gpu_mem_peak_gib']:.1f}GiB" if "gpu_mem_peak_gib" in values else ""
-                bar.update(task, info=f"loss {values['loss']:.4f} lr {values['lr']:.2e} "
-                                      f"{values['samples_per_s']:.1f} samples/s{mem}")
-                window = {"loss": 0.0, "n": 0, "samples": 0, "tokens": 0, "t0": time.time()}
+                _log_window(loop, step, window, lr, grad_norm, ranks, bar, task)
+                window = _new_window()
             bar.update(task, completed=step)
             if loop.after_update(stop, say):
                 break
     return loop.finish()
+
+
+def _update_size(micro_batches: list[dict], box_head: bool, ranks: distributed.Ranks, device) -> tuple[int, int]:
+    """The whole update's answer tokens and, for a box head (whose loss is per sample), its samples
+    with boxes, summed on every rank over every rank's micro-batches: what each loss is divided by,
+    so that a token (a sample) weighs the same whatever micro-batch or rank it is in."""
+    tokens = max(1, int(distributed.total(sum(answer_tokens(b) for b in micro_batches), ranks, device)))
+    if not box_head:
+        return tokens, 0
+    return tokens, max(1, int(distributed.total(sum(len(b.get("box_target", ())) for b in micro_batches), ranks,
+                                                device)))
+
+
+def _new_window() -> dict:
+    """What the next metrics line averages: its updates' losses, the samples and tokens trained, since when."""
+    return {"loss": 0.0, "n": 0, "samples": 0, "tokens": 0, "t0": time.time()}
+
+
+def _log_window(loop: Loop, step: int, window: dict, lr: float, grad_norm, ranks: distributed.Ranks, bar,
+                task) -> None:
+    """One metrics.jsonl line for the updates since the last (mean loss; samples and tokens per second
+    of all ranks; GPU memory), and its summary on the progress bar."""
+    elapsed = max(time.time() - window["t0"], 1e-9)
+    values = {"loss": window["loss"] / window["n"], "lr": lr,
+              "grad_norm": float(grad_norm), "samples_per_s": window["samples"] * ranks.world / elapsed,
+              "tokens_per_s": window["tokens"] * ranks.world / elapsed, "samples": loop.state["samples"],
+              **gpu_stats(loop.gm.device)}
+    loop.log.log(step, values)
+    mem = f" {values['gpu_mem_peak_gib']:.1f}GiB" if "gpu_mem_peak_gib" in values else ""
+    bar.update(task, info=f"loss {values['loss']:.4f} lr {values['lr']:.2e} "
+                          f"{values['samples_per_s']:.1f} samples/s{mem}")
 
 
 # --------------------------------------------------------------------------------------------
