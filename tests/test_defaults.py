@@ -1,5 +1,5 @@
 """A flag's default is the default of the function it feeds, defined once, in that function's module
-(cli.py reads it from there): `groundtune serve` and ``serve()`` listen on the same port. Each
+(the command line reads it from there): `groundtune serve` and ``serve()`` listen on the same port. Each
 (command, flag) is compared with the parameter of its owner that it becomes."""
 
 import argparse

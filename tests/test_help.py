@@ -104,7 +104,7 @@ def test_the_commands_that_answer_take_their_flags_from_infer_settings(argv, nam
 def test_serve_flags_are_the_limits_fields():
     """`groundtune serve`'s limits flags are Limits' fields, each with its default (sizes in MB) and
     help; the flags left as they are give Limits() itself, and a size given in MB is read in bytes."""
-    from groundtune.cli import _limits
+    from groundtune.cli.deploy import _limits
     from groundtune.deploy.limits import MB, Limits, flag
 
     shown = _flat(_subcommand_help("serve"))

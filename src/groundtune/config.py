@@ -416,7 +416,7 @@ class RLConfig(_Loop, _Update, _Reward, _Rollouts, _Optimisation, _Lora, _Target
 @dataclass(frozen=True)
 class InferSettings:
     """The settings every command that answers with a model shares, each defined once: a field is
-    their flag (batch_size: ``--batch-size``, with this default and help; cli.py) and the default of
+    their flag (batch_size: ``--batch-size``, with this default and help; cli/flags.py) and the default of
     the functions they call (``def predict(..., batch_size=InferSettings.batch_size)``: a dataclass
     keeps a field's default as the class attribute). Here, not in infer.py: ``--help`` builds the
     flags without importing torch. Training's own evals have theirs (eval_batch_size: 32,

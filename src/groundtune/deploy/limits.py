@@ -1,6 +1,6 @@
 """What one request to `groundtune serve` may ask, and how requests are queued and batched
 (``Limits``): each field is a flag of the command (``flag``), its default and help read from here
-(cli.py)."""
+(cli/deploy.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _limit(default, help: str, least: float | None = None):
 @dataclass(frozen=True)
 class Limits:
     """What one request may ask, and how requests are queued and batched. Each field is a flag of
-    `groundtune serve` (``flag``), its default and help read from here (cli.py)."""
+    `groundtune serve` (``flag``), its default and help read from here (cli/deploy.py)."""
 
     # the batch size every command that answers shares: its default and help are config.InferSettings'
     batch_size: int = _limit(InferSettings.batch_size, _SHARED["batch_size"].metadata["help"])
