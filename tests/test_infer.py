@@ -212,3 +212,28 @@ def test_predict_cli_needs_image_and_phrase_or_jsonl(capsys):
     assert "error: groundtune predict: give --image and --phrase" in capsys.readouterr().err
     assert main(["predict", "--model", "tiny", "--jsonl", "in.jsonl"]) == 2
     assert "needs --out" in capsys.readouterr().err
+
+
+def test_answer_batches_reads_ahead_and_answers_as_generate_does(gm, images):
+    """THE path of eval and the server: batch after batch, read ahead or not, each answered as one
+    ``generate`` call answers it, each with its caller's tag."""
+    encoded, sizes = infer.encode_prompts(gm, list(zip(images, PHRASES)))
+    decoding = infer.Decoding.greedy(12)
+    alone = [p for _, p in infer.generate(gm, encoded, sizes, decoding, engine=infer.engine_for(gm))]
+    batches = [(encoded[:2], sizes[:2], "first"), (encoded[2:], sizes[2:], "second")]
+    for read_ahead in (False, True):
+        answered = list(infer.answer_batches(gm, iter(batches), decoding, read_ahead=read_ahead))
+        assert [tag for tag, _ in answered] == ["first", "second"]
+        assert [p.raw for _, answers in answered for _, p in answers] == [p.raw for p in alone]
+
+
+def test_answer_batches_keeps_going_past_a_failed_batch_only_when_asked(gm, images):
+    encoded, sizes = infer.encode_prompts(gm, list(zip(images, PHRASES)))
+    broken = [{**encoded[0], "input_ids": encoded[0]["input_ids"][:0]}]  # no tokens: the prefill cannot run
+    batches = [(broken, sizes[:1], "broken"), (encoded[1:2], sizes[1:2], "fine")]
+    decoding = infer.Decoding.greedy(4)
+    answered = list(infer.answer_batches(gm, iter(batches), decoding, read_ahead=True, keep_going=True))
+    assert [tag for tag, _ in answered] == ["broken", "fine"]
+    assert isinstance(answered[0][1], Exception) and not isinstance(answered[1][1], Exception)
+    with pytest.raises(Exception):  # noqa: B017 - whatever the model raises, eval stops with it
+        list(infer.answer_batches(gm, iter(batches), decoding, read_ahead=True))

@@ -49,7 +49,7 @@ from groundtune.progress import track
 T = TypeVar("T")
 
 READ_AHEAD = True  # benchmarks switch it off to measure what it gives (predict_records, _read_ahead)
-ROW_AHEAD = True  # ... and this: the next batch put in one row in that thread (_gathered), not by the engine
+ROW_AHEAD = True  # ... and this: the next batch put in one row in that thread (answer_batches), not by the engine
 
 
 @dataclass(frozen=True)
@@ -256,32 +256,24 @@ def predict_records(gm, records: list[dict], data_path, batch_size: int = InferS
         prefetch_factor=-(-2 * runs_per_batch // workers) if workers else None,
         worker_init_fn=ignore_stop_signals if workers else None,
     ))
-    one_row = ROW_AHEAD and shares_prefixes(base_model(gm.model))
-    pinned = gm.device.type == "cuda"
-    arriving = (_gathered(list(itertools.islice(items, len(runs))), one_row, pinned) for runs in batches)
-    if workers and READ_AHEAD:  # a thread takes the next batch off the workers' queue while the GPU answers
-        arriving = _read_ahead(arriving)
+    arriving = (_gathered(list(itertools.islice(items, len(runs)))) for runs in batches)
+    answered = answer_batches(gm, arriving, Decoding.greedy(max_new_tokens), read_ahead=bool(workers))
     if progress:
-        arriving = track(arriving, f"{progress} ({batch_size}/batch)", total=len(batches))
-    answering, decoding = engine_for(gm), Decoding.greedy(max_new_tokens)
+        answered = track(answered, f"{progress} ({batch_size}/batch)", total=len(batches))
     predictions: list[Prediction | None] = [None] * len(records)
     try:
-        for encoded, sizes, indices, row in arriving:
-            answers = generate(gm, encoded, sizes, decoding, engine=answering, row=row)
+        for indices, answers in answered:
             for index, (_, prediction) in zip(indices, answers):
                 predictions[index] = prediction
     finally:
         # A failure's traceback keeps this frame, and through it the loader and its encoding
         # processes, until the garbage collector finds it; letting go of them here ends them now.
-        del arriving, items
+        del answered, arriving, items
     return predictions
 
 
-def _gathered(items: list[dict], one_row: bool,
-              pinned: bool) -> tuple[list[dict], list[tuple], list[int], qwen.SharedRow | None]:
-    """One batch's items from the encoding processes -> its prompts, sizes, record indices and,
-    for a model that takes them so (``one_row``), the prompts in one row (``qwen.collate_shared``;
-    ``pinned``: its pixels in page-locked memory, for a model on a GPU)."""
+def _gathered(items: list[dict]) -> tuple[list[dict], list[tuple], list[int]]:
+    """One batch's items from the encoding processes -> its prompts, sizes and record indices."""
     encoded, sizes, indices = [], [], []
     for item in items:
         if "error" in item:
@@ -289,8 +281,47 @@ def _gathered(items: list[dict], one_row: bool,
         encoded += item["encoded"]
         sizes += [item["sizes"]] * len(item["indices"])
         indices += item["indices"]
-    row = qwen.collate_shared(encoded, pinned) if one_row and encoded else None
-    return encoded, sizes, indices, row
+    return encoded, sizes, indices
+
+
+def answer_batches(gm, batches: Iterator[tuple[list[dict], list[tuple], T]], decoding: Decoding,
+                   engine: Engine | None = None, read_ahead: bool = True,
+                   keep_going: bool = False) -> Iterator[tuple[T, list[tuple[list[int], Prediction]] | Exception]]:
+    """THE way batches of encoded prompts are answered, by eval and predict (``predict_records``)
+    and by the server's model process alike: ``batches`` of (prompts, sizes, a tag of the
+    caller's) -> (the tag, ``generate``'s answers), batch after batch, on one engine
+    (``engine_for``, made here unless given).
+
+    For a model that takes them so, each batch's prompts go into one row (``qwen.collate_shared``:
+    the phrases of an image share its tokens in the prefill), its pixels in page-locked memory on
+    a GPU. With ``read_ahead``, a thread takes the next batch from ``batches`` and puts it in its
+    row while the model answers this one. ``keep_going``: a batch that fails is answered with its
+    exception, and the batches after it still are (the server outlives a failed batch)."""
+    one_row = ROW_AHEAD and shares_prefixes(base_model(gm.model))
+    pinned = gm.device.type == "cuda"
+    answering = engine if engine is not None else engine_for(gm)
+
+    def in_rows():
+        for encoded, sizes, tag in batches:
+            try:
+                row = qwen.collate_shared(encoded, pinned) if one_row and encoded else None
+            except Exception as e:
+                if not keep_going:
+                    raise
+                row = e
+            yield encoded, sizes, tag, row
+
+    rows = _read_ahead(in_rows()) if read_ahead and READ_AHEAD else in_rows()
+    for encoded, sizes, tag, row in rows:
+        try:
+            if isinstance(row, Exception):
+                raise row
+            answers = generate(gm, encoded, sizes, decoding, engine=answering, row=row)
+        except Exception as e:
+            if not keep_going:
+                raise
+            answers = e
+        yield tag, answers
 
 
 def _read_ahead(batches: Iterator[T]) -> Iterator[T]:

@@ -26,6 +26,7 @@ import collections
 import contextlib
 import sys
 import time
+from collections.abc import Iterator
 from typing import NamedTuple
 
 from PIL import Image
@@ -146,9 +147,10 @@ def _model_process(model: str, device: str, limits, max_new_tokens: int, compile
     """The model, in a process of its own so that nothing competes with its thread for the
     interpreter (the server's event loop did: a batch took ~30% longer on the CPU). Loads
     ``model``, says ("ready", make_encoder(gm, limits), family, device) or ("error", exception) on ``ready``, then
-    answers batches: the items waiting in ``inbox`` (up to ``batch_size``, for at most
-    ``max_wait_ms`` after the first), one ``infer.generate`` call, the predictions to ``outbox``
-    as ([(key, Answered or an error's text)], the batch's stats). None in the inbox ends it.
+    answers batches: the items waiting in ``inbox`` (``_batches``) on eval's own path
+    (``infer.answer_batches``: the next batch put in its row while the model answers this one),
+    the predictions to ``outbox`` as ([(key, Answered or an error's text)], the batch's stats).
+    None in the inbox ends it.
 
     The batch is generated to ``max_new_tokens``; an item's own ``max_tokens`` (OpenAI's, fewer)
     cuts its answer there and reads it again: decoding is greedy, so the first k tokens are what a
@@ -182,30 +184,61 @@ def _model_process(model: str, device: str, limits, max_new_tokens: int, compile
         waiting.put(None)
 
     threading.Thread(target=read_inbox, daemon=True).start()
+    idle = threading.Event()  # the model has answered its batch and waits for the next
+    idle.set()
+    batches = infer.answer_batches(gm, _batches(waiting, limits, idle), decoding, engine, read_ahead=True,
+                                   keep_going=True)  # eval's path: the next batch in its row while this one runs
+    asked = time.monotonic()  # when the model was free for the next batch
+    for batch, answers in batches:
+        done = time.monotonic()
+        began = max(asked, batch.formed)  # the model's time on it: from when both it and the batch were ready
+        if isinstance(answers, Exception):  # the server must outlive a failed batch
+            results = [(item[0], f"{type(answers).__name__}: {answers}") for item in batch]
+        else:
+            results = [(item[0], _answered(gm, ids, prediction, item[2], item[4]))
+                       for item, (ids, prediction) in zip(batch, answers)]
+        outbox.put((results, {"size": len(batch), "seconds": done - began,
+                              "waits": [began - item[3] for item in batch]}))
+        asked = time.monotonic()
+        idle.set()
+
+
+class _Batch(list):
+    """A batch's inbox items, and when it was complete (time.monotonic)."""
+
+    formed: float = 0.0
+
+
+def _batches(waiting, limits, idle) -> Iterator[tuple[list[dict], list[tuple], _Batch]]:
+    """The inbox's items in batches, as ``infer.answer_batches`` takes them: up to ``batch_size``,
+    for at most ``max_wait_ms`` after the first while the model is ``idle``. While the model
+    answers the batch before, the next one fills until it is full or the model is done, and only
+    then goes into its row: a batch cut at ``max_wait_ms`` while the model was busy anyway would
+    only be smaller. Ends with the inbox (its None)."""
+    import queue
+
     while True:
         first = waiting.get()
         if first is None:
             return
-        batch, deadline, stop = [first], time.monotonic() + limits.max_wait_ms / 1000, False
+        batch, deadline, stop = _Batch([first]), time.monotonic() + limits.max_wait_ms / 1000, False
         while len(batch) < limits.batch_size:
-            try:  # what waits already is taken at once; then more, until the deadline
-                item = waiting.get(timeout=max(0.0, deadline - time.monotonic())) if waiting.empty() else waiting.get()
+            now = time.monotonic()
+            wait = max(0.0, deadline - now) if idle.is_set() else 0.002  # busy: look at the model again soon
+            try:  # what waits already is taken at once; then more, as above
+                item = waiting.get_nowait() if not waiting.empty() else waiting.get(timeout=wait)
             except queue.Empty:
-                break
+                if idle.is_set() and time.monotonic() >= deadline:
+                    break
+                continue
             if item is None:
                 stop = True
                 break
             batch.append(item)
-        start = time.monotonic()
-        try:
-            answers = infer.generate(gm, [_from_wire(item[1]) for item in batch], [item[2] for item in batch],
-                                     decoding, engine=engine)
-            results = [(item[0], _answered(gm, ids, prediction, item[2], item[4]))
-                       for item, (ids, prediction) in zip(batch, answers)]
-        except Exception as e:  # noqa: BLE001 - the server must outlive a failed batch
-            results = [(item[0], f"{type(e).__name__}: {e}") for item in batch]
-        outbox.put((results, {"size": len(batch), "seconds": time.monotonic() - start,
-                              "waits": [start - item[3] for item in batch]}))
+        batch.formed = time.monotonic()
+        yield [_from_wire(item[1]) for item in batch], [item[2] for item in batch], batch
+        # asked again: the model has taken this batch and answers it (until it sets ``idle``)
+        idle.clear()
         if stop:
             return
 

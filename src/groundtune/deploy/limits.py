@@ -35,7 +35,8 @@ class Limits:
 
     # the batch size every command that answers shares: its default and help are config.InferSettings'
     batch_size: int = _limit(InferSettings.batch_size, _SHARED["batch_size"].metadata["help"])
-    max_wait_ms: float = _limit(5.0, "how long a phrase waits for others to fill its batch", least=0)
+    max_wait_ms: float = _limit(5.0, "how long a phrase waits for others to fill its batch while the model is free "
+                                     "(while it is busy, the batch fills until it is done)", least=0)
     queue_size: int = _limit(256, "phrases that may wait; beyond, 503 with Retry-After")
     workers: int | None = _limit(None, "processes decoding and encoding request images, 0: threads of the server "
                                        "(default: some on a GPU machine, none on a CPU one, where the model needs "

@@ -1,0 +1,69 @@
+"""How the server's model process cuts its inbox into batches (deploy/batching.py ``_batches``):
+while the model is free, a batch waits at most ``max_wait_ms`` after its first phrase; while the
+model answers the batch before, the next keeps filling until it is full or the model is done."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from types import SimpleNamespace
+
+import torch
+
+from groundtune.deploy.batching import _batches, _to_wire
+
+LIMITS = SimpleNamespace(batch_size=4, max_wait_ms=20.0)
+
+
+def _item(key: int) -> tuple:
+    return (key, _to_wire({"input_ids": torch.tensor([key])}), ((8, 8), (8, 8)), time.monotonic(), None)
+
+
+def _keys(batch) -> list[int]:
+    _, _, items = batch
+    return [item[0] for item in items]
+
+
+def test_a_free_model_gets_what_came_within_max_wait():
+    waiting, idle = queue.Queue(), threading.Event()
+    idle.set()
+    batches = _batches(waiting, LIMITS, idle)
+    waiting.put(_item(0))
+    waiting.put(_item(1))
+    started = time.monotonic()
+    first = next(batches)
+    assert _keys(first) == [0, 1]
+    assert 0.015 <= time.monotonic() - started < 1.0  # it waited max_wait_ms for more, not longer
+    encoded, sizes, _ = first
+    assert [int(e["input_ids"][0]) for e in encoded] == [0, 1] and sizes[0] == ((8, 8), (8, 8))
+
+
+def test_while_the_model_is_busy_the_next_batch_fills_until_it_is_done():
+    waiting, idle = queue.Queue(), threading.Event()
+    idle.set()
+    batches = _batches(waiting, LIMITS, idle)
+    waiting.put(_item(0))
+    assert _keys(next(batches)) == [0]  # the model takes it: it is busy from here (idle cleared)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(next(batches)))
+    reader.start()
+    waiting.put(_item(1))
+    time.sleep(0.1)  # five times max_wait_ms: a free model's batch would have been cut by now
+    waiting.put(_item(2))
+    reader.join(0.2)
+    assert not got, "a batch was cut at max_wait_ms while the model was busy"
+    idle.set()  # the model is done: the batch goes as it is
+    reader.join(2)
+    assert _keys(got[0]) == [1, 2]
+
+
+def test_a_full_batch_goes_at_once_and_the_inbox_end_ends_the_batches():
+    waiting, idle = queue.Queue(), threading.Event()  # the model busy: only fullness can end a batch
+    for key in range(6):
+        waiting.put(_item(key))
+    waiting.put(None)
+    batches = _batches(waiting, LIMITS, idle)
+    assert _keys(next(batches)) == [0, 1, 2, 3]
+    assert _keys(next(batches)) == [4, 5]  # the inbox's end: the phrases before it still answered
+    assert next(batches, None) is None
