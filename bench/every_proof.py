@@ -1,6 +1,7 @@
 """Does `groundtune train quickstart-every` teach "every object, or none"? The preset is run as a
-user runs it (text answers), with ``loss_per=sample`` (each answer's own mean loss: does the
-weighting of short "none" answers matter?) and with ``head=box`` (the set box head), each timed;
+user runs it (text answers), with ``loss_per=sample`` (each answer's own mean loss) and with
+``loss_per=first`` (half of each answer's weight on its first token, which says none or boxes):
+does the weighting of short "none" answers matter? And with ``head=box`` (the set box head), each timed;
 they and the untrained tiny model are scored (``evaluate``, as `groundtune eval` scores) on
 held-out sets that synth.py did not make: this script's own generator (``heldout_scene``) lays
 out, draws and names its scenes with code of its own (its own placement, ImageDraw shapes on its
@@ -151,7 +152,8 @@ def scores(report: dict) -> dict:
     return {k: report.get(k) for k in METRICS}
 
 
-RUNS = (("text", []), ("text_loss_per_sample", ["loss_per=sample"]), ("box_head", ["head=box"]))
+RUNS = (("text", []), ("text_loss_per_sample", ["loss_per=sample"]), ("text_loss_per_first", ["loss_per=first"]),
+        ("box_head", ["head=box"]))
 
 
 def main() -> None:

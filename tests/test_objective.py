@@ -96,6 +96,35 @@ def test_loss_per_sample_is_the_mean_of_each_answers_own_mean():
             assert not torch.allclose(own_means.mean(), token_mean)
 
 
+def test_loss_per_first_puts_half_of_each_answers_weight_on_its_first_token():
+    """loss_per=first: the token mean, except that each answer's first token (``[`` for none,
+    ``[{"`` for boxes) carries half of its answer's weight; checked against each token's NLL from
+    the model's own logits, padded and packed alike."""
+    import torch.nn.functional as F
+
+    gm = load_model("tiny", device="cpu", dtype="fp32")
+    speedups.install(gm.model)
+    encoded = []
+    for i in (1, 2, 0):  # one box, none, two boxes
+        image, record = synth.make_sample(3, i, task="every")
+        encoded.append(encode_sample(gm.processor, gm.family, gm.resize, gm.prompt, image, record, answer_label=False))
+    expected, total = 0.0, 0
+    with torch.no_grad():
+        for e in encoded:
+            one = qwen.collate([e], gm.processor.pad_token_id)
+            logits = gm.model(**{k: v for k, v in one.items() if k != "labels"}).logits[0, :-1]
+            labels = one["labels"][0, 1:]
+            nll = F.cross_entropy(logits.float(), labels.clamp(min=0), reduction="none")[labels != qwen.IGNORE_INDEX]
+            n = len(nll)
+            expected += n / 2 * nll[0] + n / 2 / (n - 1) * nll[1:].sum()
+            total += n
+        for batch in (qwen.collate(encoded, gm.processor.pad_token_id), qwen.collate_packed(encoded)):
+            weighted = weigh_samples(batch, "first")
+            assert answer_tokens(weighted) == total == answer_tokens(batch)
+            torch.testing.assert_close(answer_loss(gm.model, weighted), expected / total, rtol=1e-4, atol=1e-5)
+            assert not torch.allclose(answer_loss(gm.model, batch), expected / total)
+
+
 def test_a_packed_batch_is_refused_where_attention_would_cross_samples():
     """Without groundtune's attention (or flash-attention) transformers' SDPA would attend across
     the samples of a packed row and train on a wrong loss without a word (2.68 instead of 0.35 on

@@ -41,7 +41,7 @@ MAX_NEW_TOKENS = 64  # longest greedy answer by default: one box and its label i
 EXPORT_DTYPES = ("base", "bf16", "fp16", "fp32")
 EXPORT_DTYPE = "base"
 ADVANTAGES = ("grpo", "ema")
-LOSS_PER = ("token", "sample")  # train/objective.py: what the text loss averages over
+LOSS_PER = ("token", "sample", "first")  # train/objective.py: what the text loss averages over
 HEADS = ("text", "box")  # models/head.py
 ENGINES = ("ddp", "fsdp2", "zero2", "zero3")  # train/parallel.py
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # report_to: train/monitor.py's WRITERS
@@ -207,7 +207,8 @@ class _Step(_Settings):
     loss_per: str = setting("token", "how the text loss weighs the update's answers: token (the mean over all answer "
                             "tokens: a six-box answer weighs ~25x a none) | sample (each answer's own mean, averaged "
                             "over the samples: a none, whose first token decides it, weighs what a six-box answer "
-                            "does); head=box weighs samples alike already")
+                            "does) | first (the token mean, with half of each answer's weight on its first token, "
+                            "which says none or boxes); head=box weighs samples alike already")
     packing: bool = setting(False, "a micro-batch in one row, no padding, attention within each sample: on a GPU one "
                             "variable-length flash call per layer (the fast setting); on a CPU a dense mask (slow)")
     compile: bool = setting(False, "torch.compile the vision blocks, and the LLM decoder layers where liger-kernel "

@@ -7,7 +7,8 @@ model runs as usual, the hidden states of the labelled positions are picked out,
 go through the LM head: the same loss (the mean over answer tokens, as transformers computes it;
 tests/test_objective.py checks value and gradients), a fraction of the memory and time. With
 ``loss_per=sample`` each answer token is weighted by 1 / its answer's length (``weigh_samples``)
-and the loss is the mean of the samples' own means. With
+and the loss is the mean of the samples' own means; with ``loss_per=first`` half of each answer's
+weight is on its first token (none or boxes). With
 ``kernels=liger`` the SFT loss goes further: liger-kernel's fused linear cross-entropy makes the
 answer tokens' logits a chunk at a time (``kernels.fused_answer_nll``).
 """
@@ -111,13 +112,24 @@ def answer_samples(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return rows
 
 
-def weigh_samples(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``batch`` with ``token_weight``: 1 / (its sample's answer tokens) for every answer token, so
-    that the summed weighted NLL is the sum of the samples' mean NLLs (``loss_per=sample``): a
-    ``[]`` of a few tokens then weighs as much as a six-box answer of ~100."""
+def weigh_samples(batch: dict[str, torch.Tensor], per: str = "sample") -> dict[str, torch.Tensor]:
+    """``batch`` with ``token_weight`` for every answer token (``loss_per``):
+
+    - ``sample``: 1 / (its sample's answer tokens), so that the summed weighted NLL is the sum of
+      the samples' mean NLLs: a ``[]`` of a few tokens then weighs as much as a six-box answer of ~100;
+    - ``first``: each answer weighs its tokens, as in the token mean, but half of it is on its first
+      token, the one that says "none" (``[``) or "boxes" (``[{"``), the rest shared by the others.
+
+    Either way a sample's weights sum to what it counts for in the update's denominator (1, or its
+    tokens: ``answer_tokens``)."""
     owner = answer_samples(batch)
-    counts = torch.bincount(owner)
-    return {**batch, "token_weight": 1.0 / counts[owner].float()}
+    counts = torch.bincount(owner)[owner].float()
+    if per == "sample":
+        return {**batch, "token_weight": 1.0 / counts}
+    first = torch.ones_like(owner, dtype=torch.bool)
+    first[1:] = owner[1:] != owner[:-1]  # answer tokens come sample by sample (``_answer_rows``' order)
+    weight = torch.where(first, counts / 2, counts / 2 / (counts - 1).clamp(min=1))
+    return {**batch, "token_weight": torch.where(counts == 1, 1.0, weight)}
 
 
 class Objective(torch.nn.Module):
@@ -178,10 +190,10 @@ def answer_loss(model, batch: dict[str, torch.Tensor], tokens: int | None = None
 
 def answer_tokens(batch: dict[str, torch.Tensor]) -> int:
     """The labelled positions ``answer_logprobs`` scores in ``batch`` (read from its labels, on
-    whatever device they are); for a batch of ``weigh_samples``, its samples with an answer (the
-    weights of each sum to 1): the denominator that makes ``answer_loss`` a mean either way."""
+    whatever device they are); for a batch of ``weigh_samples``, its weights' sum (its samples
+    with an answer for ``loss_per=sample``): the denominator that makes ``answer_loss`` a mean either way."""
     if "token_weight" in batch:
-        return int(torch.unique(answer_samples(batch)).numel())
+        return round(float(batch["token_weight"].sum()))
     if "answer_targets" in batch:
         return len(batch["answer_targets"])
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) if "labels" in batch else 0

@@ -80,8 +80,8 @@ def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData,
             # ---- one optimizer step: grad_accum micro-batches, their answer tokens counted first
             # (on the CPU) so that each token weighs the same whatever micro-batch it is in
             micro_batches = [next(batches) for _ in range(cfg.grad_accum)]
-            if cfg.loss_per == "sample" and not box_head:  # each answer's own mean (objective.weigh_samples)
-                micro_batches = [weigh_samples(b) for b in micro_batches]
+            if cfg.loss_per != "token" and not box_head:  # the answers' tokens weighed (objective.weigh_samples)
+                micro_batches = [weigh_samples(b, cfg.loss_per) for b in micro_batches]
             tokens, boxed = _update_size(micro_batches, box_head, ranks, device)
             step_loss, finite = 0.0, True
             for i, batch in enumerate(micro_batches):
