@@ -279,6 +279,20 @@ def test_a_job_is_cancelled_with_its_process_group(workdir):
     assert jobs.get("1").to_json()["state"] == "cancelled"
 
 
+def test_a_resumed_run_drops_the_answers_of_evals_past_its_checkpoint(tmp_path):
+    from groundtune.runs import RunFolder
+    from groundtune.train.monitor import MetricsLog
+
+    run = RunFolder(tmp_path)
+    run.metrics.write_text('{"step": 2, "loss": 1.0}\n{"step": 4, "loss": 0.5}\n')
+    for step in (2, 4):
+        run.eval_reports.mkdir(exist_ok=True)
+        run.eval_report(step).write_text("{}")
+        run.eval_samples(step).write_text("{}\n")
+    MetricsLog(tmp_path, resume_step=2, report_to=()).close()
+    assert sorted(p.name for p in run.eval_reports.iterdir()) == ["step-000002.json", "step-000002.samples.jsonl"]
+
+
 # --------------------------------------------------------------------------------------------
 # in a browser
 

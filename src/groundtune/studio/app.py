@@ -11,9 +11,9 @@ table maps commands. A refusal (safety.Refusal) or any user error of groundtune'
 message, shown in the page; anything else is a 500 saying so, its traceback in the terminal, and
 the studio goes on answering.
 
-FastAPI, not Gradio: measured on a 2-core machine, `import gradio` took 2.9 to 5.2 s and a minimal
-Blocks app 5.1 to 5.8 s to its first page, over the 5 s the studio has; this app answers its first
-page in about a second (docs/studio.md).
+FastAPI, not Gradio: measured on a 2-core machine from the process's start to the first page, a
+one-textbox Gradio app took 6.5 to 6.8 s (Gradio 6.31) and 3.9 to 4.8 s (5.50), most or all of the
+5 s the studio has; this app takes 1.2 to 1.4 s (docs/studio.md).
 """
 
 from __future__ import annotations

@@ -259,7 +259,7 @@ const CHARTS = [
   ["loss", (k) => k === "loss"], ["learning rate", (k) => k === "lr"],
   ["throughput (per s)", (k) => k === "samples_per_s" || k === "rollouts_per_s"],
   ["GPU memory (GiB)", (k) => k === "gpu_mem_peak_gib" || k === "gpu_mem_alloc_gib"],
-  ["eval", (k) => ["eval/acc@0.5", "eval/miou", "eval/f1@0.5", "eval/n_acc"].includes(k)],
+  ["eval: Acc@0.5, F1@0.5", (k) => k === "eval/acc@0.5" || k === "eval/f1@0.5"],
   ["reward", (k) => k === "reward/mean" || k === "rollout/iou"],
 ];
 const watch = {chosen: new Set(), known: new Set(), timer: null, runs: []};
