@@ -94,16 +94,18 @@ def open_file(studio, args: dict) -> dict:
                 found[key(a)] = found.get(key(a), 0) + 1
         return dict(sorted(found.items()))
 
-    return {"file": studio.paths.shown(opened.path), "lines": len(abouts), "unusable": len(unusable),
+    given = str(args.get("file", ""))  # a hub data set is named again by its spec: its copy lies outside
+    return {"file": given if given.startswith("hf:") else studio.paths.shown(opened.path), "lines": len(abouts), "unusable": len(unusable),
             "first_unusable": unusable[0] if unusable else None, "splits": counts(lambda a: a["split"]),
             "sources": counts(lambda a: a["source"]), "targets": counts(lambda a: _targets(a["targets"])),
-            "check": check_state(studio, opened.path)}
+            "check": check_state(studio, opened)}
 
 
-def check_state(studio, path: Path) -> dict:
-    """The state of the file's latest check: none, running, or its report (kinds -> lines)."""
-    job_id = studio.cache.setdefault("checks", {}).get(path)
-    if job_id is None:
+def check_state(studio, opened: Opened) -> dict:
+    """The state of the latest check of this version of the file: none, running, or its report
+    (kinds -> lines)."""
+    job_id, version = studio.cache.setdefault("checks", {}).get(opened.path, (None, None))
+    if job_id is None or version != opened.version:  # a file changed since: its lines may be others
         return {"state": "none"}
     job = studio.jobs.get(job_id)
     state = job.to_json(tail=False) | {"tail": ""}
@@ -130,17 +132,16 @@ def _report(log: Path) -> dict | None:
 
 def start_check(studio, args: dict) -> dict:
     opened = _opened(studio, args.get("file", ""))
-    running = studio.cache.setdefault("checks", {}).get(opened.path)
-    if running is not None and studio.jobs.get(running).state() == "running":
+    if check_state(studio, opened)["state"] == "running":
         raise Refusal("a check of this file is running already")
     job = studio.jobs.start("check", ["data", "check", str(opened.path), "--json"],
                             file=studio.paths.shown(opened.path))
-    studio.cache["checks"][opened.path] = job.id
+    studio.cache["checks"][opened.path] = (job.id, opened.version)
     return job.to_json()
 
 
-def _problems(studio, path: Path) -> dict[int, list[str]] | None:
-    report = check_state(studio, path).get("report")
+def _problems(studio, opened: Opened) -> dict[int, list[str]] | None:
+    report = check_state(studio, opened).get("report")
     if report is None:
         return None
     found: dict[int, list[str]] = {}
@@ -154,7 +155,7 @@ def _problems(studio, path: Path) -> dict[int, list[str]] | None:
 def samples(studio, args: dict) -> dict:
     """A page of the samples that pass the filters (split, source, targets, problem)."""
     opened = _opened(studio, args.get("file", ""))
-    problems = _problems(studio, opened.path)
+    problems = _problems(studio, opened)
     wanted = {k: args.get(k) or "" for k in ("split", "source", "targets", "problem")}
     if wanted["problem"] and problems is None:
         raise Refusal("run the data check first: the problems come from its report")

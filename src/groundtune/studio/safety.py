@@ -106,7 +106,8 @@ class Guard:
             return 401, "this studio needs its token: open the address it printed at the start (…/?token=…)"
         if scope["method"] == "POST" and headers.get(POST_HEADER) != "1":
             return 403, f"a POST to the studio needs the header {POST_HEADER}: 1 (its own page sends it)"
-        if int(headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        length = headers.get("content-length") or "0"
+        if not length.isdigit() or int(length) > MAX_BODY_BYTES:
             return 413, f"a request body of at most {MAX_BODY_BYTES // 2**20} MB"
         return None
 
