@@ -41,11 +41,22 @@ def start_eval(studio, args: dict) -> dict:
     limit = str(args.get("limit") or "").strip()
     if limit and not (limit.isdigit() and int(limit) > 0):
         raise Refusal(f"limit {limit!r}: a whole number of samples, or nothing for all")
-    name = re.sub(r"[^\w.-]+", "-", f"{Path(given).name}--{Path(data).stem}")[:80] + f"-{int(time.time())}"
+    name = _new_name(studio, re.sub(r"[^\w.-]+", "-", f"{Path(given).name}--{Path(data).stem}")[:80]
+                     + time.strftime("-%Y%m%d-%H%M%S"))
     out = _evals_folder(studio) / name
     argv = ["eval", "--model", model, "--data", data_path, "--out", str(out / "report.json"),
             "--samples", str(out / "samples.jsonl"), *(["--limit", limit] if limit else [])]
     return studio.jobs.start("eval", argv, eval=name, model=given).to_json()
+
+
+def _new_name(studio, name: str) -> str:
+    """``name``, or ``name-2``, ``name-3``...: an eval folder no other eval has or is writing."""
+    taken = {j.about.get("eval") for j in studio.jobs.jobs.values()}
+    found, n = name, 1
+    while found in taken or (_evals_folder(studio) / found).exists():
+        n += 1
+        found = f"{name}-{n}"
+    return found
 
 
 def evals(studio, args: dict) -> dict:

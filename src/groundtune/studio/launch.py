@@ -35,7 +35,7 @@ def _cls(args: dict):
 
 def _preset(cls, args: dict) -> tuple[str, dict]:
     name = args.get("preset") or DEFAULT_PRESET[cls.command]
-    if not (PRESETS / f"{name}.yaml").is_file() or "/" in name:
+    if "/" in name or "\\" in name or not (PRESETS / f"{name}.yaml").is_file():
         raise Refusal(f"preset {name!r}: not a shipped preset ({', '.join(_presets())})")
     return name, yaml.safe_load((PRESETS / f"{name}.yaml").read_text()) or {}
 
@@ -168,8 +168,16 @@ def resume(studio, args: dict) -> dict:
     return job.to_json()
 
 
+def saved_settings(run: Path) -> dict:
+    """The run's saved config.yaml ({} when it has none or it cannot be read)."""
+    try:
+        saved = yaml.safe_load(RunFolder(run).config.read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
 def command_of(run: Path) -> str:
     """train or rl: which settings the run's saved config.yaml holds."""
-    saved = yaml.safe_load(RunFolder(run).config.read_text()) or {}
     rl_only = {f.name for f in dataclasses.fields(RLConfig)} - {f.name for f in dataclasses.fields(TrainConfig)}
-    return "rl" if rl_only & set(saved) else "train"
+    return "rl" if rl_only & set(saved_settings(run)) else "train"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from groundtune.runs import STEP_PREFIX, RunFolder, is_run
 from groundtune.studio import judge
-from groundtune.studio.launch import command_of, run_folder
+from groundtune.studio.launch import command_of, run_folder, saved_settings
 
 MAX_DEPTH = 4  # how deep under the work folder runs are looked for
 MAX_FOLDERS = 5000  # ... and how many folders at most (a folder of images is not walked)
@@ -56,9 +56,14 @@ def runs(studio, args: dict) -> dict:
     found = []
     for path in find_runs(studio.paths.root):
         folder, shown = RunFolder(path), studio.paths.shown(path)
+        eval_data = str(saved_settings(path).get("eval_data") or "")
         found.append({"run": shown, "command": command_of(path) if folder.config.is_file() else "?",
                       "step": _last_step(folder.metrics), "has_model": folder.has_model,
-                      "running": shown in running or folder.lock.exists()})
+                      "running": shown in running or folder.lock.exists(),
+                      # what Judge proposes to evaluate it on: what it was evaluated on while training
+                      # (relative: to where it was started, the work folder when the studio started it)
+                      "eval_data": eval_data if eval_data.startswith("hf:") or not eval_data
+                      else studio.paths.shown(studio.paths.root / eval_data)})
     return {"runs": found}
 
 

@@ -374,6 +374,7 @@ const judge = {job: null, timer: null};
 
 async function refreshJudge() {
   const [{runs}, {evals}] = await Promise.all([api("/api/runs"), api("/api/judge/evals")]);
+  judge.runs = runs;
   options($("judge-model"), [["tiny", "tiny (the built-in model)"]].concat(runs.filter((r) => r.has_model).map((r) => [r.run, r.run])));
   const named = evals.map((e) => [e.eval, `${e.eval}: acc@0.5 ${fmt(e["acc@0.5"], 3)}, n ${e.n}`]);
   options($("judge-eval"), named);
@@ -419,6 +420,11 @@ async function loadAnswers() {
 }
 
 $("judge-run").addEventListener("click", act(runEval));
+$("judge-model").addEventListener("change", () => {
+  // propose the data the run was evaluated on while it trained, unless some is typed already
+  const run = (judge.runs || []).find((r) => r.run === $("judge-model").value);
+  if (run && run.eval_data && !$("judge-data").value) $("judge-data").value = run.eval_data;
+});
 for (const id of ["judge-eval", "judge-b", "judge-sort", "judge-order", "judge-split", "judge-filter"]) {
   $(id).addEventListener("change", act(loadAnswers));
 }
