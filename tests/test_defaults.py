@@ -24,6 +24,7 @@ OWNERS = {
                 for name in ("protocol", "batch_size", "max_new_tokens", "device", "compile")},
     ("export",): {"dtype": "groundtune.deploy.export:export"},
     ("serve",): {name: "groundtune.deploy.serve:serve" for name in ("host", "port", "max_new_tokens", "device", "compile")},
+    ("studio",): {name: "groundtune.studio.app:studio" for name in ("workdir", "host", "port", "token")},
     ("quickstart",): {name: "groundtune.quickstart:quickstart" for name in ("out", "n_train", "n_eval")},
 }
 

@@ -21,7 +21,7 @@ LAYERS = [
     {"infer"},
     {"protocols", "evaluate", "deploy"},  # deploy/ (export, serve), beside evaluate on infer
     {"train"},
-    {"quickstart", "cli", "__main__", "__init__"},
+    {"quickstart", "studio", "cli", "__main__", "__init__"},  # studio/: a web page over the commands
 ]
 
 

@@ -69,6 +69,8 @@ RULES = [
     (r"^groundtune export quickstart/run ", "test_export_command_runs", ""),
     (r"^(groundtune serve |curl |from openai import)", "test_serve_commands_run", ""),
     (r"^groundtune train qwen2\.5-vl-[37]b-", None, "a GPU preset: a real hub model on a 24 GB GPU"),
+    (r"^groundtune studio\b", None, "a server that runs until stopped; tests/test_studio.py starts it and drives "
+     "each tab in headless Chromium"),
 ]
 SIZES = {"--n 10000": "--n 24", "--n 500": "--n 8"}
 QUICKSTART = ["quickstart", "--n-train", "64", "--n-eval", "8", "max_steps=4", "eval_every=2", "save_every=2",
@@ -210,7 +212,8 @@ def test_readme_is_a_front_page():
     commands = re.search(r"^## Commands\n(.*?)^## ", README, re.S | re.M).group(1)
     named = re.findall(r"^\| `([^`]+)`", commands, re.M)
     assert named == [*(f"groundtune data {c}" for c in ("convert", "check", "show", "synth", "refgen")),
-                     *(f"groundtune {c}" for c in ("plan", "train", "rl", "eval", "predict", "export", "serve", "quickstart")),
+                     *(f"groundtune {c}" for c in ("plan", "train", "rl", "eval", "predict", "export", "serve", "studio",
+                                                    "quickstart")),
                      "torchrun"]
     assert all("](docs/" in row for row in commands.splitlines() if row.startswith("| `"))
 

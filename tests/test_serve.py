@@ -812,11 +812,11 @@ def test_serve_flags_say_their_defaults_and_a_bad_port_is_one_line():
 
 
 def test_listen_names_the_flags_for_a_port_the_system_refuses():
-    from groundtune.deploy.serve import _listen
+    from groundtune.deploy.serve import listen
     from groundtune.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--host 127.0.0.1 --port 99999: cannot listen there"):
-        _listen("127.0.0.1", 99999)
+        listen("127.0.0.1", 99999)
 
 
 def test_the_decode_budget_is_first_come_first_served():

@@ -49,7 +49,7 @@ PRESETS = Path(__file__).resolve().parent / "configs"  # shipped YAML presets (a
 MAX_INT = 2**31 - 1  # the largest whole-number setting: more steps, pixels or samples than any run uses
 
 __all__ = ["ConfigError", "TrainConfig", "RLConfig", "InferSettings", "load_config", "preset_path", "to_yaml",
-           "describe", "setting"]
+           "describe", "settings_of", "setting"]
 
 
 def setting(default, help: str = ""):
@@ -535,17 +535,23 @@ def to_yaml(cfg) -> str:
     return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
 
 
-def describe(cls) -> str:
-    """One line per setting with its default and help, for --help. A setting a stage redefines
-    without a help of its own (RLConfig's out_dir: another default) keeps its group's."""
+def settings_of(cls) -> list[tuple[str, object, str]]:
+    """(name, default, help) of every setting of ``cls``, in its order: what --help lists and the
+    studio's launch form is built from. A setting a stage redefines without a help of its own
+    (RLConfig's out_dir: another default) keeps its group's."""
     groups = [klass for klass in cls.__mro__ if dataclasses.is_dataclass(klass)]  # the stage first
-    lines = []
+    found = []
     for f in dataclasses.fields(cls):
         help = next((g.metadata["help"] for klass in groups for g in dataclasses.fields(klass)
                      if g.name == f.name and g.metadata.get("help")), "")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  {f.name} = {default!r}" + (f"  # {help}" if help else ""))
-    return "\n".join(lines)
+        found.append((f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory(), help))
+    return found
+
+
+def describe(cls) -> str:
+    """One line per setting with its default and help, for --help."""
+    return "\n".join(f"  {name} = {default!r}" + (f"  # {help}" if help else "")
+                     for name, default, help in settings_of(cls))
 
 
 def _check_types(cfg) -> None:

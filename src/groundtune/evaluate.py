@@ -348,7 +348,7 @@ def _draw(image: Image.Image, outlined: list[tuple[list[float], tuple]]) -> Imag
     return out
 
 
-def _badness(row: dict) -> tuple:
+def badness(row: dict) -> tuple:
     """Sort key, worst first: unread answers, then wrong sets (fewest boxes right), then low IoU."""
     right = 2 * len(row["matched"])
     total = len(row["pred_boxes"]) + len(row["true_boxes"])
@@ -359,7 +359,7 @@ def write_gallery(rows: list[dict], data_path, out_dir, n_worst: int = 24, n_bes
     """Draw the worst answers (parse failures first, then wrong sets, then lowest IoU) and a random
     sample of the exact ones (``set_hit``), and write ``index.html`` listing them; returns its path."""
     out_dir = Path(out_dir)
-    ranked = sorted(range(len(rows)), key=lambda i: _badness(rows[i]))
+    ranked = sorted(range(len(rows)), key=lambda i: badness(rows[i]))
     worst = ranked[:n_worst]
     hits = [i for i in ranked[n_worst:] if rows[i]["set_hit"]]
     best = random.Random(seed).sample(hits, min(n_best, len(hits)))
@@ -371,6 +371,17 @@ def write_gallery(rows: list[dict], data_path, out_dir, n_worst: int = 24, n_bes
     with atomic_write(index) as f:
         f.write(_PAGE.format(n=len(rows), body="\n".join(sections)))
     return index
+
+
+def write_rows(rows: list[dict], data_path, path, model: str | None = None) -> Path:
+    """The answers of an eval, one JSON line a sample (``evaluate``'s rows: the sample, its answer,
+    IoU, matched, missed and extra boxes), each ``image`` made absolute so that the file is read
+    wherever it lies (the studio draws them); ``model`` recorded on each line when given."""
+    with atomic_write(path) as f:
+        for row in rows:
+            line = {**row, "image": str(image_path(row, data_path)), **({"model": model} if model else {})}
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+    return Path(path)
 
 
 def verdict(row: dict) -> str:
@@ -425,17 +436,18 @@ def run_eval(model: str, data, limit: int | None = None, out=None, gallery=None,
              batch_size: int = InferSettings.batch_size, max_pixels: int | None = None,
              min_pixels: int | None = None, device: str = InferSettings.device,
              max_new_tokens: int = InferSettings.max_new_tokens, protocol: str = protocols.DEFAULT_PROTOCOL,
-             compile: bool = InferSettings.compile) -> dict:
+             compile: bool = InferSettings.compile, samples_out=None) -> dict:
     """Evaluate ``model`` (and ``compare`` on the same samples) on a canonical JSONL file, print
     the metrics (and the published figure beside them where one matches: protocols.published), and
-    write report.json / the gallery when asked. Returns the report."""
+    write report.json / the gallery / every answer (``samples_out``: write_rows, each model's lines
+    named by it) when asked. Returns the report."""
     from groundtune.models.loading import resolve
 
     samples = read_samples(data)
     names = [model] + ([compare] if compare else [])
     for name in names:  # every model there before the first is evaluated, not found missing after it
         resolve(name)
-    reports = []
+    reports, answers = [], []
     for i, name in enumerate(names):
         gm = infer.load(name, device, min_pixels, max_pixels, who="eval", compile=compile)
         report, rows = evaluate(gm, samples, data, batch_size=batch_size, limit=limit, max_new_tokens=max_new_tokens,
@@ -447,6 +459,7 @@ def run_eval(model: str, data, limit: int | None = None, out=None, gallery=None,
         if gallery:
             folder = Path(gallery) if i == 0 else Path(gallery) / "compare"
             print(f"gallery of {name}: {write_gallery(rows, data, folder)}")
+        answers += [{**row, "model": name} for row in rows] if samples_out else []
         del gm  # free the first model's memory before loading the second
     print_table(reports)
     for report in reports:
@@ -460,6 +473,8 @@ def run_eval(model: str, data, limit: int | None = None, out=None, gallery=None,
         with atomic_write(out) as f:
             f.write(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}")
+    if samples_out:
+        print(f"wrote {write_rows(answers, data, samples_out)}")
     return result
 
 

@@ -6,6 +6,7 @@ them, so the layout cannot differ between the writer and its readers.
     RUN/data.json                   the training records' count and ids: what a resumed run must find again
     RUN/metrics.jsonl, RUN/tb/      logs (train/monitor.py)
     RUN/eval/step-000100.json       each training-time eval's whole report
+    RUN/eval/step-000100.samples.jsonl  ... and its answers, one line a sample (the studio's best and worst)
     RUN/trackers.json               the W&B and MLflow run ids a resumed run goes on with
     RUN/mlflow.db, RUN/mlartifacts/ MLflow's store in the run, when no tracking server is set
     RUN/bad_records.jsonl           records left out (bad_records=skip) or that failed to load
@@ -70,6 +71,10 @@ class RunFolder:
 
     def eval_report(self, step: int) -> Path:
         return self.eval_reports / f"{step_name(step)}.json"
+
+    def eval_samples(self, step: int) -> Path:
+        """The answers of the eval at ``step``, one JSON line a sample (evaluate.write_rows)."""
+        return self.eval_reports / f"{step_name(step)}.samples.jsonl"
 
     @property
     def trackers(self) -> Path:

@@ -1,12 +1,13 @@
 """The command line: an explicit table of commands, each calling one Python function.
 
     groundtune data convert|check|show|synth|refgen
-    groundtune plan | train | rl | eval | predict | export | serve | quickstart
+    groundtune plan | train | rl | eval | predict | export | serve | studio | quickstart
 
 Each handler only turns flags into arguments; the work is in the function it calls, which is
 what Python users call too. Imports are inside handlers so `groundtune --help` starts fast.
 A module per command group: data.py (data ...), training.py (plan, train, rl, quickstart),
-answers.py (eval, predict), deploy.py (export, serve); flags.py holds what their flags share.
+answers.py (eval, predict), deploy.py (export, serve), studio.py (studio); flags.py holds what
+their flags share.
 This module is the table of commands and ``main``.
 
 A mistake of the user's (a groundtune error: a bad setting, file, record or model name) is one
@@ -21,7 +22,7 @@ import os
 import sys
 import traceback
 
-from groundtune.cli import answers, data, deploy, training
+from groundtune.cli import answers, data, deploy, studio, training
 from groundtune.cli.flags import Formatter
 from groundtune.errors import GroundtuneError, RankLostError
 
@@ -46,6 +47,7 @@ COMMANDS = {
     "predict": answers.add_predict,
     "export": deploy.add_export,
     "serve": deploy.add_serve,
+    "studio": studio.add_studio,
     "quickstart": training.add_quickstart,
 }
 

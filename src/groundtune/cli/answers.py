@@ -15,8 +15,9 @@ from groundtune.protocols import DEFAULT_PROTOCOL, PROTOCOLS
 def _eval(args: argparse.Namespace) -> int:
     from groundtune.evaluate import run_eval
 
-    if args.out is not None:
-        not_an_input(args.out, "--out", {"--data": args.data})
+    for flag, out in (("--out", args.out), ("--samples", args.samples)):
+        if out is not None:
+            not_an_input(out, flag, {"--data": args.data})
     run_eval(
         args.model,
         args.data,
@@ -31,6 +32,7 @@ def _eval(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         protocol=args.protocol,
         compile=args.compile,
+        samples_out=args.samples,
     )
     return 0
 
@@ -99,6 +101,9 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
                    "(a data set of the Hub, e.g. hf:lmms-lab/RefCOCO:val)")
     p.add_argument("--limit", type=positive_int, help="evaluate only the first N samples")
     p.add_argument("--out", help="write the report as JSON here")
+    p.add_argument("--samples", metavar="OUT.jsonl", help="write every answer here, one JSON line a sample: the "
+                   "sample, its boxes, IoU, boxes matched, missed and extra (each line names its model; "
+                   "`groundtune studio` browses them)")
     p.add_argument("--gallery", help="write PNGs of the worst and some of the best answers, and an "
                    "index.html, to this folder (the --compare model's go to FOLDER/compare)")
     p.add_argument("--compare", metavar="M2", help="a second model evaluated on the same samples; "

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import sys
 
-from groundtune.cli.flags import MODEL_HELP, Formatter, count, infer_flag, positive_int
+from groundtune.cli.flags import MODEL_HELP, Formatter, count, infer_flag, port, positive_int
 from groundtune.errors import UsageError
 
 
@@ -86,12 +86,6 @@ def _export(args: argparse.Namespace) -> int:
 def add_serve(sub: argparse._SubParsersAction) -> None:
     from groundtune.deploy.limits import MB, Limits, flag
     from groundtune.deploy.serve import HOST, PORT
-
-    def port(text: str) -> int:
-        value = int(text)
-        if not 1 <= value <= 65535:
-            raise argparse.ArgumentTypeError(f"must be from 1 to 65535, got {value}")
-        return value
 
     def number(text: str) -> float:  # "nan" and "inf" are floats too
         value = float(text)

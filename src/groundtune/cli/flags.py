@@ -30,6 +30,14 @@ count = int_at_least(0, "count")
 canvas_side = int_at_least(8, "canvas side")  # synth draws shapes of a few pixels at least
 
 
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 1 to 65535 (serve's and studio's --port)."""
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be from 1 to 65535, got {value}")
+    return value
+
+
 def canvas_range(text: str) -> tuple[int, int]:
     """An argparse type: ``MIN-MAX`` canvas sides (synth.parse_canvas)."""
     from groundtune.data.synth import parse_canvas

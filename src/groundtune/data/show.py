@@ -46,7 +46,7 @@ def _font(size: int = 13):
         return ImageFont.load_default()
 
 
-def _fit(image: Image.Image) -> tuple[Image.Image, Size]:
+def fit(image: Image.Image) -> tuple[Image.Image, Size]:
     """The image scaled to fit a THUMB panel. Upscaling uses nearest neighbour so single pixels
     stay visible: a tight box then visibly touches the shape."""
     w, h = image.size
@@ -60,7 +60,7 @@ def _panel(cell: Image.Image, x: int, y: int, image: Image.Image, boxes: list[li
     """Paste image fitted into the panel at (x, y) and outline boxes (given in image pixels)."""
     draw = ImageDraw.Draw(cell)
     draw.rectangle([x, y, x + THUMB - 1, y + THUMB - 1], fill=PANEL_BG)
-    thumb, size = _fit(image)
+    thumb, size = fit(image)
     ox, oy = x + (THUMB - size[0]) // 2, y + (THUMB - size[1]) // 2
     cell.paste(thumb, (ox, oy))
     for box in boxes:
@@ -106,7 +106,10 @@ def _error_cell(message: str, font) -> Image.Image:
     return cell
 
 
-def _cell(line: Line, jsonl_path: Path, resize: ResizeSpec, font) -> Image.Image:
+def cell(line: Line, jsonl_path: Path, resize: ResizeSpec, font=None) -> Image.Image:
+    """One grid cell: the record of ``line`` beside its image resized with ``resize``, or the red
+    "unreadable: ..." cell saying why it cannot be drawn (what the studio shows of one sample)."""
+    font = font or _font()
     if line.error:
         return _error_cell(f"line {line.number}: {line.error}", font)
     try:
@@ -142,7 +145,7 @@ def show_grid(
     grid = Image.new("RGB", grid_size(len(lines)), "white")
     cols = grid.width // CELL_W
     for i, line in enumerate(lines):
-        grid.paste(_cell(line, jsonl_path, resize, font), ((i % cols) * CELL_W, (i // cols) * CELL_H))
+        grid.paste(cell(line, jsonl_path, resize, font), ((i % cols) * CELL_W, (i // cols) * CELL_H))
 
     out_png = Path(out_png)
     with atomic_write(out_png, "wb") as f:

@@ -287,7 +287,7 @@ def serve(model: str, host: str = HOST, port: int = PORT, api_key: str | None = 
         import uvicorn
     except ImportError:
         raise MissingPackageError('groundtune serve needs FastAPI and uvicorn: pip install "groundtune[serve]"') from None
-    listening = _listen(host, port)  # before the model loads: a taken port is said at once
+    listening = listen(host, port)  # before the model loads: a taken port is said at once
     prepare_decoding()
     answering = Model(model, device, limits, max_new_tokens, Encoder, compile)
     try:
@@ -316,9 +316,10 @@ def _stopped(signum, frame) -> None:
     raise SystemExit(0)
 
 
-def _listen(host: str, port: int):
+def listen(host: str, port: int):
     """A socket bound to host:port for uvicorn; one that cannot be bound is a ConfigError naming the
-    flags (uvicorn itself would log it and exit 3 after the model had loaded)."""
+    flags (uvicorn itself would log it and exit 3 after the model had loaded). Serve's and the
+    studio's (the same --host and --port)."""
     import socket
 
     try:

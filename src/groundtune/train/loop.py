@@ -373,14 +373,14 @@ class Loop:
             predictions[rank :: ranks.world] = share
         metrics, saved = {}, None
         if ranks.main:
-            report, _ = evaluate.evaluate(self.gm, self.eval_samples, cfg.eval_data, batch_size=cfg.eval_batch_size,
-                                          progress=False, max_new_tokens=cfg.eval_max_new_tokens,
-                                          predictions=predictions)
+            report, rows = evaluate.evaluate(self.gm, self.eval_samples, cfg.eval_data,
+                                             batch_size=cfg.eval_batch_size, progress=False,
+                                             max_new_tokens=cfg.eval_max_new_tokens, predictions=predictions)
             # None where the eval set has nothing to count (acc and mIoU on a set of no-target samples)
             metrics = {k: report[k] for k in EVAL_LOGGED}
             best_by, value = evaluate.headline(report)
             self.log.log(step, {**{f"eval/{k}": v for k, v in metrics.items()}, "eval/best_by": best_by})
-            self.log.report(step, report)
+            self.log.report(step, report, rows)
             shown = " ".join(f"{label} {metrics[k]:.3f}" for k, label in EVAL_SHOWN.items() if metrics[k] is not None)
             why = "" if best_by == "acc@0.5" else f" (Acc@0.5 counts no sample here: the best is kept by {best_by})"
             say(f"step {step}: eval {shown}{why}")
@@ -465,7 +465,7 @@ class _NoLog:
     def log(self, step: int, values: dict) -> None:
         pass
 
-    def report(self, step: int, report: dict) -> None:
+    def report(self, step: int, report: dict, rows: list[dict] | None = None) -> None:
         pass
 
     def close(self) -> None:

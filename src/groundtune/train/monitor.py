@@ -36,7 +36,7 @@ class MetricsLog:
                     if _logged_step(line) <= resume_step]
             with atomic_write(self.path) as f:
                 f.writelines(kept)
-            for report in RunFolder(run).eval_reports.glob(f"{STEP_PREFIX}*.json"):
+            for report in RunFolder(run).eval_reports.glob(f"{STEP_PREFIX}*"):  # reports and their answers
                 if _report_step(report) > resume_step:
                     report.unlink()
         self.file = open(self.path, "a", encoding="utf-8")
@@ -62,9 +62,14 @@ class MetricsLog:
             for writer in self.writers:
                 writer.log(step, scalars)
 
-    def report(self, step: int, report: dict) -> Path:
+    def report(self, step: int, report: dict, rows: list[dict] | None = None) -> Path:
         """Write an eval's whole report (by split and source too) to RUN/eval/step-N.json and hand
-        it to the trackers; the log has its headline numbers."""
+        it to the trackers; the log has its headline numbers. ``rows``: its answers, one a sample
+        (evaluate.write_rows), to RUN/eval/step-N.samples.jsonl; the trackers get the report alone."""
+        if rows is not None:
+            from groundtune.evaluate import write_rows
+
+            write_rows(rows, report["data"], RunFolder(self.run).eval_samples(step))
         path = RunFolder(self.run).eval_report(step)
         with atomic_write(path) as f:
             f.write(json.dumps(report, indent=2) + "\n")
@@ -214,8 +219,9 @@ def _read_ids(run: Path) -> dict:
 
 
 def _report_step(path: Path) -> int:
+    """The step of RUN/eval/step-000100.json or step-000100.samples.jsonl."""
     try:
-        return int(path.stem.removeprefix(STEP_PREFIX))
+        return int(path.name.split(".", 1)[0].removeprefix(STEP_PREFIX))
     except ValueError:
         return 0
 
