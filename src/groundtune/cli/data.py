@@ -107,6 +107,7 @@ def _data_synth(args: argparse.Namespace) -> int:
         task=args.task,
         workers=args.workers,
         canvas=args.canvas,
+        overwrite=args.overwrite,
     )
     print(f"wrote {args.n} samples to {path}")
     return 0
@@ -296,6 +297,8 @@ def _add_data_synth(dsub: argparse._SubParsersAction) -> None:
                         "colour and/or kind ('every red circle', 'all the squares'), 0 to 6 boxes, at least a "
                         "fifth of the samples naming nothing in the image (no target)")
     p.add_argument("--workers", type=count, default=0, help="worker processes (0: one per CPU core)")
+    p.add_argument("--overwrite", action="store_true", help="replace a synthetic set already at OUT/SPLIT.jsonl, "
+                   "and remove its images the new set does not write (never a file synth did not write)")
     p.set_defaults(handler=_data_synth)
 
 
