@@ -59,18 +59,7 @@ def _model_files(*models: tuple[str, str | None]) -> list[tuple[str, Path]]:
     return files
 
 
-# in the PNG that predict --draw writes: what tells a later --draw that it may replace it
-DRAWN_BY = "groundtune predict --draw"
-
-
-def _drawn_by_predict(path: Path) -> bool:
-    from groundtune.data.images import opened
-
-    try:
-        with opened(path) as image:
-            return image.format == "PNG" and image.info.get("Software") == DRAWN_BY
-    except Exception:  # anything that does not open is no drawing of ours
-        return False
+DRAWN_BY = "groundtune predict --draw"  # in the PNG it writes: a later --draw may replace it
 
 
 def _predict(args: argparse.Namespace) -> int:
@@ -90,7 +79,7 @@ def _predict(args: argparse.Namespace) -> int:
             not_an_input(args.draw, "--draw", {"--image": args.image})
 
     from groundtune import infer
-    from groundtune.data.images import load_image
+    from groundtune.data.images import drawn_by, load_image, png_info
     from groundtune.data.records import atomic_write, image_path
 
     if args.jsonl is not None:
@@ -104,21 +93,17 @@ def _predict(args: argparse.Namespace) -> int:
         print(f"wrote {n} predictions to {args.out}", file=sys.stderr)
         return 0
     if args.draw is not None:
-        output_file(args.draw, "--draw", "predict", _model_files(("--model", args.model)), _drawn_by_predict,
-                    args.overwrite)
+        output_file(args.draw, "--draw", "predict", _model_files(("--model", args.model)),
+                    lambda path: drawn_by(path, DRAWN_BY), args.overwrite)
     image = load_image(args.image)  # a missing or broken image is said before the model loads
     gm = infer.load(args.model, device=args.device)
     pred = infer.predict(gm, [image], [args.phrase], max_new_tokens=args.max_new_tokens, names=[args.image])[0]
     print(json.dumps(pred.to_json(), ensure_ascii=False))
     if args.draw:
-        from PIL.PngImagePlugin import PngInfo
-
         from groundtune.evaluate import draw_boxes
 
-        drawn = PngInfo()
-        drawn.add_text("Software", DRAWN_BY)
         with atomic_write(args.draw, "wb") as f:
-            draw_boxes(image, [], pred.bbox).save(f, format="PNG", pnginfo=drawn)
+            draw_boxes(image, [], pred.bbox).save(f, format="PNG", pnginfo=png_info(DRAWN_BY))
     return 0
 
 

@@ -92,6 +92,25 @@ def opened(path: str | Path) -> Iterator[Image.Image]:
             yield image
 
 
+def png_info(software: str):
+    """What a PNG groundtune draws carries to say which command drew it (its "Software" text), so
+    that the next run of that command may replace it (``drawn_by``)."""
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    info.add_text("Software", software)
+    return info
+
+
+def drawn_by(path: str | Path, software: str) -> bool:
+    """Whether ``path`` is a PNG that ``software`` drew (``png_info``); anything unreadable is not."""
+    try:
+        with opened(path) as image:
+            return image.format == "PNG" and image.info.get("Software") == software
+    except Exception:  # a file that does not open is no drawing of ours
+        return False
+
+
 def header_size(path: str | Path) -> tuple[int, int]:
     """An image file's stored (width, height), read from its header alone (no pixels decoded): what
     a record without width/height is given. DataError naming the file when it cannot be read, or

@@ -49,8 +49,9 @@ MAX_JSON_DEPTH = 64
 # is read no further than this, so a file without newlines costs no more memory than this.
 MAX_LINE_CHARS = 16 * 2**20
 
-__all__ = ["DataError", "REQUIRED_FIELDS", "REMOTE_DATA", "MAX_PHRASE_CHARS", "MAX_JSON_DEPTH", "MAX_LINE_CHARS", "Line", "jsonl_file", "iter_jsonl", "read_samples",
-           "missing_fields", "box_problem", "record_problem", "phrase_too_long", "record_size", "sample_boxes", "image_path", "atomic_write", "dumps_sample",
+__all__ = ["DataError", "REQUIRED_FIELDS", "REMOTE_DATA", "MAX_PHRASE_CHARS", "MAX_JSON_DEPTH", "MAX_LINE_CHARS",
+           "Line", "jsonl_file", "iter_jsonl", "read_samples", "missing_fields", "box_problem", "record_problem",
+           "phrase_too_long", "record_size", "sample_boxes", "image_path", "atomic_write", "dumps_sample",
            "write_samples"]
 
 
