@@ -190,7 +190,7 @@ def parse_kinds(text: str) -> dict[str, float]:
         try:
             kinds[name.strip()] = float(weight) if weight else 1.0
         except ValueError:
-            raise ConfigError(f"--kinds: {part!r}: the weight after '=' must be a number") from None
+            raise ConfigError(f"--kinds: {shown(part)}: the weight after '=' must be a number") from None
     return kinds
 
 

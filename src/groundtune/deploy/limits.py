@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 
 from groundtune.config import InferSettings
 from groundtune.data.records import MAX_PHRASE_CHARS
-from groundtune.errors import ConfigError
+from groundtune.errors import ConfigError, shown
 
 MB = 2**20  # a Limits field counted in bytes (*_bytes) is a flag in MB: max_body_bytes is --max-body-mb
 
@@ -58,4 +58,4 @@ class Limits:
         for f in fields(self):
             value, least = getattr(self, f.name), f.metadata["least"]
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= least):
-                raise ConfigError(f"{flag(f.name)} must be a number of at least {least:g}, got {value!r}")
+                raise ConfigError(f"{flag(f.name)} must be a number of at least {least:g}, got {shown(value)}")
