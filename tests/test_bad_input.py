@@ -19,7 +19,8 @@ side by side while the others run: the console entry point itself, FIFOs and 10 
 files (a regression would wait forever, or ten minutes, which only a process's timeout can end), a
 hub lookup (huggingface_hub reads HF_HUB_OFFLINE and HF_ENDPOINT once, at import) and a file-size
 limit (`ulimit -f`, a limit of the process, makes a checkpoint's write fail). The refusals happen
-before any model loads, so only the bad_records=skip case and the checkpoint case train.
+before any model loads (eval's of an image: once it loads), so only the bad_records=skip case and
+the checkpoint case train.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import pytest
 import torch
 from PIL import Image
 
+import groundtune as groundtune_package
 from cli_in_process import groundtune
 from groundtune.data.synth import make_synthetic_set
 
@@ -63,9 +65,12 @@ def _run(args, cwd: Path, env: dict | None = None, file_size: int | None = None)
     start = ["-m", "groundtune"] if file_size is None else [
         "-c", f"import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, ({file_size}, {file_size})); "
               "sys.argv[0] = 'groundtune'; runpy.run_module('groundtune', run_name='__main__')"]
+    # the groundtune this test imported, whatever the process's folder (PYTHONPATH=src is relative)
+    path = os.pathsep.join(filter(None, [str(Path(groundtune_package.__file__).parents[1]),
+                                         os.environ.get("PYTHONPATH")]))
     started = time.monotonic()
-    done = subprocess.run([sys.executable, *start, *map(str, args)], capture_output=True, text=True,
-                          timeout=TIMEOUT, cwd=cwd, env={**os.environ, "COLUMNS": "200", **(env or {})})
+    done = subprocess.run([sys.executable, *start, *map(str, args)], capture_output=True, text=True, timeout=TIMEOUT,
+                          cwd=cwd, env={**os.environ, "COLUMNS": "200", "PYTHONPATH": path, **(env or {})})
     done.seconds = time.monotonic() - started
     return done
 
