@@ -78,8 +78,10 @@ def proof(args) -> dict:
     work = Path(args.work)
     data = work / "data"
     started = time.time()
-    synth.make_synthetic_set(data, n=args.scenes, seed=1, split="train", workers=1, **VARIANT)
-    val_path = synth.make_synthetic_set(data, n=args.n_eval, seed=2, split="val", workers=1, **VARIANT)
+    # overwrite: a second run of the proof draws its scenes again into the same work folder
+    synth.make_synthetic_set(data, n=args.scenes, seed=1, split="train", workers=1, overwrite=True, **VARIANT)
+    val_path = synth.make_synthetic_set(data, n=args.n_eval, seed=2, split="val", workers=1, overwrite=True,
+                                        **VARIANT)
     instances = write_instances(data, 1, args.scenes, "train", VARIANT)
     files = {"a_category": work / "a_category.jsonl", "b_refgen": work / "b_refgen.jsonl"}
     # (a) and (b) as they were measured (bench/results/refgen_proof.json): one line per box, and the

@@ -15,14 +15,17 @@ Each case's command line is in CASES; the module's fixture runs them all once th
 is made, and each test asserts on its case's result. Most cases run the CLI's `main()` in this
 process (tests/cli_in_process.py): a refusal takes milliseconds, a new interpreter ~3 s of
 importing torch. The cases in AS_PROCESSES are real `python -m groundtune` processes, started
-side by side while the others run: the console entry point itself, FIFOs (a regression would
-wait forever, which only a process's timeout can end) and a hub lookup (huggingface_hub reads
-HF_HUB_OFFLINE and HF_ENDPOINT once, at import). The refusals happen before any model loads, so
-only the bad_records=skip case trains.
+side by side while the others run: the console entry point itself, FIFOs and 10 GB sparse image
+files (a regression would wait forever, or ten minutes, which only a process's timeout can end), a
+hub lookup (huggingface_hub reads HF_HUB_OFFLINE and HF_ENDPOINT once, at import) and a file-size
+limit (`ulimit -f`, a limit of the process, makes a checkpoint's write fail). The refusals happen
+before any model loads (eval's of an image: once it loads), so only the bad_records=skip case and
+the checkpoint case train.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -39,6 +42,7 @@ import pytest
 import torch
 from PIL import Image
 
+import groundtune as groundtune_package
 from cli_in_process import groundtune
 from groundtune.data.synth import make_synthetic_set
 
@@ -52,12 +56,21 @@ CPU_ONLY = not torch.cuda.is_available()
 on_cpu_only = pytest.mark.skipif(not CPU_ONLY, reason="this machine has a CUDA GPU: device=cuda is valid here")
 
 
-def _run(args, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+def _run(args, cwd: Path, env: dict | None = None, file_size: int | None = None) -> subprocess.CompletedProcess:
     """`python -m groundtune ARGS` in ``cwd``, a real process; ``.seconds`` is how long it took. A
-    wide terminal, so the refusal's table keeps each row on one line."""
+    wide terminal, so the refusal's table keeps each row on one line. ``file_size``: no file it
+    writes may be larger (``ulimit -f``), set by the process itself before groundtune starts: a
+    preexec_fn runs Python between fork and exec, which can deadlock in a process with threads
+    (this one's pool)."""
+    start = ["-m", "groundtune"] if file_size is None else [
+        "-c", f"import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, ({file_size}, {file_size})); "
+              "sys.argv[0] = 'groundtune'; runpy.run_module('groundtune', run_name='__main__')"]
+    # the groundtune this test imported, whatever the process's folder (PYTHONPATH=src is relative)
+    path = os.pathsep.join(filter(None, [str(Path(groundtune_package.__file__).parents[1]),
+                                         os.environ.get("PYTHONPATH")]))
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "groundtune", *map(str, args)], capture_output=True, text=True,
-                          timeout=TIMEOUT, cwd=cwd, env={**os.environ, "COLUMNS": "200", **(env or {})})
+    done = subprocess.run([sys.executable, *start, *map(str, args)], capture_output=True, text=True, timeout=TIMEOUT,
+                          cwd=cwd, env={**os.environ, "COLUMNS": "200", "PYTHONPATH": path, **(env or {})})
     done.seconds = time.monotonic() - started
     return done
 
@@ -171,9 +184,16 @@ CANNOT_RUN = {  # case -> (a setting refused once the run is claimed, what is sa
     "31-model=missing": ("model=./no/such/model", r"\./no/such/model: no such model folder"),
 }
 HUB_OFF = {"HF_HUB_OFFLINE": "1"}
-# real processes (the module's docstring says why): the entry point with a refused record, FIFOs, hub lookups
+# real processes (the module's docstring says why): the entry point with a refused record, FIFOs, hub lookups,
+# 10 GB sparse images, a file-size limit
 AS_PROCESSES = {"01-image_missing", "22-eval-no-folder", "24-eval-hub-offline", "42-check-fifo", "43-train-fifo",
-                "44-train-image-fifo"}
+                "44-train-image-fifo", "56-check-sparse-jpg", "56-predict-sparse-jpg", "56-eval-jpeg-then-zeros",
+                "61-checkpoint-write-fails"}
+FILE_SIZE = {"61-checkpoint-write-fails": 2_000_000}  # case -> its file-size limit: the optimizer's 2.0 MB fails
+# a YAML alias bomb of 9**4 values (under the limit of 10,000: taken by YAML, refused as a setting) and of
+# 9**9 (refused before it is expanded)
+SMALL_BOMB = "[&a [x,x,x,x,x,x,x,x,x], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a], &c [*b,*b,*b,*b,*b,*b,*b,*b,*b], " \
+             "[*c,*c,*c,*c,*c,*c,*c,*c,*c]]"
 
 
 def _train(c, out, *settings, data=None):
@@ -247,6 +267,51 @@ CASES = {
     "51-serve-port-99999": (lambda c, out: ["serve", "--model", "tiny", "--port", "99999"], {}),
     **{case: (lambda c, out, bad=bad: ["eval", "--model", "tiny", "--data", c.bad[bad]], {})
        for case, (bad, _) in EVAL_BAD_BOXES.items()},
+    # 54-63: issue 48's corpus (each case's test says what it was)
+    "54-yaml-alias-bomb": (lambda c, out: ["train", c.bomb_yaml, f"out_dir={out}"], {}),
+    **{f"54-bomb-{key}": (lambda c, out, key=key: _train(c, out, f"{key}={SMALL_BOMB}"), {})
+       for key in ("model", "max_steps", "report_to", "lora_targets")},
+    # 50,000 deep: 100 KB, what one argument of a command line may hold (Linux: 128 KB)
+    "54-deep-yaml": (lambda c, out: _train(c, out, "lr=" + "[" * 50_000 + "]" * 50_000), {}),
+    **{f"55-{name}-nul": (lambda c, out, args=args: args(c, out), {}) for name, args in {
+        "check": lambda c, out: ["data", "check", c.nul],
+        "train": lambda c, out: _train(c, out, data=c.nul),
+        "eval": lambda c, out: ["eval", "--model", "tiny", "--data", c.nul],
+        "predict": lambda c, out: ["predict", "--model", "tiny", "--jsonl", c.nul, "--out", out / "p.jsonl"],
+        "convert": lambda c, out: ["data", "convert", "--from", "jsonl", "--path", c.nul, "--out", out / "c.jsonl"],
+        "refgen": lambda c, out: ["data", "refgen", "--from", "jsonl", "--path", c.nul_detections, "--out",
+                                  out / "r.jsonl"]}.items()},
+    "56-check-sparse-jpg": (lambda c, out: ["data", "check", c.sparse_data], {}),
+    "56-predict-sparse-jpg": (lambda c, out: ["predict", "--model", "tiny", "--image", c.sparse_jpg, "--phrase", "x"],
+                              {}),
+    "56-eval-jpeg-then-zeros": (lambda c, out: ["eval", "--model", "tiny", "--data", c.zeros_data], {}),
+    "57-check-deep-json": (lambda c, out: ["data", "check", c.deep_json], {}),
+    "57-eval-deep-json": (lambda c, out: ["eval", "--model", "tiny", "--data", c.deep_json], {}),
+    "58-predict-long-phrase": (lambda c, out: ["predict", "--model", "tiny", "--jsonl", c.long_phrase, "--out",
+                                               out / "p.jsonl"], {}),
+    "58-check-long-phrase": (lambda c, out: ["data", "check", c.long_phrase], {}),
+    "58-train-long-phrase": (lambda c, out: _train(c, out, data=c.long_phrase), {}),
+    "58-predict-long-phrase-flag": (lambda c, out: ["predict", "--model", "tiny", "--image", c.image, "--phrase",
+                                                    "x" * 600], {}),
+    # 59: an --out that would destroy what the command reads (each in a folder of its own: ``c.own``)
+    "59-eval-out-is-an-image": (lambda c, out: ["eval", "--model", "tiny", "--data", c.own["59"] / "val.jsonl",
+                                                "--out", c.own["59"] / "images" / "train-0000001.png"], {}),
+    "59-predict-out-is-an-image": (lambda c, out: ["predict", "--model", "tiny", "--jsonl", c.own["59"] / "val.jsonl",
+                                                   "--out", c.own["59"] / "images" / "train-0000002.png",
+                                                   "--overwrite"], {}),
+    "59-eval-out-someone-elses": (lambda c, out: ["eval", "--model", "tiny", "--data", c.own["59"] / "val.jsonl",
+                                                  "--out", c.own["59"] / "notes.json"], {}),
+    "59-eval-out-a-model-file": (lambda c, out: ["eval", "--model", c.finished, "--data", c.own["59"] / "val.jsonl",
+                                                 "--out", c.finished / "model" / "groundtune.json", "--overwrite"], {}),
+    "59-synth-over-a-synth-set": (lambda c, out: ["data", "synth", "--out", c.own["59"] / "synth", "--n", "2",
+                                                  "--workers", "1"], {}),
+    **{f"60-{name}-latin1": (lambda c, out, args=args: args(c, out), {}) for name, args in {
+        "yaml": lambda c, out: ["train", c.latin1_yaml, f"out_dir={out}"],
+        "eval": lambda c, out: ["eval", "--model", "tiny", "--data", c.latin1],
+        "predict": lambda c, out: ["predict", "--model", "tiny", "--jsonl", c.latin1, "--out", out / "p.jsonl"],
+        "convert": lambda c, out: ["data", "convert", "--from", "jsonl", "--path", c.latin1, "--out",
+                                   out / "c.jsonl"]}.items()},
+    "61-checkpoint-write-fails": (lambda c, out: _train(c, out, "max_steps=1", "save_every=1"), {}),
 }
 
 
@@ -275,6 +340,7 @@ def corpus(tmp_path_factory):
     c.queries.write_text(json.dumps({"image": "data/images/train-0000000.png", "phrase": "the shape"}) + "\n"
                          + json.dumps({"image": "data/images/train-0000001.png"}) + "\n")
     _files_that_are_not_what_they_seem(c, good_lines)
+    _issue_48_files(c, good_lines)
 
     done = _run_here(["train", "quickstart", f"train_data={train}", f"out_dir={c.finished}", *TINY], base)
     assert done.returncode == 0, _show(done)
@@ -288,10 +354,15 @@ def corpus(tmp_path_factory):
     (base / "runs").mkdir(exist_ok=True)
     (base / "runs" / "27-predict-jsonl-no-phrase").mkdir()
 
+    for case in CASES:  # the cases that write a file into their out folder
+        if case.startswith(("55-predict", "55-convert", "55-refgen", "58-predict-long-phrase", "60-predict",
+                            "60-convert")):
+            c.out[case].mkdir(parents=True)
+
     assert AS_PROCESSES <= CASES.keys()
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        processes = {case: pool.submit(_run, make(c, c.out[case]), base, env) for case, (make, env) in CASES.items()
-                     if case in AS_PROCESSES}
+        processes = {case: pool.submit(_run, make(c, c.out[case]), base, env, FILE_SIZE.get(case))
+                     for case, (make, env) in CASES.items() if case in AS_PROCESSES}
         here = {case: _run_here(make(c, c.out[case]), base, env) for case, (make, env) in CASES.items()
                 if case not in AS_PROCESSES}
         c.result = lambda case: here[case] if case in here else processes[case].result()
@@ -316,10 +387,54 @@ def _files_that_are_not_what_they_seem(c, good_lines: list[str]) -> None:
     c.duplicate_yaml.write_text(f"model: tiny\nlr: 1.0e-3\ntrain_data: {c.train}\nmax_steps: 2\nlr: 5.0\n")
 
 
+def _with_line(path: Path, good_lines: list[str], number: int, text: str) -> Path:
+    lines = list(good_lines)
+    lines[number - 1] = text
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _issue_48_files(c, good_lines: list[str]) -> None:
+    """The files of issue 48, each small on disk: a YAML alias bomb (a few lines), a JSONL naming an
+    image with a NUL byte, 10 GB sparse images (a JPEG's first bytes, or its header up to its scan,
+    then zeros: nothing on disk), a line nested 200,000 deep, a 1 MB phrase, latin-1 bytes."""
+    line = json.loads(good_lines[2])
+    c.image = c.data / line["image"]
+    c.bomb_yaml = c.base / "bomb.yaml"
+    c.bomb_yaml.write_text(f"model: tiny\ntrain_data: {c.train}\nx: &a [x, x, x, x, x, x, x, x, x]\n"
+                           + "".join(f"{b}: &{b} [{', '.join(['*' + a] * 9)}]\n"
+                                     for a, b in zip("abcdefgh", "bcdefghi"))
+                           + "lora_targets: *i\n")
+    c.nul = _with_line(c.data / "nul.jsonl", good_lines, 3, json.dumps({**line, "image": "images/a\0b.png"}))
+    c.nul_detections = c.data / "nul-detections.jsonl"
+    c.nul_detections.write_text(json.dumps({"image": line["image"], "bbox": line["bbox"], "label": "shape"}) + "\n"
+                                + json.dumps({"image": "images/a\0b.png", "bbox": line["bbox"], "label": "shape"})
+                                + "\n")
+    c.sparse_jpg = c.data / "images" / "sparse.jpg"
+    c.sparse_jpg.write_bytes(b"\xff\xd8\xff\xe0")  # a JPEG's start, then junk Pillow skips a byte at a time
+    os.truncate(c.sparse_jpg, 10 * 2**30)
+    c.sparse_data = _with_line(c.data / "sparse.jsonl", good_lines, 3,
+                               json.dumps({**line, "image": "images/sparse.jpg"}))
+    jpeg = io.BytesIO()
+    Image.new("RGB", (SIZE, SIZE), "red").save(jpeg, format="JPEG")
+    zeros = c.data / "images" / "header-then-zeros.jpg"
+    zeros.write_bytes(jpeg.getvalue()[:jpeg.getvalue().index(b"\xff\xda")])  # up to its scan, which never comes
+    os.truncate(zeros, 10 * 2**30)
+    c.zeros_data = _with_line(c.data / "zeros.jsonl", good_lines, 3,
+                              json.dumps({**line, "image": "images/header-then-zeros.jpg"}))  # its width and height
+    c.deep_json = _with_line(c.data / "deep.jsonl", good_lines, 6, "[" * 200_000 + "]" * 200_000)
+    c.long_phrase = _with_line(c.data / "long-phrase.jsonl", good_lines, 5,
+                               json.dumps({**json.loads(good_lines[4]), "phrase": "the red circle " * 70_000}))
+    c.latin1 = c.data / "latin1.jsonl"
+    c.latin1.write_bytes(("\n".join(good_lines[:3]) + "\n").encode() + b'{"phrase": "caf\xe9"}\n')
+    c.latin1_yaml = c.base / "latin1.yaml"
+    c.latin1_yaml.write_bytes(f"model: tiny\ntrain_data: {c.train}\n".encode() + b"prompt: 'caf\xe9 {phrase}'\n")
+
+
 def _own_folders(c, good_lines: list[str]) -> None:
     """Each case of 33-41 works in a folder of its own, ``c.own[N]``, holding what it reads beside
     files it must not touch; ``c.own_snapshot[N]`` is every byte of it before the case runs."""
-    c.own = {n: c.base / "own" / n for n in ("33", "34", "35", "36", "37", "38", "39", "40", "41")}
+    c.own = {n: c.base / "own" / n for n in ("33", "34", "35", "36", "37", "38", "39", "40", "41", "59")}
     for folder in c.own.values():
         folder.mkdir(parents=True)
     (c.own["33"] / "train.jsonl").write_text("\n".join(good_lines) + "\n")
@@ -335,6 +450,11 @@ def _own_folders(c, good_lines: list[str]) -> None:
     (c.own["40"] / "train.jsonl").write_text(json.dumps({"id": "mine", "source": "my-labels"}) + "\n")
     (c.own["41"] / "train.jsonl").write_text("\n".join(
         json.dumps({**json.loads(line), "image": str(c.data / json.loads(line)["image"])}) for line in good_lines) + "\n")
+    shutil.copytree(c.data / "images", c.own["59"] / "images", ignore=lambda folder, names: [  # not the FIFO
+        n for n in names if not n.startswith("train-")])
+    (c.own["59"] / "val.jsonl").write_text("\n".join(good_lines) + "\n")
+    (c.own["59"] / "notes.json").write_text('{"mine": true}\n')
+    make_synthetic_set(c.own["59"] / "synth", n=3, seed=2, task="single", workers=1)
     c.own_snapshot = {n: _snapshot(folder) for n, folder in c.own.items()}
 
 
@@ -703,6 +823,153 @@ def test_reading_records_names_the_line_of_a_malformed_set(tmp_path, value, said
 
 
 # --------------------------------------------------------------------------------------------
+# 54-61: issue 48 (each reproduced on an earlier version: the message or exit code it gave then)
+
+
+def _quick_line(done: subprocess.CompletedProcess) -> str:
+    """A refusal of one line, under 1,000 characters, in under 10 s (60 for a process: its start and
+    torch's import alone take seconds, and its siblings share the cores)."""
+    message = _refused(done)
+    assert len(message) <= 1000 and done.seconds < (60 if done.args[0] == sys.executable else 10), _show(done)
+    return message
+
+
+def test_54_a_yaml_alias_bomb_is_refused_before_it_is_expanded(corpus):
+    """Was: 120 s at 9 GB RSS and 2 GB of stderr, the error printing the expanded value."""
+    assert _quick_line(corpus.result("54-yaml-alias-bomb")) == (
+        f"error: {corpus.bomb_yaml}:7:4: expands to more than 10,000 values (YAML aliases repeat what they name: an "
+        "alias bomb?); settings are a few dozen")
+    assert not corpus.out["54-yaml-alias-bomb"].exists()
+
+
+@pytest.mark.parametrize("key, said", [
+    ("model", "model=[['x', 'x', 'x', 'x', 'x', 'x', 'x', 'x', 'x'], [['x', 'x', ... (a list of 4 items): expected "
+              "str"),
+    ("max_steps", "max_steps=[['x', 'x', 'x', 'x', 'x', 'x', 'x', 'x', 'x'], [['x', 'x', ... (a list of 4 items): "
+                  "expected int"),
+    ("report_to", "report_to=[['x', 'x', 'x', 'x', 'x', 'x', 'x', 'x', 'x'], [['x', 'x', ... (a list of 4 items): "
+                  "expected names, some of tensorboard, wandb, mlflow"),
+    ("lora_targets", "lora_targets: unknown [['x', 'x', 'x', 'x', 'x', 'x', 'x', 'x', 'x'], [['x', 'x', ... (a list "
+                     "of 4 items); expected some of ['llm_attn', 'llm_mlp', 'merger', 'vision']"),
+])
+def test_54_a_value_an_error_echoes_is_cut_to_a_prefix_with_its_size(corpus, key, said):
+    """A bomb under the limit (6,561 values) is read; the setting refuses it, showing 60 characters
+    of it (was: a 39 MB message for model= or max_steps=)."""
+    assert _quick_line(corpus.result(f"54-bomb-{key}")) == "error: " + said
+
+
+def test_54_settings_nested_50000_deep(corpus):
+    """Was: a RecursionError's traceback (PyYAML composes recursively)."""
+    assert _quick_line(corpus.result("54-deep-yaml")) == (
+        "error: override 'lr=" + "[" * 56 + "... (100,003 characters) on the command line: nested deeper than 16 "
+        "levels; settings are values and lists of them")  # the value's first 60 characters, its quote included
+
+
+NUL_SAID = "image 'images/a\\x00b.png' holds a NUL byte, which no file name can"
+
+
+def test_55_an_image_path_with_a_nul_byte(corpus):
+    """Was: a traceback from check and train (ValueError: embedded null byte); eval and predict said
+    one line without the line. Now one line naming file and line (a bad record in check's table)."""
+    nul, detections = corpus.nul, corpus.nul_detections
+    check = corpus.result("55-check-nul")
+    assert check.returncode == 1 and "Traceback" not in check.stderr and _table_row(check.stdout, "image_not_a_file", 3)
+    assert _table_row(_refused(corpus.result("55-train-nul"), table=True), "image_not_a_file", 3)
+    for case, said in {"eval": f"{nul}:3: {NUL_SAID}; run `groundtune data check {nul}`",
+                       "predict": f"{nul}:3: {NUL_SAID}",
+                       "convert": f"{nul}:3: {NUL_SAID}; run `groundtune data check {nul}` to see every problem",
+                       "refgen": f"{detections}:2: {NUL_SAID}"}.items():
+        assert _quick_line(corpus.result(f"55-{case}-nul")) == "error: " + said
+        out = corpus.out[f"55-{case}-nul"]
+        assert not out.exists() or not list(out.iterdir()), case  # nothing written
+    _untouched(corpus)
+
+
+def test_56_a_10_gb_sparse_image_is_refused_in_seconds(corpus):
+    """Was: data check and predict --image hung (killed at 120 s): Pillow skips what follows a
+    JPEG's first bytes a byte at a time. eval, its width and height given, hung on a JPEG header
+    followed by 10 GB of zeros."""
+    check = corpus.result("56-check-sparse-jpg")
+    assert check.returncode == 1 and _table_row(check.stdout, "image_unreadable", 3), _show(check)
+    assert check.seconds < 60, _show(check)  # a process: its start and its siblings' take some
+    header = "read 8,454,144 bytes of a 10,737,418,240-byte file without finding the end of the image's header"
+    assert _quick_line(corpus.result("56-predict-sparse-jpg")) == (
+        f"error: {corpus.sparse_jpg}: cannot decode image ({header})")
+    zeros = corpus.data / "images" / "header-then-zeros.jpg"
+    assert _quick_line(corpus.result("56-eval-jpeg-then-zeros")) == f"error: {zeros}: cannot decode image ({header})"
+
+
+def test_57_a_line_nested_200000_deep(corpus):
+    """Was: a RecursionError's traceback from data check."""
+    check = corpus.result("57-check-deep-json")
+    assert check.returncode == 1 and "Traceback" not in check.stderr and _table_row(check.stdout, "invalid_json", 6)
+    assert _quick_line(corpus.result("57-eval-deep-json")) == (
+        f"error: {corpus.deep_json}:6: nested deeper than 64 levels (a record nests 4); run `groundtune data check "
+        f"{corpus.deep_json}`")
+
+
+def test_58_a_phrase_of_a_megabyte(corpus):
+    """Was: predict --jsonl grew to 24 GB (5 MB) or asked for a 25 GB KV cache (50 MB); data check
+    took it. Now the server's limit, 500 characters, holds for files: predict refuses the line,
+    check counts it, train refuses it as any bad record (bad_records=skip leaves it out)."""
+    path = corpus.long_phrase
+    phrase = "phrase 'the red circle the red circle the red c... (1,050,000 characters) is longer than 500 characters"
+    assert _quick_line(corpus.result("58-predict-long-phrase")).startswith(f"error: {path}:5: {phrase}")
+    check = corpus.result("58-check-long-phrase")
+    assert check.returncode == 1 and _table_row(check.stdout, "phrase_too_long", 5)
+    assert _table_row(_refused(corpus.result("58-train-long-phrase"), table=True), "phrase_too_long", 5)
+    assert _quick_line(corpus.result("58-predict-long-phrase-flag")).startswith(
+        "error: --phrase: phrase 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx... (600 characters) is longer than 500")
+    assert not list(corpus.out["58-predict-long-phrase"].iterdir())
+
+
+@pytest.mark.parametrize("case, said", [
+    ("59-eval-out-is-an-image", r"--out B/own/59/images/train-0000001\.png is an image of --data "
+                                r"\(B/own/59/images/train-0000001\.png\): writing it would destroy what the command "
+                                r"reads; choose another --out"),
+    ("59-predict-out-is-an-image", r"--out B/own/59/images/train-0000002\.png is an image of --jsonl "
+                                   r"\(B/own/59/images/train-0000002\.png\): writing it would destroy what the command "
+                                   r"reads; choose another --out"),
+    ("59-eval-out-someone-elses", r"--out B/own/59/notes\.json exists and was not written by `groundtune eval`: it "
+                                  r"would be replaced; choose another --out, or give --overwrite to replace it"),
+    ("59-eval-out-a-model-file", r"--out B/finished/model/groundtune\.json is a file of --model B/finished "
+                                 r"\(B/finished/model/groundtune\.json\): writing it would destroy what the command "
+                                 r"reads; choose another --out"),
+    ("59-synth-over-a-synth-set", r"B/own/59/synth/train\.jsonl holds a synthetic set already: give --overwrite to "
+                                  r"replace it \(its images too\), or choose another --out \(or --split\)"),
+])
+def test_59_an_out_never_replaces_what_the_command_reads_nor_a_file_it_did_not_write(corpus, case, said):
+    """Was: eval --out or predict --out onto an image of the data replaced it with JSON, exit 0;
+    data synth --n 20 over a set of 10,000 cut it to 20 and left the rest of its images orphaned."""
+    message = _quick_line(corpus.result(case)).replace(str(corpus.base), "B")
+    assert re.fullmatch("error: " + said, message), message
+    assert _snapshot(corpus.own["59"]) == corpus.own_snapshot["59"]
+    _untouched(corpus)
+
+
+@pytest.mark.parametrize("case, line", [("60-yaml-latin1", 3), ("60-eval-latin1", 4), ("60-predict-latin1", 4),
+                                        ("60-convert-latin1", 4)])
+def test_60_a_file_that_is_not_utf8_is_named_with_line_and_byte(corpus, case, line):
+    """Was: tracebacks (UnicodeDecodeError) from a YAML file, eval --data, predict --jsonl and data
+    convert."""
+    path = corpus.latin1_yaml if case == "60-yaml-latin1" else corpus.latin1
+    before = path.read_bytes().index(b"\xe9")  # the bytes before the latin-1 one
+    assert _quick_line(corpus.result(case)) == (f"error: {path}:{line}: not UTF-8 text (byte 0xE9 at byte offset "
+                                                f"{before:,}); save the file as UTF-8")
+
+
+def test_61_a_checkpoint_write_that_fails_is_one_line(corpus):
+    """Was: exit 1 and torch's traceback ("unexpected pos ... vs ...", a file cut short by ulimit
+    -f). Now one line with where, how much and what is intact; nothing half-written."""
+    done, out = corpus.result("61-checkpoint-write-fails"), corpus.out["61-checkpoint-write-fails"]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, _show(done)
+    message = done.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"error: could not write {re.escape(str(out))}/checkpoints/step-000001: the disk refused it "
+                        r"\(.+\); it needs about .+ and .+ is free there, and no file here may be over 1\.9 MiB "
+                        r"\(ulimit -f\); no checkpoint was written before it\. Free some space \(or set out_dir on "
+                        r"another disk\), then start the run again", message), message
+    assert len(message) <= 1000
+    assert list((out / "checkpoints").iterdir()) == [] and not (out / "model").exists() and not (out / ".lock").exists()
 
 
 def test_99_every_case_done_and_the_finished_run_untouched(corpus):

@@ -85,25 +85,28 @@ def _lines() -> list[str | dict | None]:
         _rec("good-3", phrase="the red square on the left", split="val", source="mine"),  # 28
         _rec("folder", image="images"),  # 29: image_not_a_file (a folder: never opened)
         _rec("no-target", phrase="the green triangle", bbox=None, bboxes=[]),  # 30: no target: usable as it is
-        None,  # 31: blank
+        _rec("long", phrase="the red square " * 40),  # 31: phrase_too_long (600 characters)
+        _rec("nul", image="images/good\x00.png"),  # 32: image_not_a_file (no file can have the name)
+        None,  # 33: blank
     ]
 
 
 EXPECTED = {
-    "lines": 29,
+    "lines": 31,
     "no_target": 1,
     "errors": {
         "invalid_json": [4],
         "missing_field": [5],
         "image_missing": [7],
         "image_unreadable": [8, 9],
-        "image_not_a_file": [29],
+        "image_not_a_file": [29, 32],
         "size_mismatch": [10],
         "bbox_nan": [12],
         "bbox_empty": [13],
         "bbox_outside": [15],
         "bbox_looks_xywh": [14, 26],
         "phrase_empty": [17, 27],
+        "phrase_too_long": [31],
         "aspect_ratio": [20],
     },
     "warnings": {
@@ -274,6 +277,11 @@ def test_summary_of_a_clean_file(tmp_path: Path):
         (_rec("s", size=("64", 48)), {"missing_size"}),
         (_rec("s", size=(0, 48)), {"missing_size"}),
         (_rec("s", image="images"), {"image_not_a_file"}),  # a folder
+        (_rec("s", image="images/a\x00.png"), {"image_not_a_file"}),  # no file can have the name
+        (_rec("s", image="images/\ud800.png"), {"image_not_a_file"}),  # nor this one (a lone surrogate)
+        (_rec("s", image="x" * 300 + ".png"), {"image_not_a_file"}),  # a name over 255 bytes
+        (_rec("s", phrase="x" * 501), {"phrase_too_long"}),
+        (_rec("s", phrase="x" * 500), set()),
         (_rec("s", image="images/nope.png", size=(None, None)), {"image_missing"}),  # no size known at all
     ],
 )
@@ -290,9 +298,10 @@ def test_odd_records_never_crash(tmp_path: Path, record: dict, kinds: set):
 
 def test_non_utf8_file_is_a_clear_error(tmp_path: Path, capsys):
     path = tmp_path / "latin1.jsonl"
-    path.write_bytes('{"phrase": "caf\xe9"}\n'.encode("latin-1"))
+    path.write_bytes('{"id": "a"}\n{"phrase": "caf\xe9"}\n'.encode("latin-1"))
     assert main(["data", "check", str(path)]) == 2
-    assert "not UTF-8" in capsys.readouterr().err
+    assert capsys.readouterr().err == (f"error: {path}:2: not UTF-8 text (byte 0xE9 at byte offset 27); save the file "
+                                       "as UTF-8\n")
 
 
 def test_docstring_table_lists_every_kind_with_its_level():

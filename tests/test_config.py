@@ -194,3 +194,47 @@ def test_the_functions_behind_eval_predict_and_serve_default_to_infer_settings()
         assert taken and taken == {name: shared[name] for name in taken}, fn.__qualname__
     assert infer.Decoding().max_new_tokens == InferSettings.max_new_tokens
     assert serve.Limits().batch_size == InferSettings.batch_size  # the server's batch: its flag is --batch-size
+
+
+def test_a_settings_file_is_bounded_before_yaml_expands_it(tmp_path):
+    """An alias bomb (nine lines, 9**9 values: 120 s and 9 GB, then 2 GB of message) is refused at
+    its line before anything is expanded; so are nesting past 16 levels, a file over 1 MB, and
+    bytes that are not UTF-8 (named by line and byte offset)."""
+    path = tmp_path / "bomb.yaml"
+    path.write_text("train_data: x\na: &a [x, x, x, x, x, x, x, x, x]\n"
+                    + "".join(f"{b}: &{b} [{', '.join(['*' + a] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi"))
+                    + "lora_targets: *i\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:6:4: expands to more than 10,000 values \(YAML aliases repeat "):
+        load_config(TrainConfig, path)
+    path.write_text("train_data: x\na: &a [x, *a]\n")  # a list that holds itself never ends
+    with pytest.raises(ConfigError, match=rf"^{path}:2:4: expands to more than 10,000 values"):
+        load_config(TrainConfig, path)
+    path.write_text("train_data: x\nlr: " + "[" * 100 + "]" * 100 + "\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:2:\d+: nested deeper than 16 levels"):
+        load_config(TrainConfig, path)
+    path.write_text("train_data: x\nprompt: '" + "x" * 2**20 + " {phrase}'\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: larger than 1,048,576 bytes; a settings file is a few KB$"):
+        load_config(TrainConfig, path)
+    path.write_bytes(b"train_data: x\nprompt: 'caf\xe9 {phrase}'\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:2: not UTF-8 text \(byte 0xE9 at byte offset 26\)"):
+        load_config(TrainConfig, path)
+    path.write_text("a: &a [x, y]\ntrain_data: x\nlora_targets: [llm_attn, llm_mlp]\nb: *a\n")  # aliases are fine
+    with pytest.raises(ConfigError, match="unknown setting.* a, b;"):
+        load_config(TrainConfig, path)
+
+
+@pytest.mark.parametrize("given, said", [
+    ("model=[&a [x,x,x,x,x,x,x,x,x], [*a,*a,*a,*a,*a,*a,*a,*a,*a]]",
+     r"^model=\[\['x', 'x', 'x', 'x', 'x', 'x', 'x', 'x', 'x'\], \[\['x', 'x', \.\.\. \(a list of 2 items\): expected "
+     r"str$"),
+    ("report_to=[[tensorboard]]", r"^report_to=\[\['tensorboard'\]\]: expected names"),
+    ("lora_targets=[[llm_attn]]", r"^lora_targets: unknown \[\['llm_attn'\]\]"),
+    ("bad_records=" + "x" * 5000, r"^bad_records='x{59}\.\.\. \(5,000 characters\): expected one of refuse, skip$"),
+    ("max_steps=" + "1" * 5000, r"override 'max_steps=1{49}\.\.\. \(5,010 characters\) on the command line: not valid "
+                                r"YAML \(a number of more digits than a number has\)$"),
+    ('model="a\\0b"', r"^model: 'a\\x00b' holds a NUL byte"),  # YAML's escape: a NUL itself is no YAML
+    ("out_dir=" + "x" * 300, r"^out_dir: 'x{59}\.\.\. \(300 characters\) is longer than a file name can be"),
+])
+def test_a_value_an_error_echoes_is_cut_to_its_first_characters_and_its_size(given, said):
+    with pytest.raises(ConfigError, match=said):
+        load_config(TrainConfig, None, ["train_data=x", given])

@@ -15,7 +15,7 @@ import torch
 from cli_in_process import groundtune
 
 from groundtune import cli
-from groundtune.errors import UnsupportedVersionError
+from groundtune.errors import UnsupportedVersionError, cut, shown
 from groundtune.models import qwen, speedups
 
 
@@ -53,6 +53,35 @@ def _with_handler(parser, handler):
         for sub in data._subparsers._group_actions:
             sub.choices["check"].set_defaults(handler=handler)
     return parser
+
+
+def test_a_value_an_error_echoes_is_its_first_characters_and_its_size():
+    """Only the shown prefix is ever made: a YAML alias bomb's 9**9 values print as 60 characters."""
+    bomb = ["x"] * 9
+    for _ in range(8):
+        bomb = [bomb] * 9
+    assert shown(bomb) == "[[[[[[[[['x', 'x', 'x', 'x', 'x', 'x', 'x', 'x', 'x'], ['x',... (a list of 9 items)"
+    assert shown("fast") == "'fast'" and shown(0.5) == "0.5" and shown((1,)) == "(1,)"
+    assert shown({"a": [1]}) == "{'a': [1]}"
+    assert shown("x" * 5_000_000) == "'" + "x" * 59 + "... (5,000,000 characters)"
+    itself = []
+    itself.append(itself)
+    assert shown(itself).endswith("... (a list of 1 item)")
+
+
+def test_no_line_of_an_error_is_over_1000_characters(monkeypatch, capsys):
+    """The command line's last guard, behind each message's own cuts."""
+    from groundtune.errors import DataError
+
+    def long(args):
+        raise DataError("x" * 5_000_000)
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: _with_handler(parser, long))
+    assert cli.main(["data", "check", "x.jsonl"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: " + "x" * 953 + "... [cut: 5,000,007 characters]\n" and len(err) < 1000
+    assert cut("short\n" + "y" * 2000).splitlines() == ["short", "y" * 960 + "... [cut: 2,000 characters]"]
 
 
 def test_speedups_refuse_an_untested_transformers():

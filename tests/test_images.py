@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -153,3 +154,37 @@ def test_a_path_that_is_no_regular_file_is_refused_before_it_is_opened(tmp_path)
         images.load_image(tmp_path / "broken.png")
     with pytest.raises(DataError, match="cannot read image"):
         images.header_size(tmp_path / "broken.png")
+
+
+def test_the_bytes_read_from_an_image_file_are_bounded(tmp_path):
+    """Pillow's JPEG reader skips what is no marker a byte at a time: a JPEG's first bytes and 10 GB
+    of zeros (a sparse file, nothing on disk) read for ten minutes. Bounded: the header must end
+    within HEADER_BYTES; decoding may read twice what the frame's pixels take, past the header."""
+    sparse = tmp_path / "sparse.jpg"
+    sparse.write_bytes(b"\xff\xd8\xff\xe0")
+    os.truncate(sparse, 10 * 2**30)
+    header = "read 8,454,144 bytes of a 10,737,418,240-byte file without finding the end of the image's header"
+    for read, said in ((images.load_image, "cannot decode image"), (images.header_size, "cannot read image")):
+        with pytest.raises(DataError, match=rf"{said} .*\({re.escape(header)}\)$"):
+            read(sparse)
+    # a progressive JPEG whose scans are zeros: its header reads, its decoding stops at the frame's budget
+    progressive = io.BytesIO()
+    Image.new("RGB", (64, 48), "red").save(progressive, format="JPEG", progressive=True)
+    data = progressive.getvalue()
+    zeros = tmp_path / "zeros.jpg"
+    zeros.write_bytes(data[:data.index(b"\xff\xda") + 40])
+    os.truncate(zeros, 10 * 2**30)
+    assert images.header_size(zeros) == (64, 48)
+    with pytest.raises(DataError, match=r"without finding the end of a 64x48 image\)$"):
+        images.load_image(zeros)
+    # a real image, and trailing bytes after it, read as ever
+    Image.new("RGB", (64, 48), "red").save(tmp_path / "ok.png")
+    (tmp_path / "trailing.png").write_bytes((tmp_path / "ok.png").read_bytes() + b"\0" * 2**20)
+    assert images.load_image(tmp_path / "ok.png").size == images.load_image(tmp_path / "trailing.png").size == (64, 48)
+
+
+def test_an_image_path_no_file_can_have_is_said_as_such():
+    with pytest.raises(DataError, match=r"^image 'a\\x00\.png' holds a NUL byte, which no file name can$"):
+        images.load_image("a\0.png")
+    with pytest.raises(DataError, match="holds a NUL byte"):
+        images.header_size("a\0.png")

@@ -232,6 +232,7 @@ def test_a_write_the_disk_refuses_is_one_line_and_the_last_checkpoint_stays(data
     message = refused.stderr.strip().splitlines()[-1]
     assert message.startswith(f"error: could not write {RunFolder(run).checkpoint(6)}: the disk refused")
     assert "GiB is free there" in message and "Traceback" not in refused.stderr
+    assert f"nothing is lost: {RunFolder(run).checkpoint(3)} is the last good checkpoint" in message
     assert sorted(p.name for p in RunFolder(run).checkpoints.iterdir()) == ["step-000003"]  # nothing half-written
     assert {p: p.read_bytes() for p in RunFolder(run).checkpoint(3).iterdir()} == before
     assert not RunFolder(run).lock.exists()

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from groundtune.data import synth
-from groundtune.data.records import read_samples
+from groundtune.data.records import DataError, read_samples
 
 PAL = synth.DEFAULT_PALETTE
 
@@ -266,6 +266,28 @@ def test_bad_arguments_are_refused():
         synth.Palette(colours={"white": (250, 250, 250)})
     with pytest.raises(ValueError, match="task"):
         synth.make_sample(0, 0, task="double")
+
+
+def test_a_set_already_there_is_replaced_only_with_overwrite_and_its_stale_images_go(tmp_path):
+    """`data synth --n 20` over a set of 10,000 cut it to 20 silently and left the rest of its
+    images orphaned: now it needs overwrite, which also removes the images nothing names any more.
+    A file of that name synth did not write is never replaced; a file beside the images stays."""
+    synth.make_synthetic_set(tmp_path, n=5, seed=1, workers=1)
+    (tmp_path / "images" / "mine.png").write_bytes(b"not synth's")
+    before = sorted(p.name for p in (tmp_path / "images").iterdir())
+    with pytest.raises(DataError, match=r"train\.jsonl holds a synthetic set already: give --overwrite to replace it"):
+        synth.make_synthetic_set(tmp_path, n=2, seed=1, workers=1)
+    assert sorted(p.name for p in (tmp_path / "images").iterdir()) == before
+    assert len(read_samples(tmp_path / "train.jsonl")) == 5
+    synth.make_synthetic_set(tmp_path, n=2, seed=1, workers=1, overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "images").iterdir()) == ["mine.png", "train-0000000.png",
+                                                                       "train-0000001.png"]
+    assert [r["image"] for r in read_samples(tmp_path / "train.jsonl")] == ["images/train-0000000.png",
+                                                                            "images/train-0000001.png"]
+    synth.make_synthetic_set(tmp_path, n=2, seed=1, split="val", workers=1)  # another split: another file
+    (tmp_path / "val.jsonl").write_text('{"id": "mine"}\n')
+    with pytest.raises(DataError, match="was not written by `groundtune data synth`"):
+        synth.make_synthetic_set(tmp_path, n=2, seed=1, split="val", workers=1, overwrite=True)
 
 
 # --------------------------------------------------------------------------------------------

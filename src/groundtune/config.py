@@ -27,8 +27,8 @@ from pathlib import Path
 
 import yaml
 
-from groundtune.errors import ConfigError, MissingError
-from groundtune.files import regular_file
+from groundtune.errors import ConfigError, MissingError, shown
+from groundtune.files import not_utf8, path_problem, regular_file
 from groundtune.runs import RunFolder
 
 MODEL_PARTS = ("vision", "merger", "llm")
@@ -47,6 +47,12 @@ ENGINES = ("ddp", "fsdp2", "zero2", "zero3")  # train/parallel.py
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # report_to: train/monitor.py's WRITERS
 PRESETS = Path(__file__).resolve().parent / "configs"  # shipped YAML presets (also at ./configs)
 MAX_INT = 2**31 - 1  # the largest whole-number setting: more steps, pixels or samples than any run uses
+# What a settings file (or a key=value) may hold, checked before YAML's aliases are expanded: a
+# dozen lines of alias bomb expand to 9**9 values, printed as 2 GB. Settings are a flat mapping of
+# values and short lists: a few KB, two levels, some dozens of values.
+MAX_SETTINGS_BYTES = 2**20
+MAX_YAML_DEPTH = 16
+MAX_YAML_VALUES = 10_000  # values, aliases expanded; a scalar counts one more a KB of its text
 
 __all__ = ["ConfigError", "TrainConfig", "RLConfig", "InferSettings", "load_config", "preset_path", "to_yaml",
            "describe", "settings_of", "setting"]
@@ -95,8 +101,13 @@ class _Target(_Settings):
         if not self.train_data:
             raise ConfigError("train_data is not set: give a canonical JSONL file (train_data=FILE.jsonl) "
                               "or a synthetic stream (train_data=synth:full)")
+        for name in ("model", "train_data", "eval_data", "out_dir"):  # each names a file or folder (model: or not)
+            problem = path_problem(getattr(self, name))
+            if problem:
+                raise ConfigError(f"{name}: {problem}")
         if self.bad_records not in BAD_RECORD_POLICIES:
-            raise ConfigError(f"bad_records={self.bad_records!r}: expected one of {', '.join(BAD_RECORD_POLICIES)}")
+            raise ConfigError(f"bad_records={shown(self.bad_records)}: expected one of "
+                              f"{', '.join(BAD_RECORD_POLICIES)}")
         if not 0 <= self.max_bad_fraction < 1:
             raise ConfigError(f"max_bad_fraction={self.max_bad_fraction} must be in [0, 1): a batch with nothing "
                               "left to train on stops the run")
@@ -123,13 +134,13 @@ class _Method(_Settings):
 
     def check(self) -> None:
         if self.head not in HEADS:
-            raise ConfigError(f"head={self.head!r}: expected one of {', '.join(HEADS)}")
+            raise ConfigError(f"head={shown(self.head)}: expected one of {', '.join(HEADS)}")
         if self.head_l1_weight < 0 or self.head_text_loss_weight < 0:
             raise ConfigError("head_l1_weight and head_text_loss_weight must be >= 0")
         _positive(self, "head_slots")
         _fraction(self, "head_threshold")
         if self.method not in ("lora", "qlora", "full"):
-            raise ConfigError(f"method={self.method!r}: expected lora, qlora or full")
+            raise ConfigError(f"method={shown(self.method)}: expected lora, qlora or full")
         if self.method == "qlora" and getattr(self, "distributed", "ddp") in ("fsdp2", "zero3"):
             raise ConfigError(f"method=qlora with distributed={self.distributed}: bitsandbytes' 4-bit weights cannot "
                               "be sharded; use distributed=ddp or zero2 (the 4-bit base is small enough to copy)")
@@ -149,9 +160,9 @@ class _Lora(_Settings):
     lora_last_n_layers: int = setting(0, "adapt only the last N LLM layers; 0 = all")
 
     def check(self) -> None:
-        bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        bad = [t for t in self.lora_targets if not isinstance(t, str) or t not in LORA_TARGETS]
         if bad:
-            raise ConfigError(f"lora_targets: unknown {bad}; expected some of {list(LORA_TARGETS)}")
+            raise ConfigError(f"lora_targets: unknown {shown(bad)}; expected some of {list(LORA_TARGETS)}")
         _positive(self, "lora_r", "lora_alpha")
         _at_least_zero(self, "lora_last_n_layers")
         _fraction(self, "lora_dropout")
@@ -180,7 +191,7 @@ class _Optimisation(_Settings):
     def check(self) -> None:
         if self.batch_size != "auto" or not isinstance(self, _Step):  # auto: SFT's alone (train/sft.py)
             if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int):
-                raise ConfigError(f"batch_size={self.batch_size!r}: expected a whole number"
+                raise ConfigError(f"batch_size={shown(self.batch_size)}: expected a whole number"
                                   + (" or auto" if isinstance(self, _Step) else ""))
             _check_range("batch_size", self.batch_size)
             _positive(self, "batch_size")
@@ -189,9 +200,9 @@ class _Optimisation(_Settings):
         _at_least_zero(self, "lr_vision", "lr_merger", "lr_llm", "weight_decay", "warmup_steps", "max_grad_norm")
         _fraction(self, "min_lr_ratio")
         if self.kernels not in KERNEL_MODES:
-            raise ConfigError(f"kernels={self.kernels!r}: expected one of {', '.join(KERNEL_MODES)}")
+            raise ConfigError(f"kernels={shown(self.kernels)}: expected one of {', '.join(KERNEL_MODES)}")
         if self.precision not in ("auto", "bf16", "fp32"):
-            raise ConfigError(f"precision={self.precision!r}: expected auto, bf16 or fp32")
+            raise ConfigError(f"precision={shown(self.precision)}: expected auto, bf16 or fp32")
         if self.gradient_checkpointing < -1:
             raise ConfigError(f"gradient_checkpointing={self.gradient_checkpointing}: expected -1 (all layers), "
                               "0 (off) or the number of last layers")
@@ -220,7 +231,7 @@ class _Step(_Settings):
     def check(self) -> None:
         _positive(self, "grad_accum")
         if self.loss_per not in LOSS_PER:
-            raise ConfigError(f"loss_per={self.loss_per!r}: expected one of {', '.join(LOSS_PER)}")
+            raise ConfigError(f"loss_per={shown(self.loss_per)}: expected one of {', '.join(LOSS_PER)}")
         if self.fp8 and getattr(self, "method", "lora") != "lora":
             raise ConfigError(f"fp8=true with method={self.method}: FP8 matmuls are for a LoRA run's frozen bf16 base "
                               "(a 4-bit base is quantized already; full fine-tuning in FP8 is not measured)")
@@ -278,14 +289,18 @@ class _Loop(_Settings):
 
     def check(self) -> None:
         given = self.report_to.split(",") if isinstance(self.report_to, str) else self.report_to or []
-        names = [str(name).strip() for name in given if str(name).strip() not in ("", "none")]
+        if not all(isinstance(name, str) for name in given):  # str() of a nested list would print it whole
+            raise ConfigError(f"report_to={shown(self.report_to)}: expected names, some of {', '.join(TRACKERS)}")
+        names = [name.strip() for name in given if name.strip() not in ("", "none")]
         unknown = [name for name in names if name not in TRACKERS]
         if unknown:
-            raise ConfigError(f"report_to: unknown {', '.join(map(repr, unknown))}; expected some of "
+            raise ConfigError(f"report_to: unknown {shown(unknown).strip('[]')}; expected some of "
                               f"{', '.join(TRACKERS)}, or none (metrics.jsonl alone)")
         self.report_to = list(dict.fromkeys(names))  # a tracker named twice is one run
         if self.distributed not in ENGINES:
-            raise ConfigError(f"distributed={self.distributed!r}: expected one of {', '.join(ENGINES)}")
+            raise ConfigError(f"distributed={shown(self.distributed)}: expected one of {', '.join(ENGINES)}")
+        if path_problem(self.deepspeed_config):
+            raise ConfigError(f"deepspeed_config: {path_problem(self.deepspeed_config)}")
         if self.deepspeed_config and self.distributed not in ("zero2", "zero3"):
             raise ConfigError(f"deepspeed_config is set but distributed={self.distributed}: it configures "
                               "distributed=zero2 or zero3")
@@ -343,7 +358,7 @@ class _Update(_Settings):
     def check(self) -> None:
         _positive(self, "inner_updates", "micro_batch")
         if self.advantage not in ADVANTAGES:
-            raise ConfigError(f"advantage={self.advantage!r}: expected one of {', '.join(ADVANTAGES)}")
+            raise ConfigError(f"advantage={shown(self.advantage)}: expected one of {', '.join(ADVANTAGES)}")
         if self.kl_coef < 0 or self.clip <= 0 or not 0 <= self.ema_decay < 1:
             raise ConfigError("need kl_coef >= 0, clip > 0 and 0 <= ema_decay < 1")
 
@@ -484,30 +499,71 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] | tupl
     if path:
         if Path(path).is_dir():
             raise ConfigError(f"{path} is a folder; give a YAML file or a preset name")
-        loaded = _yaml(Path(path).read_text(), str(path)) or {}
+        loaded = _yaml(_settings_text(Path(path)), str(path)) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping of settings, got {type(loaded).__name__}")
         from_file = loaded
     given: dict = {}
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} on the command line: expected key=value")
+            raise ConfigError(f"override {shown(item)} on the command line: expected key=value")
         key, raw = item.split("=", 1)
-        given[key.strip()] = _yaml(raw, f"override {item!r} on the command line") if raw.strip() else ""
+        given[key.strip()] = _yaml(raw, f"override {shown(item)} on the command line") if raw.strip() else ""
     known = {f.name for f in dataclasses.fields(cls)}
     reasons = getattr(cls, "not_settings", {})
     for where, values in ((f"in {path}", from_file), ("on the command line", given)):
-        unknown = sorted(set(values) - known)
+        unknown = sorted((name for name in values if name not in known), key=str)  # YAML keys may be numbers
         if unknown:
             why = "".join(f"; {name}: {reasons[name]}" for name in unknown if name in reasons)
-            raise ConfigError(f"unknown setting(s) {where}: {', '.join(unknown)}{why}; "
-                              f"see `groundtune {cls.command} --help`")
+            names = ", ".join(name if isinstance(name, str) and len(name) <= 60 else shown(name)
+                              for name in unknown[:10]) + (f" (+{len(unknown) - 10} more)" if len(unknown) > 10 else "")
+            raise ConfigError(f"unknown setting(s) {where}: {names}{why}; see `groundtune {cls.command} --help`")
     return cls(**{**from_file, **given})
+
+
+def _settings_text(path: Path) -> str:
+    """A settings file's text: at most MAX_SETTINGS_BYTES, UTF-8 (else the line and byte offset)."""
+    with open(regular_file(path, "YAML file"), "rb") as f:
+        data = f.read(MAX_SETTINGS_BYTES + 1)
+    if len(data) > MAX_SETTINGS_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_SETTINGS_BYTES:,} bytes; a settings file is a few KB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise not_utf8(path, ConfigError) from None
+
+
+class _TooBig(yaml.YAMLError):
+    """YAML that is valid but more than settings can be: too deep, or too many values expanded."""
+
+    def __init__(self, problem: str, mark):
+        self.problem, self.problem_mark = problem, mark
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last one
-    silently, and a setting would then not be what its first line says."""
+    silently, and a setting would then not be what its first line says. And refusing, before a
+    value is made, nesting deeper than MAX_YAML_DEPTH (its composer recurses: 100,000 levels were a
+    RecursionError) and aliases that expand past MAX_YAML_VALUES (the alias bomb)."""
+
+    depth = 0
+
+    def compose_node(self, parent, index):
+        if self.depth >= MAX_YAML_DEPTH:
+            raise _TooBig(f"nested deeper than {MAX_YAML_DEPTH} levels; settings are values and lists of them",
+                          self.peek_event().start_mark)
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_document(self, node):
+        where = []
+        if _expanded(node, {}, where) > MAX_YAML_VALUES:
+            raise _TooBig(f"expands to more than {MAX_YAML_VALUES:,} values (YAML aliases repeat what they name: an "
+                          "alias bomb?); settings are a few dozen", where[0])
+        return super().construct_document(node)
 
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
@@ -520,14 +576,38 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def _expanded(node, memo: dict, where: list) -> int:
+    """How many values ``node`` makes once its aliases are expanded, each node counted once
+    (``memo``): a few lines of nested aliases are counted in microseconds, not expanded. The mark of
+    the first (innermost) node over the limit is put in ``where``; a node that holds itself counts
+    as over it."""
+    if id(node) in memo:
+        return memo[id(node)]
+    memo[id(node)] = MAX_YAML_VALUES + 1  # while counting it: an alias to it inside it never ends
+    if isinstance(node, yaml.ScalarNode):
+        count = 1 + len(node.value) // 1024
+    elif isinstance(node, yaml.SequenceNode):
+        count = 1 + sum(_expanded(child, memo, where) for child in node.value)
+    else:
+        count = 1 + sum(_expanded(k, memo, where) + _expanded(v, memo, where) for k, v in node.value)
+    if count > MAX_YAML_VALUES and not where:
+        where.append(node.start_mark)
+    memo[id(node)] = count
+    return count
+
+
 def _yaml(text: str, where: str):
     """YAML parsed, or a ConfigError naming ``where`` (a file: with line and column)."""
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)
-    except (yaml.YAMLError, TypeError) as e:  # TypeError: an unhashable key ({[a]: 1})
-        mark = getattr(e, "problem_mark", None)
+    except (yaml.YAMLError, TypeError, ValueError) as e:  # TypeError: an unhashable key ({[a]: 1}); ValueError:
+        mark = getattr(e, "problem_mark", None)           # an integer of 5,000 digits
         at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None and not where.startswith("override") else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0][:200]
+        if isinstance(e, ValueError) and "digits" in problem:  # Python reads at most 4,300 digits into an int
+            problem = "a number of more digits than a number has"
+        if isinstance(e, _TooBig):
+            raise ConfigError(f"{where}{at}: {problem}") from None
         raise ConfigError(f"{where}{at}: not valid YAML ({problem})") from None
 
 
@@ -562,7 +642,7 @@ def _check_types(cfg) -> None:
         origin = typing.get_origin(expected)
         if origin in (list, tuple):
             if not isinstance(value, (list, tuple)):
-                raise ConfigError(f"{f.name}={value!r}: expected a list")
+                raise ConfigError(f"{f.name}={shown(value)}: expected a list")
             setattr(cfg, f.name, list(value))
             continue
         if isinstance(expected, types.UnionType) or origin is typing.Union:
@@ -571,14 +651,14 @@ def _check_types(cfg) -> None:
             try:  # YAML 1.1 reads 2e-3 (no dot) as a string
                 setattr(cfg, f.name, float(value))
             except (ValueError, OverflowError):
-                raise ConfigError(f"{f.name}={value!r}: expected a number") from None
+                raise ConfigError(f"{f.name}={shown(value)}: expected a number") from None
             _check_range(f.name, getattr(cfg, f.name), given=value)
             continue
         if expected is str and value is None:
             setattr(cfg, f.name, "")
             continue
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise ConfigError(f"{f.name}={value!r}: expected {expected.__name__}")
+            raise ConfigError(f"{f.name}={shown(value)}: expected {expected.__name__}")
         _check_range(f.name, getattr(cfg, f.name))
 
 
@@ -587,6 +667,6 @@ def _check_range(name: str, value, given=None) -> None:
     once the run had started) and, for a count, within what a 32-bit integer holds. ``given``: the
     value as written, where it was converted (1e400 -> inf)."""
     if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{name}={value if given is None else given}: expected a finite number")
+        raise ConfigError(f"{name}={value if given is None else shown(given).strip(chr(39))}: expected a finite number")
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
         raise ConfigError(f"{name}={value}: out of range (at most {MAX_INT:,})")

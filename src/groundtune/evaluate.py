@@ -478,6 +478,31 @@ def run_eval(model: str, data, limit: int | None = None, out=None, gallery=None,
     return result
 
 
+def written_by_eval(path: Path) -> bool:
+    """Whether ``path`` holds a report `groundtune eval --out` wrote: it may be replaced by the next
+    one without --overwrite. A report is some KB; a file of more than 64 MB is none."""
+    if path.stat().st_size > 2**26:
+        return False
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):  # ValueError: not UTF-8, not JSON
+        return False
+    reports = report.get("models") if isinstance(report, dict) and "models" in report else [report]
+    return (isinstance(reports, list) and bool(reports)
+            and all(isinstance(r, dict) and {"model", "protocol", "definitions"} <= r.keys() for r in reports))
+
+
+def written_by_eval_samples(path: Path) -> bool:
+    """Whether ``path`` holds answers `groundtune eval --samples` wrote (``write_rows``): its first
+    line one of them."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = json.loads(f.readline(2**20))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(first, dict) and {"model", "pred_boxes", "true_boxes"} <= first.keys()
+
+
 def print_table(reports: list[dict]) -> None:
     """Two tables, one row per group (overall, each split, each source) and model: the single-target
     metrics (over the samples with a target), then the set metrics with the boxes missed and extra

@@ -37,7 +37,8 @@ from PIL import Image
 from groundtune import boxes
 from groundtune.config import InferSettings
 from groundtune.data.images import load_image, to_rgb
-from groundtune.data.records import atomic_write, image_path, iter_jsonl, missing_fields, record_size
+from groundtune.data.records import (MAX_LINE_CHARS, atomic_write, image_path, iter_jsonl, missing_fields,
+                                     record_problem, record_size)
 from groundtune.data.samples import ignore_stop_signals
 from groundtune.errors import DataError
 from groundtune.models import head, qwen
@@ -581,8 +582,22 @@ def read_queries(in_path: str | Path) -> list[dict]:
         missing = missing_fields(line.record, ("image", "phrase"))
         if missing:
             raise DataError(f"{in_path}:{line.number}: missing field(s) {', '.join(missing)}")
+        problem = record_problem(line.record)
+        if problem:
+            raise DataError(f"{in_path}:{line.number}: {problem}")
         records.append(line.record)
     return records
+
+
+def written_by_predict(path: Path) -> bool:
+    """Whether ``path`` holds what `groundtune predict --jsonl --out` wrote (its first line a record
+    with a ``prediction``): it may be replaced by the next one without --overwrite."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = json.loads(f.readline(MAX_LINE_CHARS))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(first, dict) and isinstance(first.get("prediction"), dict)
 
 
 def predict_jsonl(gm, in_path: str | Path, out_path: str | Path, batch_size: int = InferSettings.batch_size,

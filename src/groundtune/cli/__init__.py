@@ -13,6 +13,8 @@ This module is the table of commands and ``main``.
 A mistake of the user's (a groundtune error: a bad setting, file, record or model name) is one
 line on stderr and exit code 2; anything else (a bug, CUDA out of memory, a broken install) keeps
 its traceback and exits 1. ``groundtune --debug COMMAND`` shows the traceback of every error.
+No line of an error is over 1,000 characters (errors.cut): each message cuts the values it echoes
+(errors.shown), and what one misses is cut here.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import traceback
 
 from groundtune.cli import answers, data, deploy, studio, training
 from groundtune.cli.flags import Formatter
-from groundtune.errors import GroundtuneError, RankLostError
+from groundtune.errors import GroundtuneError, RankLostError, cut
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,7 +34,7 @@ class _Parser(argparse.ArgumentParser):
     ``error: ...``, exit 2 (argparse prints the whole usage first, several lines for most commands)."""
 
     def error(self, message: str):
-        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+        self.exit(2, cut(f"error: {self.prog}: {message} (see {self.prog} --help)") + "\n")
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,10 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     except (GroundtuneError, *_USER_OS_ERRORS) as e:
         if args.debug:
             traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
+        print(cut(f"error: {e}"), file=sys.stderr)  # a value a message echoes whole stops here
         return 2
     except RankLostError as e:  # the rank that failed first printed why
-        print(f"error: {e}", file=sys.stderr)
+        print(cut(f"error: {e}"), file=sys.stderr)
         return 1
     except Exception as e:  # a bug or the machine: the traceback is what a report needs
         traceback.print_exc()

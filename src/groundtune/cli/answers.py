@@ -5,19 +5,29 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from groundtune.cli.flags import MODEL_HELP, Formatter, infer_flag, positive_int
+from groundtune.cli.flags import MODEL_HELP, OVERWRITE_HELP, Formatter, infer_flag, positive_int
 from groundtune.errors import UsageError
-from groundtune.files import not_an_input
+from groundtune.files import not_an_input, output_file
 from groundtune.protocols import DEFAULT_PROTOCOL, PROTOCOLS
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from groundtune.evaluate import run_eval
+    from groundtune.evaluate import run_eval, written_by_eval, written_by_eval_samples
 
-    for flag, out in (("--out", args.out), ("--samples", args.samples)):
-        if out is not None:
+    outs = [(flag, out, written) for flag, out, written in (("--out", args.out, written_by_eval),
+                                                            ("--samples", args.samples, written_by_eval_samples))
+            if out is not None]
+    if outs:
+        from groundtune.data.records import image_path, jsonl_file, read_samples
+
+        data = jsonl_file(args.data)
+        reads = [("an image of --data", image_path(s, data)) for s in read_samples(data)]
+        reads += _model_files(("--model", args.model), ("--compare", args.compare))
+        for flag, out, written in outs:
             not_an_input(out, flag, {"--data": args.data})
+            output_file(out, flag, "eval", reads, written, args.overwrite)
     run_eval(
         args.model,
         args.data,
@@ -37,6 +47,26 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_files(*models: tuple[str, str | None]) -> list[tuple[str, Path]]:
+    """The files loading each model reads ((flag, name) pairs; a name None is none): a folder's, a
+    run's model/, the built-in tiny model's. No output may be one of them."""
+    from groundtune.models.loading import resolve
+    from groundtune.runs import RunFolder
+
+    files = []
+    for flag, name in models:
+        if name is None:
+            continue
+        kind, path = resolve(name)  # a missing model is said here, before anything is read
+        folder = RunFolder(path).model if kind == "run" else path  # a hub model's cache: not ours to guard
+        if folder is not None:
+            files += [(f"a file of {flag} {name}", p) for p in sorted(folder.rglob("*"))[:10_000] if p.is_file()]
+    return files
+
+
+DRAWN_BY = "groundtune predict --draw"  # in the PNG it writes: a later --draw may replace it
+
+
 def _predict(args: argparse.Namespace) -> int:
     if args.jsonl is not None:
         if args.out is None or args.image is not None or args.phrase is not None or args.draw is not None:
@@ -45,20 +75,31 @@ def _predict(args: argparse.Namespace) -> int:
         raise UsageError("groundtune predict: give --image and --phrase, or --jsonl and --out")
     if args.jsonl is not None:
         not_an_input(args.out, "--out", {"--jsonl": args.jsonl})
-    elif args.draw is not None:
-        not_an_input(args.draw, "--draw", {"--image": args.image})
+    else:
+        from groundtune.data.records import MAX_PHRASE_CHARS, phrase_too_long
+
+        if len(args.phrase) > MAX_PHRASE_CHARS:
+            raise UsageError(f"--phrase: {phrase_too_long(args.phrase)}")
+        if args.draw is not None:
+            not_an_input(args.draw, "--draw", {"--image": args.image})
 
     from groundtune import infer
-    from groundtune.data.images import load_image
-    from groundtune.data.records import atomic_write
+    from groundtune.data.images import drawn_by, load_image, png_info
+    from groundtune.data.records import atomic_write, image_path
 
     if args.jsonl is not None:
         records = infer.read_queries(args.jsonl)  # a bad file is said before the model loads
+        reads = [("an image of --jsonl", image_path(r, args.jsonl)) for r in records]
+        output_file(args.out, "--out", "predict", reads + _model_files(("--model", args.model)),
+                    infer.written_by_predict, args.overwrite)
         gm = infer.load(args.model, device=args.device, compile=args.compile)
         n = infer.predict_jsonl(gm, args.jsonl, args.out, batch_size=args.batch_size,
                                 max_new_tokens=args.max_new_tokens, records=records)
         print(f"wrote {n} predictions to {args.out}", file=sys.stderr)
         return 0
+    if args.draw is not None:
+        output_file(args.draw, "--draw", "predict", _model_files(("--model", args.model)),
+                    lambda path: drawn_by(path, DRAWN_BY), args.overwrite)
     image = load_image(args.image)  # a missing or broken image is said before the model loads
     gm = infer.load(args.model, device=args.device)
     pred = infer.predict(gm, [image], [args.phrase], max_new_tokens=args.max_new_tokens, names=[args.image])[0]
@@ -67,7 +108,7 @@ def _predict(args: argparse.Namespace) -> int:
         from groundtune.evaluate import draw_boxes
 
         with atomic_write(args.draw, "wb") as f:
-            draw_boxes(image, [], pred.bbox).save(f, format="PNG")
+            draw_boxes(image, [], pred.bbox).save(f, format="PNG", pnginfo=png_info(DRAWN_BY))
     return 0
 
 
@@ -100,10 +141,12 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", required=True, help="canonical JSONL file with true boxes, or hf:REPO:SPLIT "
                    "(a data set of the Hub, e.g. hf:lmms-lab/RefCOCO:val)")
     p.add_argument("--limit", type=positive_int, help="evaluate only the first N samples")
-    p.add_argument("--out", help="write the report as JSON here")
+    p.add_argument("--out", help="write the report as JSON here (never over --data, its images or the model's "
+                   "files; over another file only with --overwrite)")
     p.add_argument("--samples", metavar="OUT.jsonl", help="write every answer here, one JSON line a sample: the "
                    "sample, its boxes, IoU, boxes matched, missed and extra (each line names its model; "
-                   "`groundtune studio` browses them)")
+                   "`groundtune studio` browses them); the same rules as --out")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP.format(what="report"))
     p.add_argument("--gallery", help="write PNGs of the worst and some of the best answers, and an "
                    "index.html, to this folder (the --compare model's go to FOLDER/compare)")
     p.add_argument("--compare", metavar="M2", help="a second model evaluated on the same samples; "
@@ -146,7 +189,10 @@ def add_predict(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--phrase", help="what to find, e.g. 'the man in the red shirt'")
     p.add_argument("--draw", metavar="OUT.png", help="also save the image with the predicted box drawn")
     p.add_argument("--jsonl", metavar="IN", help="predict every line of this JSONL file instead")
-    p.add_argument("--out", help="with --jsonl: the JSONL file to write")
+    p.add_argument("--out", help="with --jsonl: the JSONL file to write (never over --jsonl, its images or the "
+                   "model's files)")
+    p.add_argument("--overwrite", action="store_true",
+                   help=OVERWRITE_HELP.format(what="--out JSONL (or --draw PNG)"))
     infer_flag(p, "batch_size", when="with --jsonl: ")
     infer_flag(p, "max_new_tokens")
     infer_flag(p, "device")

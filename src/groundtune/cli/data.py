@@ -17,7 +17,7 @@ from groundtune.cli.flags import (
     positive_int,
 )
 from groundtune.errors import UsageError
-from groundtune.files import not_an_input
+from groundtune.files import not_an_input, output_file
 
 
 def _data_convert(args: argparse.Namespace) -> int:
@@ -83,9 +83,15 @@ def _data_check(args: argparse.Namespace) -> int:
 def _data_show(args: argparse.Namespace) -> int:
     from groundtune.boxes import ResizeSpec
     from groundtune.data import show
+    from groundtune.data.images import drawn_by
+    from groundtune.data.records import image_path, iter_jsonl, jsonl_file
     from groundtune.models import qwen
 
     not_an_input(args.out, "--out", {"the file being drawn": args.file})
+    path = jsonl_file(args.file)
+    images = [("an image of the file being drawn", image_path(line.record, path)) for line in iter_jsonl(path)
+              if line.record is not None and isinstance(line.record.get("image"), str)]
+    output_file(args.out, "--out", "data show", images, lambda out: drawn_by(out, show.DRAWN_BY), args.overwrite)
     family = qwen.family(args.family)
     resize = ResizeSpec(factor=family.factor, min_pixels=args.min_pixels or family.min_pixels,
                         max_pixels=args.max_pixels or family.max_pixels)
@@ -107,6 +113,7 @@ def _data_synth(args: argparse.Namespace) -> int:
         task=args.task,
         workers=args.workers,
         canvas=args.canvas,
+        overwrite=args.overwrite,
     )
     print(f"wrote {args.n} samples to {path}")
     return 0
@@ -259,7 +266,9 @@ def _add_data_show(dsub: argparse._SubParsersAction) -> None:
         formatter_class=Formatter,
     )
     p.add_argument("file", help="canonical JSONL file")
-    p.add_argument("--out", required=True, help="PNG file to write")
+    p.add_argument("--out", required=True, help="PNG file to write (never over the file or an image it names; "
+                   "over another file only with --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out PNG that data show did not draw")
     p.add_argument("--n", type=positive_int, default=16, help="number of samples to draw")
     p.add_argument("--seed", type=int, default=0, help="which samples: a random choice with this seed")
     p.add_argument("--family", default="qwen2.5-vl", choices=FAMILIES,
@@ -296,6 +305,8 @@ def _add_data_synth(dsub: argparse._SubParsersAction) -> None:
                         "colour and/or kind ('every red circle', 'all the squares'), 0 to 6 boxes, at least a "
                         "fifth of the samples naming nothing in the image (no target)")
     p.add_argument("--workers", type=count, default=0, help="worker processes (0: one per CPU core)")
+    p.add_argument("--overwrite", action="store_true", help="replace a synthetic set already at OUT/SPLIT.jsonl, "
+                   "and remove its images the new set does not write (never a file synth did not write)")
     p.set_defaults(handler=_data_synth)
 
 

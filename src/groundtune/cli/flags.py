@@ -48,6 +48,11 @@ def canvas_range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+# --overwrite of the commands that write one file: without it only a previous output of the same
+# command (or an empty file) is replaced; with it any file but what the command reads
+OVERWRITE_HELP = ("replace an existing {what} that this command did not write (one it wrote is replaced anyway); "
+                  "never a file the command reads")
+
 MODEL_HELP = (
     "the model: `tiny` (the built-in tiny model), a training run folder, a local Hugging Face "
     "folder (an export included) or a hub id such as Qwen/Qwen2.5-VL-3B-Instruct"

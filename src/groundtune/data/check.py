@@ -19,7 +19,8 @@ image_missing          error    no file at the image path (relative to the JSONL
 image_unreadable       error    the file does not decode to the end (corrupt, truncated, not an
                                 image); re-download or re-encode it
 image_not_a_file       error    the path is a folder, a FIFO, a socket or a device: never opened
-                                (a FIFO would wait forever); point ``image`` at the image file
+                                (a FIFO would wait forever), or no file can have it (a NUL byte, a
+                                name over 255 bytes); point ``image`` at the image file
 size_mismatch          error    the decoded size disagrees with width/height and EXIF orientation
                                 does not explain it; the boxes may be for another size of the image
 exif_transposed        warning  the decoded size is width/height swapped and the EXIF orientation
@@ -34,6 +35,8 @@ bbox_clipped           warning  the box goes at most 2 px past the image; clippe
 bbox_looks_xywh        error    as xyxy the box is empty, but read as [x, y, w, h] it is a valid box
                                 inside the image; convert the file's boxes with boxes.xywh_to_xyxy
 phrase_empty           error    the phrase is empty, only whitespace, or not a string
+phrase_too_long        error    longer than 500 characters (records.MAX_PHRASE_CHARS, the server's
+                                limit too): a referring expression is a few words
 phrase_html            warning  HTML tags (``<b>``) or entities (``&amp;``); tags stripped,
                                 entities decoded
 phrase_control_chars   warning  control characters (``\\x07``, tabs, newlines); removed (whitespace
@@ -67,12 +70,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from stat import S_ISREG
 
-from PIL import Image
 
 from groundtune.boxes import MAX_RATIO, as_box, box_area, clip_box, xywh_to_xyxy
-from groundtune.data.records import (DataError, image_path, iter_jsonl, jsonl_file, missing_fields, record_size,
-                                     write_samples)
-from groundtune.files import cache_dir
+from groundtune.data.images import opened
+from groundtune.data.records import (MAX_PHRASE_CHARS, image_path, iter_jsonl, jsonl_file, missing_fields,
+                                     record_size, write_samples)
+from groundtune.files import cache_dir, path_problem
 from groundtune.progress import track
 
 ERROR, WARNING = "error", "warning"
@@ -85,8 +88,8 @@ KINDS: dict[str, tuple[str, str]] = {
     "missing_size": (WARNING, "width/height are filled in from the image in --fix-out."),
     "image_missing": (ERROR, "Put the image at the path given (relative to the JSONL folder) or fix `image`."),
     "image_unreadable": (ERROR, "The file is corrupt, truncated or not an image: re-download or re-encode it."),
-    "image_not_a_file": (ERROR, "The path is a folder, FIFO, socket or device, not an image file: point `image` "
-                                "at the file."),
+    "image_not_a_file": (ERROR, "The path is a folder, FIFO, socket or device, or no file can have it (a NUL "
+                                "byte, a name over 255 bytes): point `image` at the image file."),
     "size_mismatch": (ERROR, "The image's size disagrees with width/height: use the image the boxes were "
                              "drawn on, or fix width/height (and the boxes) in the record."),
     "exif_transposed": (WARNING, "Fine: the EXIF rotation is applied at load so the pixels match width/height."),
@@ -99,6 +102,8 @@ KINDS: dict[str, tuple[str, str]] = {
     "bbox_looks_xywh": (ERROR, "The box reads as [x, y, w, h]: convert the file's boxes to xyxy with "
                                "groundtune.boxes.xywh_to_xyxy ([x, y, x + w, y + h])."),
     "phrase_empty": (ERROR, "Write the referring expression, or drop the record."),
+    "phrase_too_long": (ERROR, f"Longer than {MAX_PHRASE_CHARS} characters: a referring expression is a few "
+                               "words; shorten it, or drop the record."),
     "phrase_html": (WARNING, "HTML tags are stripped and entities decoded in --fix-out."),
     "phrase_control_chars": (WARNING, "Control characters are removed in --fix-out."),
     "aspect_ratio": (ERROR, f"Longer side >= {MAX_RATIO}x the shorter: smart_resize refuses it; crop or "
@@ -234,10 +239,7 @@ def check_records(path: str | Path, cache: "ProbeCache | None" = None) -> Checke
     """Check every line of a canonical JSONL file (images decoded in parallel, what they showed
     cached); nothing is written."""
     path = jsonl_file(path)
-    try:
-        lines = list(iter_jsonl(path))
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text ({e}); re-save the file as UTF-8") from None
+    lines = list(iter_jsonl(path))  # a file that is not UTF-8 is a DataError naming line and byte
 
     # Many records share an image (RefCOCO: ~7 phrases per picture), so decode each one once.
     paths = {line.number: _image_file(line.record, path) for line in lines if line.record is not None}
@@ -288,6 +290,9 @@ def probe_images(paths: list[Path], cache: "ProbeCache") -> dict[Path, ImageInfo
     (in a thread pool, with a progress bar) and cached."""
     infos, stats = {}, {}
     for path in paths:
+        if path_problem(path):  # a NUL byte, a name too long: no file has it (stat would raise ValueError)
+            infos[path] = ImageInfo(error="image_not_a_file")
+            continue
         try:
             stat = path.stat()
         except FileNotFoundError:
@@ -349,9 +354,10 @@ class ProbeCache:
 
 
 def _probe_image(path: Path) -> ImageInfo:
-    """Decode one image to the last byte and note its size, mode and EXIF orientation."""
+    """Decode one image to the last byte and note its size, mode and EXIF orientation (the bytes
+    read bounded: images.opened)."""
     try:
-        with Image.open(path) as im:
+        with opened(path) as im:
             im.load()  # a truncated file only fails when the missing bytes are needed
             size, mode = im.size, im.mode
             try:
@@ -424,6 +430,8 @@ def check_phrase(record: dict, image: ImageInfo | None) -> list[Finding]:
         return []
     if not isinstance(phrase, str):
         return [("phrase_empty", None)]
+    if len(phrase) > MAX_PHRASE_CHARS:  # nothing else of it matters (nor is worth a regular expression's pass)
+        return [("phrase_too_long", None)]
     findings: list[Finding] = []
     if _CONTROL.search(phrase):
         phrase = _squeeze(_CONTROL.sub("", _CONTROL_SPACE.sub(" ", phrase)))

@@ -8,20 +8,107 @@ rotated away from their annotation.
 Images a stranger sends (the server's) are opened with ``open_untrusted``: a few plain formats
 only, their frame's size checked before a pixel is decoded, and ``decoding_bytes`` says what
 decoding one will hold in memory, before it is decoded.
+
+A file on disk is opened with the bytes read bounded (``opened``): its header must end within
+HEADER_BYTES, and decoding may read what its frame can take and no more. Pillow's JPEG reader skips
+bytes that are no marker one at a time, so a JPEG header followed by 10 GB of zeros (or a sparse
+file) read for ten minutes; bounded, it is refused in about a second.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from PIL import Image, ImageOps
 
-from groundtune.files import regular_file
+from groundtune.files import path_problem, regular_file
 
 from .records import DataError
+
+# The most bytes an image's header may take. A camera JPEG's is under 100 KB (EXIF, a thumbnail, an
+# ICC profile, XMP); Pillow skips junk a byte at a time, ~0.15 s a MB: a second at most.
+HEADER_BYTES = 8 * 2**20
+
+
+class ReadTooMuch(OSError):
+    """An image file read past what its header, or its frame, can take: damaged, or no image."""
+
+
+class _Bounded(io.RawIOBase):
+    """A file that raises ReadTooMuch once more than ``limit`` bytes have been read from it. No
+    ``fileno``: a decoder handed the descriptor (libtiff) would read past the count."""
+
+    def __init__(self, raw: io.FileIO, limit: int):
+        self.raw, self.limit, self.taken = raw, limit, 0
+        self.what = "the end of the image's header"  # what reading up to ``limit`` should have found
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = self.raw.readinto(buffer) or 0
+        self.taken += n
+        if self.taken > self.limit:
+            size = os.fstat(self.raw.fileno()).st_size
+            raise ReadTooMuch(f"read {self.taken:,} bytes of a {size:,}-byte file without finding {self.what}")
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self.raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+
+@contextlib.contextmanager
+def opened(path: str | Path) -> Iterator[Image.Image]:
+    """``path`` opened by Pillow (its header read, nothing decoded), the bytes it may read bounded:
+    HEADER_BYTES to open it, then as much again as its frame can take (twice its pixels' bytes) to
+    decode it; past either, a ReadTooMuch (an OSError, as any file that does not decode). A path no
+    file can have, or no regular file (a FIFO would block the open forever), is a DataError."""
+    problem = path_problem(path)
+    if problem:
+        raise DataError(f"image {problem}")
+    regular_file(path, "image")
+    with open(path, "rb", buffering=0) as raw:
+        bounded = _Bounded(raw, HEADER_BYTES)
+        try:
+            image = Image.open(io.BufferedReader(bounded, 2**16))
+        except Image.UnidentifiedImageError:  # said as Pillow says it for a path
+            raise Image.UnidentifiedImageError(f"cannot identify image file {str(path)!r}") from None
+        with image:
+            width, height = image.size
+            bounded.limit = bounded.taken + 2 * width * height * _bytes_per_pixel(image.mode) + HEADER_BYTES
+            bounded.what = f"the end of a {width}x{height} image"
+            yield image
+
+
+def png_info(software: str):
+    """What a PNG groundtune draws carries to say which command drew it (its "Software" text), so
+    that the next run of that command may replace it (``drawn_by``)."""
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    info.add_text("Software", software)
+    return info
+
+
+def drawn_by(path: str | Path, software: str) -> bool:
+    """Whether ``path`` is a PNG that ``software`` drew (``png_info``); anything unreadable is not."""
+    try:
+        with opened(path) as image:
+            return image.format == "PNG" and image.info.get("Software") == software
+    except Exception:  # a file that does not open is no drawing of ours
+        return False
 
 
 def header_size(path: str | Path) -> tuple[int, int]:
@@ -29,8 +116,7 @@ def header_size(path: str | Path) -> tuple[int, int]:
     a record without width/height is given. DataError naming the file when it cannot be read, or
     is not a regular file (a FIFO would block the open forever)."""
     try:
-        regular_file(path, "image")
-        with Image.open(path) as im:
+        with opened(path) as im:
             return im.size
     except DataError:
         raise
@@ -46,8 +132,7 @@ def load_image(path: str | Path, expected_size: tuple[int, int] | None = None) -
     with the recorded one in a way EXIF transposition does not explain.
     """
     try:
-        regular_file(path, "image")
-        with Image.open(path) as im:
+        with opened(path) as im:
             im.load()  # decode now: a truncated file fails here, not later in a worker
             image = im.copy()
     except FileNotFoundError:

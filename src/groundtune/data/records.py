@@ -10,6 +10,11 @@ One referring expression per line (design.md, "Canonical sample")::
 ``bboxes``, and ``"bboxes": []`` is a phrase with no target in its image (explicit: a record with
 neither field is incomplete, never "no target"). ``image`` is relative to the JSONL file's folder,
 or absolute. Extra fields pass through.
+
+What a file may hold is bounded before anything costs memory or time: a line of at most
+MAX_LINE_CHARS characters nested at most MAX_JSON_DEPTH deep, a phrase of at most
+MAX_PHRASE_CHARS (the server's limit too: deploy/limits.py reads it here), an image path a file
+can have (``record_problem``); a file that is not UTF-8 is named with line and byte offset.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from pathlib import Path
 from typing import IO, Callable, Iterable, Iterator
 
 from groundtune.boxes import as_box
-from groundtune.errors import DataError
-from groundtune.files import regular_file
+from groundtune.errors import DataError, shown
+from groundtune.files import not_utf8, path_problem, regular_file
 
 # What a canonical record must have (design.md); "bbox" stands for "bbox or bboxes".
 REQUIRED_FIELDS = ("id", "image", "width", "height", "phrase", "bbox")
@@ -33,9 +38,20 @@ REQUIRED_FIELDS = ("id", "image", "width", "height", "phrase", "bbox")
 # imports none of them: groundtune.data (the package) registers ``hf:`` (data/hub.py), which
 # writes its records through this module, so an import of it from here would close a circle.
 REMOTE_DATA: dict[str, Callable[[str], Path]] = {}
+# The longest phrase a record (and a request to the server: deploy/limits.py) may have. A referring
+# expression is a few words (RefCOCOg's longest: ~50); a 5 MB one made `predict` ask for a 25 GB
+# KV cache, and every prompt the model reads costs memory by its length.
+MAX_PHRASE_CHARS = 500
+# A canonical record nests 4 deep (a record's objects, a box): far deeper is no record, and Python's
+# JSON reader raises RecursionError past ~1,000 levels.
+MAX_JSON_DEPTH = 64
+# A record is a few hundred bytes (refgen's, with every box of its image, a few KB): a longer line
+# is read no further than this, so a file without newlines costs no more memory than this.
+MAX_LINE_CHARS = 16 * 2**20
 
-__all__ = ["DataError", "REQUIRED_FIELDS", "REMOTE_DATA", "Line", "jsonl_file", "iter_jsonl", "read_samples",
-           "missing_fields", "box_problem", "record_size", "sample_boxes", "image_path", "atomic_write", "dumps_sample",
+__all__ = ["DataError", "REQUIRED_FIELDS", "REMOTE_DATA", "MAX_PHRASE_CHARS", "MAX_JSON_DEPTH", "MAX_LINE_CHARS",
+           "Line", "jsonl_file", "iter_jsonl", "read_samples", "missing_fields", "box_problem", "record_problem",
+           "phrase_too_long", "record_size", "sample_boxes", "image_path", "atomic_write", "dumps_sample",
            "write_samples"]
 
 
@@ -67,22 +83,56 @@ def jsonl_file(path: str | Path) -> Path:
 
 
 def iter_jsonl(path: str | Path) -> Iterator[Line]:
-    """Yield every non-blank line of a JSONL file; a line that is not a JSON object is yielded
-    with ``error`` set instead of raising, so checks can count it and go on. A byte-order mark
-    (which Windows editors write) is read as one, not as text that breaks the first line."""
-    with open(jsonl_file(path), encoding="utf-8-sig") as f:
-        for number, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
+    """Yield every non-blank line of a JSONL file; a line that is not a JSON object (or longer than
+    MAX_LINE_CHARS, or nested deeper than MAX_JSON_DEPTH) is yielded with ``error`` set instead of
+    raising, so checks can count it and go on. A byte-order mark (which Windows editors write) is
+    read as one, not as text that breaks the first line. A file that is not UTF-8 raises a
+    DataError naming the line and byte offset (``files.not_utf8``)."""
+    file = jsonl_file(path)
+    with open(file, encoding="utf-8-sig") as f:
+        number = 0
+        while True:
             try:
-                record = json.loads(text)
-            except json.JSONDecodeError as e:
-                yield Line(number, None, f"not valid JSON ({e.msg} at column {e.colno})")
-                continue
-            if not isinstance(record, dict):
-                yield Line(number, None, f"a JSON {type(record).__name__}, not an object")
-                continue
-            yield Line(number, record)
+                text = f.readline(MAX_LINE_CHARS + 1)
+            except UnicodeDecodeError:
+                raise not_utf8(file) from None
+            if not text:
+                return
+            number += 1
+            if len(text) > MAX_LINE_CHARS:
+                while text and not text.endswith("\n"):  # the rest of the line, read and dropped
+                    text = f.readline(MAX_LINE_CHARS)
+                yield Line(number, None, f"a line longer than {MAX_LINE_CHARS:,} characters: no record is that long")
+            elif text.strip():
+                yield _decoded(number, text)
+
+
+def _decoded(number: int, text: str) -> Line:
+    """One non-blank line as a record, or with ``error`` saying why it is none."""
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        return Line(number, None, f"not valid JSON ({e.msg} at column {e.colno})")
+    except RecursionError:  # nested past what Python's reader goes (~1,000 levels)
+        return Line(number, None, f"nested deeper than {MAX_JSON_DEPTH} levels (a record nests 4)")
+    if not isinstance(record, dict):
+        return Line(number, None, f"a JSON {type(record).__name__}, not an object")
+    # counting brackets is cheap; only a line with many is walked for its depth
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _depth(record) > MAX_JSON_DEPTH:
+        return Line(number, None, f"nested deeper than {MAX_JSON_DEPTH} levels (a record nests 4)")
+    return Line(number, record)
+
+
+def _depth(value) -> int:
+    """How deep lists and objects nest in ``value`` (a number: 0, [1]: 1), walked without recursion
+    and no further than MAX_JSON_DEPTH + 1."""
+    deepest, todo = 0, [(value, 0)]
+    while todo and deepest <= MAX_JSON_DEPTH:
+        item, depth = todo.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth + 1)
+            todo.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def read_samples(path: str | Path) -> list[dict]:
@@ -99,11 +149,31 @@ def read_samples(path: str | Path) -> list[dict]:
                 f"{path}:{line.number}: missing field(s) {', '.join(missing)}; "
                 f"convert the file with `groundtune data convert --from jsonl`"
             )
-        problem = box_problem(line.record)
+        problem = box_problem(line.record) or record_problem(line.record)
         if problem:
             raise DataError(f"{path}:{line.number}: {problem}; run `groundtune data check {path}`")
         samples.append(line.record)
     return samples
+
+
+def record_problem(record: dict) -> str | None:
+    """What no command can use in a record whose fields are there, or None: an image path no file
+    can have (a NUL byte, a name too long: ``files.path_problem``), a phrase longer than
+    MAX_PHRASE_CHARS. The one rule for eval, predict, convert and refgen, which refuse the line,
+    and `data check` (and train), which count it (image_not_a_file, phrase_too_long)."""
+    image = record.get("image")
+    problem = path_problem(image) if isinstance(image, str) else None
+    if problem:
+        return f"image {problem}"
+    phrase = record.get("phrase")
+    if isinstance(phrase, str) and len(phrase) > MAX_PHRASE_CHARS:
+        return phrase_too_long(phrase)
+    return None
+
+
+def phrase_too_long(phrase: str) -> str:
+    return (f"phrase {shown(phrase, 40)} is longer than {MAX_PHRASE_CHARS} characters, the most a phrase may be (a "
+            "referring expression is a few words)")
 
 
 def missing_fields(record: dict, fields: Iterable[str] = REQUIRED_FIELDS) -> list[str]:

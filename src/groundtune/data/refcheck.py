@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from groundtune.boxes import as_box
+from groundtune.errors import shown
 from groundtune.progress import track
 
 from .records import iter_jsonl, write_samples
@@ -455,7 +456,7 @@ class RefsReport:
                  f"{self.failed} do not"]
         lines += [f"  {v:<11} {self.counts.get(v, 0):>8}" for v in VERDICTS]
         for p in self.problems[:show]:
-            lines.append(f"  line {p['line']}: {p['verdict']}: {p['phrase']!r} ({p['reason']})")
+            lines.append(f"  line {p['line']}: {p['verdict']}: {shown(p['phrase'], 100)} ({p['reason']})")
         if len(self.problems) > show:
             lines.append(f"  ... and {len(self.problems) - show} more (--json lists them all)")
         return "\n".join(lines)

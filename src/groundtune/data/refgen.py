@@ -100,11 +100,12 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from groundtune.boxes import as_box, box_area, box_centre, xywh_to_xyxy
-from groundtune.errors import ConfigError
+from groundtune.errors import ConfigError, shown
+from groundtune.files import path_problem
 from groundtune.progress import track
 
 from .images import header_size
-from .records import DataError, image_path, iter_jsonl, jsonl_file, record_size
+from .records import MAX_PHRASE_CHARS, DataError, image_path, iter_jsonl, jsonl_file, record_size
 from .refexp import (
     EXTREME_TEXTS,
     FAR_FRAC,
@@ -136,6 +137,9 @@ KINDS = BOX_KINDS + SET_KINDS + ("none",)
 NONE_PER_IMAGE = 1
 
 ATTRIBUTE_FIELD = "attributes"  # the annotation's field of a box's attribute words, unless the caller names another
+# The longest label or attribute word taken: a phrase holds at most two of each and a few words
+# around them, so every phrase stays within the limit every record's has (records.MAX_PHRASE_CHARS)
+MAX_WORDS_CHARS = MAX_PHRASE_CHARS // 5
 
 # What "clearly" means (MARGIN_FRAC, SIZE_RATIO, NEAR_FRAC, FAR_FRAC) and MIN_SIZE_PX belong to the
 # language, refexp.py, which refcheck.py reads too. The two below are this generator's own rules,
@@ -186,7 +190,7 @@ def parse_kinds(text: str) -> dict[str, float]:
         try:
             kinds[name.strip()] = float(weight) if weight else 1.0
         except ValueError:
-            raise ConfigError(f"--kinds: {part!r}: the weight after '=' must be a number") from None
+            raise ConfigError(f"--kinds: {shown(part)}: the weight after '=' must be a number") from None
     return kinds
 
 
@@ -244,14 +248,20 @@ def _attributes(value, where: str) -> tuple[str, ...] | None:
         return None
     words = [value] if isinstance(value, str) else value
     if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
-        raise DataError(f"{where}: attributes {value!r} must be a string or a list of strings")
+        raise DataError(f"{where}: attributes {shown(value)} must be a string or a list of strings")
+    if any(len(w) > MAX_WORDS_CHARS for w in words):
+        raise DataError(f"{where}: attributes {shown(value, 40)} hold one longer than {MAX_WORDS_CHARS} characters; "
+                        "an attribute is a word or two")
     # one lower-case spelling, so "Red" and "red " are the same word to every check
     return tuple(dict.fromkeys(" ".join(w.lower().split()) for w in words if w.strip()))
 
 
 def _label(value, where: str) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise DataError(f"{where}: label {value!r} must be a non-empty string")
+        raise DataError(f"{where}: label {shown(value)} must be a non-empty string")
+    if len(value) > MAX_WORDS_CHARS:  # every phrase holds it: it would be longer than a phrase may be
+        raise DataError(f"{where}: label {shown(value, 40)} is longer than {MAX_WORDS_CHARS} characters; a label is "
+                        "a category's name")
     return " ".join(value.lower().split())
 
 
@@ -298,6 +308,9 @@ def from_jsonl(path: str | Path, out: str | Path, attribute_field: str = ATTRIBU
         r = line.record
         if not isinstance(r.get("image"), str) or not r["image"]:
             raise DataError(f"{where}: no image")
+        problem = path_problem(r["image"])
+        if problem:
+            raise DataError(f"{where}: image {problem}")
         objects = _line_objects(r, where, attribute_field)
         key = r["image"]
         if key not in images:
@@ -334,7 +347,7 @@ def _line_objects(r: dict, where: str, attribute_field: str) -> list[Obj]:
     for box, label, attrs, crowd in rows:
         xyxy = as_box(box)
         if xyxy is None or xyxy[2] <= xyxy[0] or xyxy[3] <= xyxy[1]:
-            raise DataError(f"{where}: box {box!r} is not [x1, y1, x2, y2] with x2 > x1 and y2 > y1")
+            raise DataError(f"{where}: box {shown(box)} is not [x1, y1, x2, y2] with x2 > x1 and y2 > y1")
         objects.append(Obj(tuple(xyxy), _label(label, where), _attributes(attrs, where), bool(crowd)))
     return objects
 

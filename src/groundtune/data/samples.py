@@ -25,7 +25,7 @@ from PIL import Image
 from groundtune.data import synth
 from groundtune.data.images import load_image
 from groundtune.data.records import image_path, read_samples, record_size
-from groundtune.errors import ConfigError
+from groundtune.errors import ConfigError, shown
 
 SYNTH_PREFIX = "synth:"
 SYNTH_STREAM_LENGTH = 2**62  # "endless": a run stops at max_steps long before
@@ -51,7 +51,7 @@ class FileSamples:
 
     def where(self, index: int) -> str:
         """Sample ``index`` for an error message: its id and image file."""
-        return f"{self.data_path}: sample {self.samples[index].get('id')!r} ({self.image_file(index)})"
+        return f"{self.data_path}: sample {shown(self.samples[index].get('id'))} ({self.image_file(index)})"
 
 
 class SyntheticStream:
@@ -67,11 +67,11 @@ class SyntheticStream:
         try:
             self.canvas = synth.parse_canvas(canvas) if canvas else None
         except ValueError as e:
-            raise ConfigError(f"train_data=synth:{spec}: {e}") from None
+            raise ConfigError(f"train_data=synth:{shown(spec)}: {e}") from None
         self.spec, self.tasks = spec, tasks.split("+")
         for task in self.tasks:
             if task not in synth.TASKS:
-                raise ConfigError(f"train_data=synth:{spec}: unknown task {task!r}; expected one of "
+                raise ConfigError(f"train_data=synth:{shown(spec)}: unknown task {shown(task)}; expected one of "
                                  f"{', '.join(SYNTH_PREFIX + t for t in synth.TASKS)}, or several joined by +, "
                                  "then optionally @MIN-MAX (canvas sides in px)")
         self.seed = seed

@@ -17,13 +17,14 @@ from pathlib import Path
 from PIL import Image, ImageDraw, ImageFont
 
 from groundtune.boxes import ResizeSpec, Size, original_to_resized, scale_box
-from groundtune.data.images import load_image
+from groundtune.data.images import load_image, png_info
 from groundtune.data.records import DataError, Line, atomic_write, image_path, iter_jsonl, sample_boxes
 
 THUMB = 224  # each picture is fitted into a THUMB x THUMB panel
 PAD = 8
 LINE_H = 16
 TEXT_LINES = 4  # phrase (2 lines), sizes, model box
+DRAWN_BY = "groundtune data show"  # in the PNG it writes: a later show may replace it (images.drawn_by)
 CELL_W = 2 * THUMB + 3 * PAD
 CELL_H = PAD + THUMB + PAD + TEXT_LINES * LINE_H + PAD
 BOX_COLOUR = (255, 0, 255)  # magenta: unlike every synthetic colour and most photos
@@ -88,7 +89,7 @@ def _sample_cell(record: dict, jsonl_path: Path, resize: ResizeSpec, font) -> Im
     _panel(cell, PAD, PAD, image, boxes)
     _panel(cell, 2 * PAD + THUMB, PAD, model_image, model_boxes)
     draw = ImageDraw.Draw(cell)
-    lines = textwrap.wrap(str(record.get("phrase", "")), width=64)[:2]
+    lines = textwrap.wrap(str(record.get("phrase", ""))[:200], width=64)[:2]  # two lines of it: what fits
     lines += [""] * (2 - len(lines))
     lines.append(f"original {original[0]}x{original[1]}  ->  model {resized[0]}x{resized[1]}  ({record.get('id', '')})")
     lines.append(("model boxes: " + " ".join(_fmt(b) for b in model_boxes)) if model_boxes
@@ -149,5 +150,5 @@ def show_grid(
 
     out_png = Path(out_png)
     with atomic_write(out_png, "wb") as f:
-        grid.save(f, format="PNG")
+        grid.save(f, format="PNG", pnginfo=png_info(DRAWN_BY))
     return out_png

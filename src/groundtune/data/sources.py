@@ -40,12 +40,13 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from groundtune.boxes import as_box, xywh_to_xyxy
-from groundtune.files import regular_file
+from groundtune.errors import shown
+from groundtune.files import not_utf8, regular_file
 from groundtune.progress import track
 
 from .images import header_size
-from .records import (DataError, atomic_write, image_path, iter_jsonl, jsonl_file, missing_fields, record_size,
-                      write_samples)
+from .records import (DataError, atomic_write, image_path, iter_jsonl, jsonl_file, missing_fields, record_problem,
+                      record_size, write_samples)
 
 
 def _sample(id, image, width, height, phrase, bbox, split, source, box_key="bbox", **extras) -> dict:
@@ -83,6 +84,10 @@ def load_instances(path: str | Path) -> tuple[dict, dict]:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); is it COCO instances.json?") from None
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
+    except RecursionError:  # Python's reader stops at ~1,000 levels; COCO's nest 4
+        raise DataError(f"{path}: nested deeper than Python's JSON reader goes; is it COCO instances.json?") from None
     if not isinstance(data, dict) or "images" not in data or "annotations" not in data:
         raise DataError(f"{path}: not a COCO instances file (needs 'images' and 'annotations')")
     return data, {im["id"]: im for im in data["images"]}
@@ -185,11 +190,11 @@ def _gref_ann_ids(ref: dict, where: str) -> list[int]:
     value = ref["ann_id"]
     ids = value if isinstance(value, list) else [value]
     if not ids or not all(isinstance(a, int) and not isinstance(a, bool) for a in ids) or (-1 in ids and len(ids) > 1):
-        raise DataError(f"{where}: ann_id {value!r} is not a list of annotation ids ([-1] for no target)")
+        raise DataError(f"{where}: ann_id {shown(value)} is not a list of annotation ids ([-1] for no target)")
     no_target = ids == [-1]
     flag = ref.get("no_target")
     if flag is not None and flag is not no_target:
-        raise DataError(f"{where}: no_target is {flag!r} but ann_id is {value!r}; they disagree")
+        raise DataError(f"{where}: no_target is {shown(flag)} but ann_id is {shown(value)}; they disagree")
     return [] if no_target else ids
 
 
@@ -204,7 +209,9 @@ def _load_grefs(path: str | Path) -> list[dict]:
     try:
         with open(path, encoding="utf-8-sig") as f:
             refs = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
+    except (json.JSONDecodeError, RecursionError) as e:
         raise DataError(f"{path}: not valid JSON ({e}); expected gRefCOCO's grefs(unc).json, a list of refs") from None
     if not isinstance(refs, list):
         raise DataError(f"{path}: a JSON {type(refs).__name__}, not a list of refs; expected gRefCOCO's grefs(unc).json")
@@ -381,7 +388,7 @@ def parquet_samples(tables: Iterable[RowBatches], images_out: str | Path, out: s
         where = f"{table.name}: row {row}"
         bbox = record["bbox"]
         if not isinstance(bbox, list) or len(bbox) != 4 or any(v is None for v in bbox):
-            raise DataError(f"{where}: bbox {bbox!r} is not 4 numbers (x, y, width, height)")
+            raise DataError(f"{where}: bbox {shown(bbox)} is not 4 numbers (x, y, width, height)")
         file, width, height = _store_image(_image_bytes(record["image"], where), images_out, seen, where)
         image = image_ref(file, out) if out is not None else os.path.abspath(file)
         answer = record["answer"]
@@ -428,9 +435,9 @@ def coco_annotations(data: dict, image_by_id: dict, names: dict, instances) -> d
         where = f"{instances}: annotation {ann.get('id')}"
         if ann.get("image_id") not in image_by_id or ann.get("category_id") not in names:
             what = "image_id" if ann.get("image_id") not in image_by_id else "category_id"
-            raise DataError(f"{where} names {what} {ann.get(what)!r}, which this file does not define")
+            raise DataError(f"{where} names {what} {shown(ann.get(what))}, which this file does not define")
         if as_box(ann.get("bbox")) is None:
-            raise DataError(f"{where}: bbox {ann.get('bbox')!r} is not 4 numbers (x, y, width, height)")
+            raise DataError(f"{where}: bbox {shown(ann.get('bbox'))} is not 4 numbers (x, y, width, height)")
         by_image[ann["image_id"]].append(ann)
     return by_image
 
@@ -531,8 +538,8 @@ def convert_jsonl(path: str | Path, out: str | Path) -> int:
     ``path`` and written for ``out``. The first bad line raises, naming file and line.
     """
     path = jsonl_file(path)
-    with open(path, "rb") as f:
-        total = sum(1 for _ in f)  # one quick pass buys the progress bar an ETA
+    with open(path, "rb") as f:  # one quick pass buys the progress bar an ETA (by blocks: a line may be huge)
+        total = sum(block.count(b"\n") for block in iter(lambda: f.read(2**20), b""))
 
     def fail(number: int, problem: str) -> NoReturn:
         raise DataError(f"{path}:{number}: {problem}; run `groundtune data check {path}` to see every problem")
@@ -545,26 +552,29 @@ def convert_jsonl(path: str | Path, out: str | Path) -> int:
             missing = missing_fields(r, ("image", "phrase"))  # id and width/height are filled in
             if missing or not isinstance(r["phrase"], str) or not r["phrase"].strip():
                 fail(n, f"no {(missing or ['phrase'])[0]}")
+            problem = record_problem(r)
+            if problem:
+                fail(n, problem)
             if ("bbox" in r) == ("bboxes" in r):
                 fail(n, "needs exactly one of bbox or bboxes")
             key = "bbox" if "bbox" in r else "bboxes"
             if key == "bbox":
                 value = _box(r["bbox"])
                 if value is None:
-                    fail(n, f"bbox {r['bbox']!r} is not 4 numbers (x1, y1, x2, y2 in pixels)")
+                    fail(n, f"bbox {shown(r['bbox'])} is not 4 numbers (x1, y1, x2, y2 in pixels)")
             else:  # a list of boxes; [] is a phrase with no target in the image
                 if not isinstance(r["bboxes"], list):
-                    fail(n, f"bboxes {r['bboxes']!r} is not a list of boxes ([] for a phrase with no target)")
+                    fail(n, f"bboxes {shown(r['bboxes'])} is not a list of boxes ([] for a phrase with no target)")
                 value = [_box(b) for b in r["bboxes"]]
                 if None in value:
                     k = value.index(None)
-                    fail(n, f"bboxes[{k}] {r['bboxes'][k]!r} is not 4 numbers (x1, y1, x2, y2 in pixels)")
+                    fail(n, f"bboxes[{k}] {shown(r['bboxes'][k])} is not 4 numbers (x1, y1, x2, y2 in pixels)")
             image = image_path(r, path)
             if not image.is_file():
                 fail(n, f"image file {image} not found")
             size = record_size(r)
             if any(key in r and missing_fields(r, (key,)) for key in ("width", "height")):
-                fail(n, f"width/height {r.get('width')!r}/{r.get('height')!r} are not positive integers")
+                fail(n, f"width/height {shown(r.get('width'))}/{shown(r.get('height'))} are not positive integers")
             width, height = size or (None, None)
             if size is None:
                 try:

@@ -23,6 +23,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -34,7 +35,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from groundtune.boxes import box_centre
-from groundtune.data.records import DataError, write_samples
+from groundtune.data.records import DataError, iter_jsonl, write_samples
+from groundtune.errors import shown
 from groundtune.files import regular_file
 from groundtune.progress import progress_bar
 
@@ -439,9 +441,9 @@ def parse_canvas(text: str) -> tuple[int, int]:
     try:
         sides = (int(low), int(high or low))
     except ValueError:
-        raise ValueError(f"canvas {text!r}: expected MIN-MAX pixels, e.g. 112-224") from None
+        raise ValueError(f"canvas {shown(text)}: expected MIN-MAX pixels, e.g. 112-224") from None
     if not 8 <= sides[0] <= sides[1]:
-        raise ValueError(f"canvas {text!r}: need 8 <= MIN <= MAX")
+        raise ValueError(f"canvas {shown(text)}: need 8 <= MIN <= MAX")
     return sides
 
 
@@ -568,19 +570,33 @@ def _write_chunk(job: tuple) -> list[dict]:
     return records
 
 
-def _not_someone_elses(jsonl: Path) -> None:
-    """A JSONL file synth would replace must be one it wrote: a user's own data of that split name
-    is refused (a command never writes over what it did not write)."""
+def _previous_images(jsonl: Path, split: str, overwrite: bool) -> set[str]:
+    """The images a synthetic set already at ``jsonl`` names (relative to its folder), which a new
+    set written there replaces. A user's own data of that split name is refused whatever
+    ``overwrite`` says (a command never writes over what it did not write); a previous synthetic set
+    only with ``overwrite`` (a set of 20 written over one of 10,000 cut it silently)."""
     if not jsonl.exists():
-        return
+        return set()
     try:
         with open(regular_file(jsonl, "JSONL file"), encoding="utf-8-sig") as f:
-            first = json.loads(f.readline() or "null")
-    except (OSError, ValueError):
+            first = json.loads(f.readline(2**20) or "null")
+    except (OSError, ValueError, RecursionError):
         first = None
-    if not (isinstance(first, dict) and first.get("source") == "synth") and jsonl.stat().st_size:
+    if not jsonl.stat().st_size:
+        return set()
+    if not (isinstance(first, dict) and first.get("source") == "synth"):
         raise DataError(f"{jsonl} exists and was not written by `groundtune data synth`: it would be replaced; "
                         "choose another --out (or --split)")
+    if not overwrite:
+        raise DataError(f"{jsonl} holds a synthetic set already: give --overwrite to replace it (its images too), or "
+                        "choose another --out (or --split)")
+    ours = re.compile(rf"images/{re.escape(split)}-\d{{7}}\.png")  # only what synth names: nothing else is removed
+    try:
+        return {line.record["image"] for line in iter_jsonl(jsonl)
+                if line.record is not None and isinstance(line.record.get("image"), str)
+                and ours.fullmatch(line.record["image"])}
+    except DataError:  # not UTF-8 any more: its images stay where they are
+        return set()
 
 
 def make_synthetic_set(
@@ -594,12 +610,15 @@ def make_synthetic_set(
     workers: int = 0,
     palette: Palette = DEFAULT_PALETTE,
     canvas: tuple[int, int] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``out_dir/{split}.jsonl`` and ``out_dir/images/{split}-{index:07d}.png``; return the
     JSONL path. ``canvas``: (MIN, MAX), each sample's sides drawn from it instead of width x height.
     workers=0: one process per CPU core. The same arguments give byte-identical files
     whatever the number of workers. The JSONL is written last and atomically: it exists only when
-    every image it names does."""
+    every image it names does. A set already there is replaced only with ``overwrite`` (its images
+    the new one does not write are removed after the new JSONL is in place); a file of that name
+    that synth did not write, never."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if task not in TASKS:
@@ -607,7 +626,7 @@ def make_synthetic_set(
     if min(width, height, *(canvas or (8,))) < 8:
         raise ValueError(f"canvas {canvas or (width, height)} is too small; use at least 8x8")
     out_dir = Path(out_dir)
-    _not_someone_elses(out_dir / f"{split}.jsonl")
+    previous = _previous_images(out_dir / f"{split}.jsonl", split, overwrite)
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
     workers = workers or os.cpu_count() or 1
     workers = max(1, min(workers, n)) if n else 1
@@ -639,4 +658,6 @@ def make_synthetic_set(
     with progress_bar() as bar:
         task_id = bar.add_task(f"synth {split}", total=n, info=f"{workers} worker(s)")
         write_samples(path, records(bar, task_id))
+    for stale in previous - {f"images/{split}-{i:07d}.png" for i in range(n)}:
+        (out_dir / stale).unlink(missing_ok=True)  # the replaced set's, named by nothing now
     return path

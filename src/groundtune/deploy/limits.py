@@ -8,7 +8,8 @@ import math
 from dataclasses import dataclass, field, fields
 
 from groundtune.config import InferSettings
-from groundtune.errors import ConfigError
+from groundtune.data.records import MAX_PHRASE_CHARS
+from groundtune.errors import ConfigError, shown
 
 MB = 2**20  # a Limits field counted in bytes (*_bytes) is a flag in MB: max_body_bytes is --max-body-mb
 
@@ -51,10 +52,11 @@ class Limits:
                                              "what its image takes (a 50 MP 16-bit PNG: 367 MB; one larger than all "
                                              "of it is decoded alone)")
     max_phrases: int = _limit(16, "phrases per request")
-    max_phrase_chars: int = _limit(500, "longest phrase, in characters")
+    # the limit every file's phrases have (data/records.py), the default of the server's
+    max_phrase_chars: int = _limit(MAX_PHRASE_CHARS, "longest phrase, in characters")
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value, least = getattr(self, f.name), f.metadata["least"]
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= least):
-                raise ConfigError(f"{flag(f.name)} must be a number of at least {least:g}, got {value!r}")
+                raise ConfigError(f"{flag(f.name)} must be a number of at least {least:g}, got {shown(value)}")

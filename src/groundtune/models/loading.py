@@ -24,7 +24,7 @@ import torch
 
 from groundtune import families
 from groundtune.boxes import ResizeSpec
-from groundtune.errors import ConfigError, MissingError, MissingPackageError, ModelError
+from groundtune.errors import ConfigError, MissingError, MissingPackageError, ModelError, shown
 from groundtune.models import head, qwen
 from groundtune.runs import METADATA_FILE, RunFolder, is_run
 
@@ -69,7 +69,7 @@ def pick_device(device: str = "auto") -> torch.device:
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise ConfigError(f"device={device!r}: expected auto, cpu, cuda or cuda:N") from None
+        raise ConfigError(f"device={shown(device)}: expected auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={device}: this machine has no CUDA GPU that PyTorch {torch.__version__} can use; "
                           "use device=cpu (or auto)")

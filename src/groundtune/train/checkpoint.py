@@ -3,8 +3,9 @@ folder users load (RUN/checkpoints/step-000100/, RUN/model/, RUN/.lock: the layo
 groundtune/runs.py's).
 
 Every folder is written under a temporary name and renamed into place, so a kill -9 at any moment
-leaves the previous checkpoint intact and never a half-written one under a real name. A write the
-disk refuses is a DiskFullError saying how much was needed where, and leaves nothing half-written.
+leaves the previous checkpoint intact and never a half-written one under a real name. A write that
+fails (a full disk, a quota, ``ulimit -f``) is a DiskFullError of one line saying how much was needed
+where and which checkpoint is the last good one, and leaves nothing half-written.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import functools
 import json
 import os
 import random
+import resource
 import shutil
 import socket
 import time
@@ -88,21 +90,38 @@ class RunLock:
 
 
 @contextlib.contextmanager
-def _refused_writes_named(target: Path, needed_bytes: int):
-    """A write the disk refused (no space, a quota, a file-size limit; torch.save reports it as a
-    RuntimeError) becomes a DiskFullError naming the folder, what it needed and what is free."""
+def _refused_writes_named(target: Path, needed_bytes: int, run: Path):
+    """A write that failed (no space, a quota, a file-size limit: torch.save says "file write
+    failed", or only "unexpected pos" when the file came out short; safetensors "I/O error") becomes
+    a DiskFullError of one line: where, what it needed and what is free, and that nothing was lost,
+    naming the last good checkpoint. The block holds writes only (what they write is made before
+    it), so any OSError or RuntimeError in it is a write that failed, not a bug to trace."""
+    from safetensors import SafetensorError
+
     try:
         yield
-    except Exception as e:  # OSError; torch.save's RuntimeError; safetensors' own error type
-        text = str(e)
+    except (OSError, RuntimeError, SafetensorError) as e:
+        text = str(e).strip()
         refused = (isinstance(e, OSError) and e.errno in _FULL) or any(sign in text for sign in _FULL_SIGNS)
-        if not refused:
-            raise
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:  # ulimit -f: a file larger than this is refused whatever the disk has
+            refused, limited = True, f", and no file here may be over {limit / 2**20:.1f} MiB (ulimit -f)"
+        else:
+            limited = ""
         free = shutil.disk_usage(target.parent if target.parent.exists() else Path.cwd()).free
+        earlier = list_checkpoints(run)
+        way_out = "Free some space (or set out_dir on another disk), then"
+        way_out = (f"nothing is lost: {earlier[-1]} is the last good checkpoint. {way_out} --resume {run} goes on "
+                   "from it" if earlier else f"no checkpoint was written before it. {way_out} start the run again")
+        reason = (text.splitlines() or [type(e).__name__])[-1].strip()[:160]
         raise DiskFullError(
-            f"could not write {target}: the disk refused it ({text.splitlines()[-1].strip()[:160]}); it needs about "
-            f"{needed_bytes / 2**30:.2f} GiB and {free / 2**30:.2f} GiB is free there. Free some space or set "
-            "out_dir on another disk, then resume; the run's earlier checkpoints are intact") from None
+            f"could not write {target}: {'the disk refused it' if refused else 'the write failed'} ({reason}); it "
+            f"needs about {_amount(needed_bytes)} and {_amount(free)} is free there{limited}; {way_out}") from None
+
+
+def _amount(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+
 
 def _replace_dir(tmp: Path, final: Path) -> None:
     """Move a finished folder into place; the old one is removed only after the new one is whole.
@@ -176,12 +195,14 @@ def save_checkpoint(run: Path, model, optimizer, scheduler, state: dict, keep_la
     trainable = weights if weights is not None else {
         n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
     size = sum(t.numel() * t.element_size() for t in trainable.values())
+    optimizer_state = optimizer_state if optimizer_state is not None else optimizer.state_dict()
+    scheduler_state, rng = scheduler.state_dict(), rng if rng is not None else rng_state()
     try:
-        with _refused_writes_named(final, needed_bytes=3 * size):  # weights + Adam's two moments
+        with _refused_writes_named(final, 3 * size, run):  # weights + Adam's two moments
             save_file(trainable, tmp / "trainable.safetensors")
-            torch.save(optimizer_state if optimizer_state is not None else optimizer.state_dict(), tmp / "optimizer.pt")
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-            torch.save(rng if rng is not None else rng_state(), tmp / "rng.pt")
+            torch.save(optimizer_state, tmp / "optimizer.pt")
+            torch.save(scheduler_state, tmp / "scheduler.pt")
+            torch.save(rng, tmp / "rng.pt")
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays, not even under a hidden name
@@ -258,7 +279,7 @@ def save_model(run: Path, gm: GroundingModel, model, extra: dict | None = None,
         weights = {k: v for k, v in everything.items() if not k.startswith(f"{head.ATTRIBUTE}.")}
     whole = {"state_dict": weights} if weights is not None else {}
     try:
-        with _refused_writes_named(final, needed_bytes=sum(p.numel() * p.element_size() for p in saved)):
+        with _refused_writes_named(final, sum(p.numel() * p.element_size() for p in saved), run):
             # an adapter model saves its trained adapter only (RL may hold a frozen reference copy beside it)
             model.save_pretrained(tmp, **({"selected_adapters": ["default"]} if adapter else {}), **whole)
             if box_head is not None:
