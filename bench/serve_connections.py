@@ -28,7 +28,8 @@ end), RSS idle / peak / after (and after minus idle), the log's bytes, and the s
 (issue 48): /health within 2 s throughout, the log under 1 MB, RSS after within 50 MB of idle.
 
 ``--old-src DIR`` runs the ``once`` attack against another source tree too (PYTHONPATH=DIR, e.g.
-``git archive COMMIT src | tar -x -C /tmp/old-gt``): the before figures.
+a clone at an older commit: ``git clone -q . /tmp/old-gt && git -C /tmp/old-gt checkout COMMIT``,
+then ``--old-src /tmp/old-gt/src``): the before figures, with the clone's commit.
 """
 
 from __future__ import annotations
@@ -311,6 +312,8 @@ def main() -> None:
         result["runs"][name]["load_average_1min"] = [round(load, 2), round(os.getloadavg()[0], 2)]
         if src is not None:
             result["runs"][name]["src"] = str(src)
+            result["runs"][name]["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=src, capture_output=True,
+                                                            text=True).stdout.strip() or None
         print(name, json.dumps({k: v for k, v in result["runs"][name].items() if k != "log_head"}), flush=True)
         if args.out:
             args.out.write_text(json.dumps(stamped(result), indent=1) + "\n")
