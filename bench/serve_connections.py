@@ -223,7 +223,8 @@ def attack(url: str, pid: int, args, reopen: bool) -> dict:
     shares = [args.connections // args.holders + (i < args.connections % args.holders) for i in range(args.holders)]
     opened = [context.Event() for _ in shares]
     holders = [context.Process(target=_hold, args=(n, port, f"127.0.0.{2 + i}", args.trickle_s, reopen, args.hold_s,
-                                                   args.holders_nice, opened[i], release, results)) for i, n in enumerate(shares)]
+                                                   args.holders_nice, opened[i], release, results))
+               for i, n in enumerate(shares)]
     start = time.perf_counter()
     for holder in holders:  # forked before the watching thread starts: a fork copies no running thread
         holder.start()

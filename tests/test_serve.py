@@ -756,7 +756,8 @@ def test_the_openai_client_streams(server):
                                                   stream_options={"include_usage": True}))
     *answer, usage = counted
     assert usage.choices == [] and usage.usage.completion_tokens == 3
-    assert usage.usage.prompt_tokens == whole.usage.prompt_tokens and usage.usage.total_tokens == 3 + whole.usage.prompt_tokens
+    assert usage.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.usage.total_tokens == 3 + whole.usage.prompt_tokens
     assert all(c.usage is None for c in answer) and answer[-1].choices[0].finish_reason == "length"
     assert "groundtune" in answer[-1].model_extra
     assert whole.choices[0].message.content.startswith("".join(c.choices[0].delta.content or "" for c in answer))
@@ -880,7 +881,8 @@ def _answer_on(sock) -> bytes:
     while b"\r\n\r\n" not in said:
         said += sock.recv(65536)
     head, _, body = said.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
     while len(body) < length:
         body += sock.recv(65536)
     return head
@@ -926,14 +928,15 @@ def test_a_connection_cap_refuses_cleanly_and_makes_room():
     try:
         busy = [_connect(url) for _ in range(2)]
         for sock in busy:
-            sock.sendall(HEAD.replace(b"Authorization: Bearer KEY\r\n", b"") + b"Content-Length: 1000\r\n\r\n{\"image\": \"")
+            sock.sendall(HEAD.replace(b"Authorization: Bearer KEY\r\n", b"") + b'Content-Length: 1000\r\n\r\n{"image": "')
         time.sleep(0.5)  # their headers read: each is busy with its request
         start = time.monotonic()
         said = _rest(_connect(url))
         assert time.monotonic() - start < 2
         head, _, body = said.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in head.lower(), said
-        assert json.loads(body)["error"]["type"] == "server_busy" and "--max-connections" in json.loads(body)["error"]["message"]
+        error = json.loads(body)["error"]
+        assert error["type"] == "server_busy" and "--max-connections" in error["message"]
 
         busy[0].close()  # the server sees it leave (a 499): one place free
         time.sleep(0.5)

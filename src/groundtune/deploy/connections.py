@@ -5,7 +5,9 @@ stays open for good (its keep-alive timer starts only after a first answer, and 
 restarts it). Some 20,000 such connections filled the server's open-file limit; from then on
 asyncio logged a traceback for every accept that failed (91 MB of log in a minute), /health timed
 out, and the process stayed 94 MB larger. So the server speaks HTTP through ``GuardedH11``,
-uvicorn's h11 protocol with three things added, and the loop logs accept errors quietly:
+uvicorn's h11 protocol with a header timeout and a place under a connection cap, the cap fits
+the open-file limit, and the loop says failed accepts quietly (bench/serve_connections.py
+measures 20,000 such connections against it; docs/export-and-serve.md has the figures):
 
 - a header timeout (``--header-timeout-s``): from when a connection starts waiting for a request
   (it opens, or its previous answer has been sent), the request's line and headers must all have
@@ -44,8 +46,12 @@ from groundtune.errors import ConfigError
 log = logging.getLogger("uvicorn.error")
 
 DEFAULT_CONNECTIONS = 4096
-OWN_FILES = 256  # the server's own descriptors: the listening socket, its processes' pipes, libraries, images
-BACKLOG = 2048  # connections the kernel queues for accepting (uvicorn's default); asyncio accepts up to this many at once
+# the server's own descriptors: the listening socket, its processes' pipes, an image file (14 idle, 37
+# with --workers 8)
+OWN_FILES = 256
+# connections the kernel queues for accepting (uvicorn's default); asyncio accepts up to this many at
+# once. 1,024 was slower: a probe found the queue full and retried after 1 s more often (bench)
+BACKLOG = 2048
 
 
 def budget(max_connections: int | None) -> tuple[int, int]:
@@ -134,7 +140,8 @@ class Gate:
 class GuardedH11(H11Protocol):
     """uvicorn's h11 protocol with a header timeout and a place under the connection cap (the
     module's docstring). uvicorn makes one per connection, with its own arguments; ``gate`` is
-    bound by ``protocol``."""
+    bound by ``protocol``. h11 even where httptools is installed (which uvicorn's "auto" would
+    take): one protocol to guard, the one the hostile-request tests were written against."""
 
     def __init__(self, config, server_state, app_state, _loop=None, *, gate: Gate):
         super().__init__(config, server_state, app_state, _loop)
