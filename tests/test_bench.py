@@ -39,6 +39,8 @@ SMOKE = {
     "tiny_step_profile": (["--batch", "4", "--workers", "1", "--loader-seconds", "0.5"],
                           {"ladder", "step_s", "full forward ms", "top_ops"}),
     "plan_check": (["measure", "--models", "tiny", "--samples", "16", "--limit", "1"], {"rows", "data"}),
+    "serve_connections": (["--connections", "40", "--holders", "2", "--hold-s", "1", "--settle-s", "1",
+                           "--attacks", "once"], {"connections", "targets", "runs"}),
 }
 
 

@@ -67,7 +67,7 @@ RULES = [
     (r"^groundtune (eval|predict) ", "test_eval_and_predict_commands_run", ""),
     (r"^groundtune rl ", "test_rl_commands_run", ""),
     (r"^groundtune export quickstart/run ", "test_export_command_runs", ""),
-    (r"^(groundtune serve |curl |from openai import)", "test_serve_commands_run", ""),
+    (r"^(groundtune serve |curl |from openai import|chunks = list\()", "test_serve_commands_run", ""),
     (r"^groundtune train qwen2\.5-vl-[37]b-", None, "a GPU preset: a real hub model on a 24 GB GPU"),
     (r"^groundtune studio\b", None, "a server that runs until stopped; tests/test_studio.py starts it and drives "
      "each tab in headless Chromium"),
@@ -478,7 +478,7 @@ def test_box_head_commands_run(workspace, monkeypatch):
 @pytest.mark.slow
 def test_serve_commands_run(exported, workspace):
     """docs/export-and-serve.md: the server as its command starts it, then the curl lines and the
-    openai snippet against it (at a free port instead of 8000)."""
+    openai snippets (answered whole, then streamed) against it (at a free port instead of 8000)."""
     from PIL import Image
 
     from groundtune.deploy.serve import launch
@@ -508,6 +508,9 @@ def test_serve_commands_run(exported, workspace):
         content, box = eval(snippet.splitlines()[-1], scope)
         assert isinstance(content, str) and (box is None or len(box) == 4)
         assert scope["reply"].model_extra["groundtune"]["width"] == 168
+        (streaming,) = [c for c in clients if c.startswith("chunks = list(")]  # the same question, streamed
+        exec(streaming, scope)
+        assert eval(streaming.splitlines()[-1], scope) == (content, box)
     finally:
         process.terminate()
         process.wait(timeout=30)

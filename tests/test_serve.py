@@ -18,6 +18,7 @@ import functools
 import io
 import json
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -417,7 +418,18 @@ HOSTILE = [
     ("chat_json_object", _chat_case(response_format={"type": "json_object"}), 422, "response_format"),
     ("chat_json_schema", _chat_case(response_format={"type": "json_schema", "json_schema": {}}), 422,
      "response_format"),
-    ("chat_stream", _chat_case(stream=True), 422, "stream"),
+    ("chat_stream", _chat_case(stream=True, stream_options={"include_usage": True}), 200, None),
+    ("chat_stream_false", _chat_case(stream=False), 200, None),
+    ("chat_stream_string", _chat_case(stream="true"), 422, "stream"),
+    ("chat_stream_options_without_stream", _chat_case(stream_options={"include_usage": True}), 422,
+     "stream_options"),
+    ("chat_stream_options_list", _chat_case(stream=True, stream_options=[True]), 422, "stream_options"),
+    ("chat_stream_options_unknown", _chat_case(stream=True, stream_options={"chunks": 9}), 422, "stream_options"),
+    ("chat_stream_options_usage_string", _chat_case(stream=True, stream_options={"include_usage": "yes"}), 422,
+     "stream_options"),
+    ("chat_stream_bad_image", _chat_case(stream=True, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": "x"}]}]),
+     422, "cannot be decoded"),  # found before the answer: a JSON error, not a stream
     ("chat_stop", _chat_case(stop=["\n"]), 422, "stop"),
     ("chat_penalty", _chat_case(frequency_penalty=0.5), 422, "frequency_penalty"),
     ("chat_logit_bias", _chat_case(logit_bias={"1": 5}), 422, "logit_bias"),
@@ -718,6 +730,305 @@ def test_openai_max_tokens_usage_and_refusals(server):
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-4o", messages=messages)
     assert missing.value.code == "model_not_found" and missing.value.param == "model"
+
+
+def test_the_openai_client_streams(server):
+    """stream=True is OpenAI's server-sent events: a role chunk, the text, a chunk with the
+    finish_reason and the boxes (``groundtune``), with include_usage a last chunk of usage and no
+    choices; the text and boxes are the unstreamed answer's. A mistake found before the answer is
+    the client's ordinary error, not a stream."""
+    openai = pytest.importorskip("openai")
+    png, phrase = _scene(index=5)
+    client = openai.OpenAI(base_url=server + "/v1", api_key=KEY)
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _b64(png)}},
+        {"type": "text", "text": phrase}]}]
+    whole = client.chat.completions.create(model="tiny", messages=messages)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and len({c.id for c in chunks}) == 1
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + [whole.choices[0].finish_reason]
+    assert chunks[-1].model_extra["groundtune"] == whole.model_extra["groundtune"]
+    assert all(c.object == "chat.completion.chunk" and c.usage is None for c in chunks)
+    assert not any("groundtune" in c.model_extra for c in chunks[:-1])
+
+    counted = list(client.chat.completions.create(model="tiny", messages=messages, stream=True, max_tokens=3,
+                                                  stream_options={"include_usage": True}))
+    *answer, usage = counted
+    assert usage.choices == [] and usage.usage.completion_tokens == 3
+    assert usage.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.usage.total_tokens == 3 + whole.usage.prompt_tokens
+    assert all(c.usage is None for c in answer) and answer[-1].choices[0].finish_reason == "length"
+    assert "groundtune" in answer[-1].model_extra
+    assert whole.choices[0].message.content.startswith("".join(c.choices[0].delta.content or "" for c in answer))
+
+    with pytest.raises(openai.UnprocessableEntityError, match="'n' must be 1"):
+        client.chat.completions.create(model="tiny", messages=messages, stream=True, n=2)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=messages, stream=True)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="wrong").chat.completions.create(
+            model="tiny", messages=messages, stream=True)
+
+
+def test_a_stream_on_the_wire(server):
+    """What a client without the openai package reads: text/event-stream, one JSON a "data:" line,
+    a blank line after each, "data: [DONE]" last."""
+    png, phrase = _scene(index=6)
+    body = {"model": "tiny", "stream": True, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _b64(png)}},
+        {"type": "text", "text": phrase}]}]}
+    answer = httpx.post(server + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/event-stream")
+    assert answer.headers["cache-control"] == "no-cache"
+    events = answer.text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: {") for e in events[:-2])
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length") and "usage" not in chunks[-1]
+    assert set(chunks[-1]["groundtune"]) >= {"bbox", "boxes", "width", "height"}
+
+
+def test_the_api_key_is_one_bearer_header_of_any_case(server):
+    """`Authorization: Bearer KEY` is the one way to give the key (the scheme in any case); a bare
+    key, X-Api-Key, another scheme or a wrong key is 401 with WWW-Authenticate. The API's
+    description (/openapi.json) is behind the key; the UI and /health are not."""
+    for scheme in ("Bearer", "bearer", "BEARER", "bEaReR"):
+        assert httpx.get(server + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"}).status_code == 200
+    for headers in ({"Authorization": KEY}, {"X-Api-Key": KEY}, {"Authorization": f"Basic {KEY}"},
+                    {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer"}, {}):
+        refused = httpx.get(server + "/v1/models", headers=headers)
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer", headers
+        assert "Authorization: Bearer KEY" in refused.json()["error"]["message"]
+    assert httpx.get(server + "/openapi.json").status_code == 401
+    described = httpx.get(server + "/openapi.json", headers={"Authorization": f"bearer {KEY}"})
+    assert described.status_code == 200 and "/v1/ground" in described.json()["paths"]
+    assert httpx.get(server + "/docs").status_code == 401  # off; and said to no one without the key
+    assert httpx.get(server + "/health").status_code == 200 and httpx.get(server + "/").status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/", "/metrics"])
+def test_head_is_answered_wherever_get_is(server, path):
+    got, head = httpx.get(server + path, headers=AUTH), httpx.head(server + path, headers=AUTH)
+    assert head.status_code == got.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == got.headers["content-type"]
+    if path in ("/", "/v1/models"):  # the same body every time: the same length
+        assert head.headers["content-length"] == got.headers["content-length"]
+    assert httpx.head(server + "/v1/models").status_code == 401  # the key still asked
+
+
+def test_mime_base64_with_line_breaks_is_taken(server):
+    """Base64 as MIME writes it (76 columns, LF or CRLF line breaks), in the JSON image and in
+    data: URIs on both endpoints, is the same image; other characters are still refused."""
+    png, phrase = _scene(index=7)
+    plain = _ground(server, {"image": _b64(png), "phrase": phrase}).json()["results"][0]
+    wrapped = base64.encodebytes(png).decode()  # a line break every 76 characters
+    assert "\n" in wrapped[:80]
+    for image in (wrapped, wrapped.replace("\n", "\r\n"), "data:image/png;base64," + wrapped.replace("\n", "\r\n")):
+        answer = _ground(server, {"image": image, "phrase": phrase})
+        assert answer.status_code == 200 and answer.json()["results"][0]["bbox"] == plain["bbox"], answer.text
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + wrapped}},
+        {"type": "text", "text": phrase}]}]}
+    answered = httpx.post(server + "/v1/chat/completions", json=chat, headers=AUTH, timeout=60)
+    assert answered.status_code == 200 and answered.json()["groundtune"]["bbox"] == plain["bbox"]
+    spaced = _ground(server, {"image": wrapped.replace("\n", " "), "phrase": phrase})
+    assert spaced.status_code == 422 and "not valid base64" in spaced.json()["error"]["message"]
+
+
+# --------------------------------------------------------------------------------------------
+# Connections (issue 48): a request's headers within --header-timeout-s, at most --max-connections
+# open, failed accepts said once in a while. bench/serve_connections.py measures 20,000 of them.
+
+
+def _connect(url: str):
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _rest(sock) -> bytes:
+    """What the server says until it closes (or 10 s pass)."""
+    said = b""
+    try:
+        while chunk := sock.recv(65536):
+            said += chunk
+    except OSError:  # reset, or the 10 s timeout
+        pass
+    return said
+
+
+def _trickle(sock, data: bytes, every: float) -> tuple[bytes, float]:
+    """``data`` sent a byte every ``every`` seconds until the server answers or closes; returns what
+    it said and the seconds it took."""
+    import select
+
+    start = time.monotonic()
+    for i in range(10_000):
+        if i < len(data):
+            try:
+                sock.sendall(data[i:i + 1])
+            except OSError:
+                break
+        if select.select([sock], [], [], every)[0]:
+            break
+    return _rest(sock), time.monotonic() - start
+
+
+def _answer_on(sock) -> bytes:
+    """One whole answer read off a kept-alive connection (its Content-Length)."""
+    said = b""
+    while b"\r\n\r\n" not in said:
+        said += sock.recv(65536)
+    head, _, body = said.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head
+
+
+def test_a_request_s_headers_must_arrive_within_the_header_timeout():
+    """--header-timeout-s 1: connections trickling a header byte every 0.2 s get a 408 after ~1 s
+    (one deadline, not restarted by each byte); one that sends nothing is closed silently; headers
+    that arrive in time, however slowly, are answered; after an answer the next request has a
+    deadline of its own; no log line for any of it."""
+    process, url = _start("--header-timeout-s", "1")
+    try:
+        slow = b"GET /health HTTP/1.1\r\nHost: test\r\nX-Slow: " + b"a" * 100
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            trickled = list(pool.map(lambda sock: _trickle(sock, slow, 0.2), [_connect(url) for _ in range(3)]))
+            silent = _trickle(_connect(url), b"", 0.2)
+        for said, seconds in trickled:
+            assert said.startswith(b"HTTP/1.1 408 ") and b"(--header-timeout-s)" in said, said
+            assert 0.9 < seconds < 3, seconds
+        assert silent[0] == b"" and 0.9 < silent[1] < 3, silent
+        kept = _connect(url)
+        for byte in b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n":  # 0.7 s: in time
+            kept.sendall(bytes([byte]))
+            time.sleep(0.02)
+        assert _answer_on(kept).startswith(b"HTTP/1.1 200 ")
+        said, seconds = _trickle(kept, slow, 0.2)  # kept alive: the next request's headers have 1 s again
+        assert said.startswith(b"HTTP/1.1 408 ") and 0.8 < seconds < 3, (said, seconds)
+        metrics = httpx.get(url + "/metrics").text
+        assert 'groundtune_connections_shed_total{reason="header_timeout"} 5.0' in metrics
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+    log = process.stdout.read()
+    assert "Traceback" not in log and "WARNING" not in log and "ERROR" not in log, log
+
+
+def test_a_connection_cap_refuses_cleanly_and_makes_room():
+    """--max-connections 2: with two connections busy with requests (bodies on their way), a third
+    is answered 503 with Retry-After at once and closed; one waiting for its headers gives its
+    place to a new connection (a real request is answered): closed silently when it had sent
+    nothing, with a 503 when it had sent part of a request. Counted in /metrics, no traceback."""
+    process, url = _start("--max-connections", "2", "--body-timeout-s", "30")
+    try:
+        busy = [_connect(url) for _ in range(2)]
+        for sock in busy:
+            sock.sendall(HEAD.replace(b"Authorization: Bearer KEY\r\n", b"") + b'Content-Length: 1000\r\n\r\n{"image": "')
+        time.sleep(0.5)  # their headers read: each is busy with its request
+        start = time.monotonic()
+        said = _rest(_connect(url))
+        assert time.monotonic() - start < 2
+        head, _, body = said.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in head.lower(), said
+        error = json.loads(body)["error"]
+        assert error["type"] == "server_busy" and "--max-connections" in error["message"]
+
+        busy[0].close()  # the server sees it leave (a 499): one place free
+        time.sleep(0.5)
+        idle = _connect(url)
+        time.sleep(0.2)
+        assert httpx.get(url + "/health", timeout=10).status_code == 200  # in the place of the idle one
+        assert _rest(idle) == b""
+        partial = _connect(url)
+        partial.sendall(b"GET /hea")
+        time.sleep(0.2)
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        said = _rest(partial)
+        assert said.startswith(b"HTTP/1.1 503 ") and b"--max-connections" in said, said
+        busy[1].close()
+        time.sleep(0.5)
+        metrics = httpx.get(url + "/metrics").text
+        assert 'groundtune_connections_shed_total{reason="refused"} 1.0' in metrics
+        evicted = float(re.search(r'groundtune_connections_shed_total\{reason="evicted"\} (\S+)', metrics).group(1))
+        assert evicted >= 2 and "groundtune_connections 1.0" in metrics  # /metrics's own connection
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+    log = process.stdout.read()
+    assert "Traceback" not in log and "ERROR" not in log, log
+
+
+def test_the_connection_cap_fits_under_the_open_file_limit(monkeypatch):
+    """The soft open-file limit is raised as far as the hard one allows; the default cap is 4096 or
+    what the limit leaves room for (the cap, twice the backlog, the server's own 256); a cap given
+    that cannot fit is an error naming --max-connections."""
+    import resource
+
+    from groundtune.deploy import connections
+    from groundtune.errors import ConfigError
+
+    limit = {"soft": 1024, "hard": 1024}
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (limit["soft"], limit["hard"]))
+    monkeypatch.setattr(resource, "setrlimit", lambda which, pair: limit.update(soft=pair[0]))
+    assert connections.budget(None) == (1024 - 2 * 256 - 256, 256)
+    limit.update(hard=1_048_576)
+    assert connections.budget(None) == (4096, 2048) and limit["soft"] == 4096 + 2 * 2048 + 256
+    assert connections.budget(10_000) == (10_000, 2048) and limit["soft"] == 10_000 + 2 * 2048 + 256
+    limit.update(soft=1024, hard=1024)
+    with pytest.raises(ConfigError, match=r"--max-connections 5000: the open-file limit \(ulimit -n\) is 1024 "
+                                          r"\(hard 1024\), which leaves room for 256 connections"):
+        connections.budget(5000)
+
+
+def test_failed_accepts_are_said_once_in_a_while():
+    """Out of open files, asyncio would log a traceback per failed accept (thousands a second): here
+    one line without a traceback, then nothing until a minute has passed; other errors as asyncio
+    says them."""
+    import asyncio
+    import errno
+    import logging
+
+    from groundtune.deploy.connections import quiet_accept_errors
+
+    said: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = said.append
+    loggers = [logging.getLogger("uvicorn.error"), logging.getLogger("asyncio")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    loop = asyncio.new_event_loop()
+    try:
+        quiet_accept_errors(loop)
+        for _ in range(2048):
+            loop.call_exception_handler({"message": "socket.accept() out of system resource",
+                                         "exception": OSError(errno.EMFILE, "Too many open files")})
+        loop.call_exception_handler({"message": "something else broke"})
+    finally:
+        loop.close()
+        for logger in loggers:
+            logger.removeHandler(handler)
+    accepts = [r for r in said if "accept" in r.getMessage()]
+    assert len(accepts) == 1 and not accepts[0].exc_info
+    assert "cannot accept connections: Too many open files (1 failed accepts" in accepts[0].getMessage()
+    assert any(r.getMessage() == "something else broke" for r in said)
+
+
+def test_a_connection_cap_the_open_file_limit_cannot_hold_is_one_line():
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    done = groundtune("serve", "--model", "tiny", "--port", port, "--max-connections", "100000000")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    (said,) = done.stderr.strip().splitlines()
+    assert said.startswith("error: --max-connections 100000000: the open-file limit (ulimit -n) is "), said
+    assert "serving" not in done.stdout  # said before the model loads
 
 
 def _started_at(pid: int) -> int:

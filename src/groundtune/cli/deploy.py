@@ -99,7 +99,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         description="Serve MODEL over HTTP (FastAPI on uvicorn; pip install \"groundtune[serve]\"):\n"
         "  POST /v1/ground            an image (base64/data: URI, or a multipart upload) and phrase(s) ->\n"
         "                             boxes in pixels of the caller's original image\n"
-        "  POST /v1/chat/completions  OpenAI's chat API; the boxes in a 'groundtune' field\n"
+        "  POST /v1/chat/completions  OpenAI's chat API (streaming too); the boxes in a 'groundtune' field\n"
         "  GET  /v1/models, /health, /metrics (Prometheus), / (a one-page UI)\n"
         "Concurrent requests are answered in batches; a full queue answers 503. Listens on 127.0.0.1\n"
         "unless --host says otherwise; nothing is read from the server's disk or network for a caller.\n\n"
@@ -111,7 +111,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("--host", default=HOST, help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=port, default=PORT, help="port to listen on (1-65535)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and /metrics")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (the one way to give it) on /v1/*, /metrics "
+                                     "and /openapi.json")
     for f in dataclasses.fields(Limits):  # --batch-size among them: its default and help are InferSettings'
         name, in_mb = flag(f.name), flag(f.name).endswith("-mb")  # a size in bytes is given in MB
         if in_mb or isinstance(f.default, float):

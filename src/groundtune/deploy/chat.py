@@ -2,12 +2,23 @@
 client works unchanged): the last user message's text is the phrase, its ``image_url`` (a data:
 URI) the image (``chat_inputs``); a parameter the server cannot honour is a 422 naming it, another
 model OpenAI's 404 (``chat_settings``); the answer is OpenAI's chat.completion with the boxes in
-``groundtune`` (``chat_completion``)."""
+``groundtune`` (``chat_completion``), or with ``"stream": true`` the same as OpenAI's server-sent
+events (``chat_events``).
+
+Streaming departs from OpenAI's in one way: the model's process answers a phrase whole (a batch's
+answers come out together), so the events are sent once the answer is ready, not as it is
+generated: a chunk with the role, one with the whole text, one with ``finish_reason`` (and the
+boxes, ``groundtune``), then OpenAI's usage chunk when ``stream_options.include_usage`` asks for
+it, and ``data: [DONE]``. A client reading a stream works unchanged; it sees no text earlier than
+without streaming. A mistake found before the answer (a bad image, a bad parameter) is an ordinary
+4xx JSON error, not a stream."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from typing import NamedTuple
 
 from groundtune.deploy.batching import Answer
 from groundtune.deploy.limits import Limits
@@ -62,8 +73,6 @@ _CHAT_NO_EFFECT = {"seed": int, "user": str, "metadata": dict, "store": bool, "s
                    "parallel_tool_calls": bool, "prompt_cache_key": str, "safety_identifier": str}
 # Those the server cannot honour: refused unless left out, null, or their "off" value
 _CHAT_UNSUPPORTED = {
-    "stream": ((False,), "streaming is not supported: the answer is one box"),
-    "stream_options": ((), "goes with stream, which is not supported"),
     "n": ((1,), "must be 1: decoding is greedy, so every answer would be the same one"),
     "logprobs": ((False,), "is not supported: no log probabilities are returned"),
     "top_logprobs": ((), "is not supported: no log probabilities are returned"),
@@ -86,9 +95,16 @@ _CHAT_UNSUPPORTED = {
 }
 
 
-def chat_settings(body: dict, model_name: str, max_new_tokens: int) -> int:
+class ChatSettings(NamedTuple):
+    max_tokens: int  # the answer's token limit
+    stream: bool  # answered as server-sent events (chat_events)
+    include_usage: bool  # stream_options.include_usage: a last event with the usage
+
+
+def chat_settings(body: dict, model_name: str, max_new_tokens: int) -> ChatSettings:
     """OpenAI's chat parameters -> the answer's token limit (``max_completion_tokens`` or its older
-    name ``max_tokens``, at most the server's --max-new-tokens). A parameter the server cannot
+    name ``max_tokens``, at most the server's --max-new-tokens) and whether it streams (``stream``,
+    ``stream_options``: ``_stream_settings``). A parameter the server cannot
     honour is a 422 naming it, never ignored: there is one greedy answer (no n > 1, sampling,
     penalties, biases, stop sequences, log probabilities) in plain text (no tools, functions,
     response formats, audio). top_p is taken as it is: greedy decoding's token is always inside
@@ -106,7 +122,8 @@ def chat_settings(body: dict, model_name: str, max_new_tokens: int) -> int:
         return value
 
     for name, value in body.items():
-        if name in ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p"):
+        if name in ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stream",
+                    "stream_options"):
             continue
         if name in _CHAT_NO_EFFECT:
             if value is not None and (isinstance(value, bool) != (_CHAT_NO_EFFECT[name] is bool)
@@ -128,7 +145,31 @@ def chat_settings(body: dict, model_name: str, max_new_tokens: int) -> int:
         refuse("temperature", "must be 0 or left out: the server decodes greedily (a box is not sampled)")
     number("top_p", 0, 1)
     limits = [number(name, 1, 2**31 - 1, integer=True) for name in ("max_completion_tokens", "max_tokens")]
-    return min([max_new_tokens] + [limit for limit in limits if limit is not None])
+    return ChatSettings(min([max_new_tokens] + [limit for limit in limits if limit is not None]),
+                        *_stream_settings(body))
+
+
+def _stream_settings(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage) from ``stream`` (a boolean) and ``stream_options`` (an object of
+    booleans, given with ``"stream": true`` only, as OpenAI takes it). ``include_obfuscation``
+    changes nothing: there is no token-by-token stream whose sizes it would hide."""
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise RequestError(422, f"'stream' must be true or false; got {shown(stream)}", "stream")
+    if options is None:
+        return bool(stream), False
+    if not stream:
+        raise RequestError(422, "'stream_options' is only taken with \"stream\": true", "stream_options")
+    if not isinstance(options, dict):
+        raise RequestError(422, f"'stream_options' must be an object; got {shown(options)}", "stream_options")
+    for name, value in options.items():
+        if name not in ("include_usage", "include_obfuscation"):
+            raise RequestError(422, f"unknown stream option {shown(name)}: 'include_usage' or 'include_obfuscation'",
+                               "stream_options")
+        if not isinstance(value, bool):
+            raise RequestError(422, f"'stream_options.{name}' must be true or false; got {shown(value)}",
+                               "stream_options")
+    return True, options.get("include_usage", False)
 
 
 def chat_completion(answered: Answer, model_name: str) -> dict:
@@ -148,3 +189,29 @@ def chat_completion(answered: Answer, model_name: str) -> dict:
         "groundtune": {**{k: v for k, v in one.prediction.to_json().items() if k != "raw"},
                        "width": answered.width, "height": answered.height},
     }
+
+
+def chat_events(answered: Answer, model_name: str, include_usage: bool) -> list[bytes]:
+    """``chat_completion`` as OpenAI's server-sent events: chat.completion.chunk objects, the first
+    with the role, the next with the whole text (none for an empty answer), then one with the
+    ``finish_reason`` and, beside its choices, ``groundtune`` (the boxes); then, with
+    ``include_usage``, one with empty choices and the usage (every chunk before it saying
+    ``"usage": null``, as OpenAI's do); then ``data: [DONE]``. Sent after the answer is ready
+    (the module's docstring)."""
+    whole = chat_completion(answered, model_name)
+    head = {"id": whole["id"], "object": "chat.completion.chunk", "created": whole["created"], "model": model_name}
+    usage = {"usage": None} if include_usage else {}
+
+    def chunk(delta: dict, finish_reason: str | None = None, **extra) -> dict:
+        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+                **usage, **extra}
+
+    text = whole["choices"][0]["message"]["content"]
+    chunks = [chunk({"role": "assistant", "content": ""})]
+    if text:
+        chunks.append(chunk({"content": text}))
+    chunks.append(chunk({}, whole["choices"][0]["finish_reason"], groundtune=whole["groundtune"]))
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": whole["usage"]})
+    # json.dumps escapes every line break: one event is one "data:" line
+    return [f"data: {json.dumps(c)}\n\n".encode() for c in chunks] + [b"data: [DONE]\n\n"]

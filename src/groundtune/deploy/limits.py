@@ -1,6 +1,6 @@
-"""What one request to `groundtune serve` may ask, and how requests are queued and batched
-(``Limits``): each field is a flag of the command (``flag``), its default and help read from here
-(cli/deploy.py)."""
+"""What one request to `groundtune serve` may ask, how requests are queued and batched, and what a
+connection may hold (``Limits``): each field is a flag of the command (``flag``), its default and
+help read from here (cli/deploy.py)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ def _limit(default, help: str, least: float | None = None):
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask, and how requests are queued and batched. Each field is a flag of
-    `groundtune serve` (``flag``), its default and help read from here (cli/deploy.py)."""
+    """What one request may ask, how requests are queued and batched, and what a connection may hold
+    (connections.py). Each field is a flag of `groundtune serve` (``flag``), its default and help
+    read from here (cli/deploy.py)."""
 
     # the batch size every command that answers shares: its default and help are config.InferSettings'
     batch_size: int = _limit(InferSettings.batch_size, _SHARED["batch_size"].metadata["help"])
@@ -45,6 +46,16 @@ class Limits:
     max_body_bytes: int = _limit(20 * MB, "largest request body; larger: 413")  # a big phone photo in base64
     # 60 s: a body of 20 MB arriving at 2.7 Mbit/s
     body_timeout_s: float = _limit(60.0, "a request's whole body must arrive within this; a stalled or slower one: 408")
+    # 10 s: a request line and headers are a few hundred bytes; a client that takes longer is stalling
+    header_timeout_s: float = _limit(10.0, "a request's line and headers must arrive within this, from when the "
+                                           "connection opens (or its previous answer was sent); later: 408 and "
+                                           "closed (one that sent nothing: closed)")
+    # None: connections.budget, from the open-file limit
+    max_connections: int | None = _limit(None, "open connections at most; a new one past it takes the place of the "
+                                               "oldest that has not sent a whole request's headers, or is answered "
+                                               "503 and closed when every one is busy with a request (default: "
+                                               "4096, or what the open-file limit, ulimit -n, leaves room for)",
+                                         least=1)
     max_image_pixels: int = _limit(50_000_000, "largest image, in pixels of the decoded frame (read from its own "
                                                "header before decoding); larger: 413")
     # 1 GB: two limit-sized 16-bit PNGs (367 MB each) or four 50 MP JPEG photos (~225 MB)

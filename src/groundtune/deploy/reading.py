@@ -1,8 +1,9 @@
 """Reading what a caller of `groundtune serve` sends: the body (within its size and time limits),
-its JSON, the image (base64 or a data: URI, or a multipart file; decoded as a viewer shows it,
-refused on its frame's header before a pixel is decoded) and the phrases. A caller's mistake is a
-``RequestError``, which the app (serve.py) answers as a 4xx JSON error naming what was wrong.
-``Encoder`` decodes and encodes a request in the encoding workers (batching.py)."""
+its JSON, the image (base64, MIME's line breaks allowed, or a data: URI, or a multipart file;
+decoded as a viewer shows it, refused on its frame's header before a pixel is decoded) and the
+phrases. A caller's mistake is a ``RequestError``, which the app (serve.py) answers as a 4xx JSON
+error naming what was wrong. ``Encoder`` decodes and encodes a request in the encoding workers
+(batching.py)."""
 
 from __future__ import annotations
 
@@ -75,7 +76,9 @@ def _pillow_said(error: Exception) -> str:
 
 def image_bytes(value: str, param: str) -> bytes:
     """A base64 string or a data: URI -> the image file's bytes. Anything else (a URL, a file path)
-    is refused: the server reads nothing from its disk or network on a caller's behalf."""
+    is refused: the server reads nothing from its disk or network on a caller's behalf. Base64 may
+    be MIME's, broken into lines (LF or CRLF, as ``base64`` and e-mail write it at 76
+    columns); any other character outside base64's alphabet is refused, not skipped."""
     if not isinstance(value, str) or not value:
         raise RequestError(422, "expected an image as base64 or a data: URI", param)
     if value.startswith("data:"):
@@ -85,6 +88,8 @@ def image_bytes(value: str, param: str) -> bytes:
     elif value.startswith(("http://", "https://", "file:", "ftp://")):
         raise RequestError(422, "images are accepted as base64 or data: URIs only: the server does not fetch "
                                 "URLs on a caller's behalf", param)
+    if "\n" in value or "\r" in value:  # copied only when it has line breaks
+        value = value.replace("\r", "").replace("\n", "")
     try:
         return base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):

@@ -3,22 +3,28 @@
     groundtune serve --model runs/sft                                 # http://127.0.0.1:8000
     groundtune serve --model exports/sft --host 0.0.0.0 --api-key $KEY
 
-Endpoints (the contract is in the README, "Serve"):
-- ``POST /v1/ground``: an image (JSON ``image`` as base64 or a data: URI, or a multipart ``image``
-  file) and ``phrase`` or ``phrases`` -> a box per phrase in pixels of the caller's ORIGINAL
-  image (its EXIF orientation applied, as a viewer shows it), label, raw answer, timings;
+Endpoints (the contract is in docs/export-and-serve.md, "Serve"):
+- ``POST /v1/ground``: an image (JSON ``image`` as base64, MIME's line breaks allowed, or a data:
+  URI, or a multipart ``image`` file) and ``phrase`` or ``phrases`` -> a box per phrase in pixels
+  of the caller's ORIGINAL image (its EXIF orientation applied, as a viewer shows it), label, raw
+  answer, timings;
 - ``POST /v1/chat/completions``: OpenAI's chat API (the ``openai`` client works unchanged). The
   last user message's text is the phrase, asked with the model's own prompt; its image is an
   ``image_url`` data: URI. The answer is the model's text (cut at ``max_completion_tokens`` or
-  ``max_tokens``), its ``usage``, plus ``groundtune`` with the boxes in the caller's pixels. A
+  ``max_tokens``), its ``usage``, plus ``groundtune`` with the boxes in the caller's pixels; with
+  ``"stream": true`` the same as OpenAI's server-sent events, sent once the answer is ready. A
   parameter the server cannot honour (n > 1, sampling, tools, logprobs, a response format, ...)
   is a 422 naming it, another model OpenAI's 404 ``model_not_found`` (chat.py);
-- ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /`` (a one-page UI).
+- ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /`` (a one-page UI);
+  each answers HEAD too.
+
+With ``--api-key KEY``, /v1/*, /metrics and /openapi.json ask for ``Authorization: Bearer KEY``
+(the scheme in any case), the one way to give it; /health and the UI do not.
 
 This module is the app, its errors and metrics; reading.py reads what a caller sends, chat.py is
-the OpenAI adapter, limits.py the limits below. Behind it (batching.py), encoding workers turn each
-request into prompts as it arrives, and the model, in a process of its own, answers the prompts
-waiting in batches of up to ``--batch-size``.
+the OpenAI adapter, limits.py the limits below, connections.py the connections. Behind it
+(batching.py), encoding workers turn each request into prompts as it arrives, and the model, in a
+process of its own, answers the prompts waiting in batches of up to ``--batch-size``.
 
 The queue is bounded (phrases sent to the model and not answered yet): a full one answers 503
 with Retry-After, never an unbounded backlog. The server reads nothing from its own disk or
@@ -32,10 +38,14 @@ must arrive within ``--body-timeout-s``; an image of a few plain formats whose f
 ``--max-image-pixels``, checked on the frame's own header before a pixel is decoded; and the
 memory all requests' images take while they are decoded together, ``--decode-budget-mb``: each
 request reserves what its image's header says decoding it will hold (``images.decoding_bytes``)
-before it is decoded, first come first served.
+before it is decoded, first come first served. So are the connections (connections.py): a
+request's headers must arrive within ``--header-timeout-s``, at most ``--max-connections`` are
+open (past it, a new one takes the place of the oldest still waiting for headers, or gets a 503
+when every one is busy), and a failed accept is one log line a minute, not a traceback each.
 """
 
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -48,7 +58,7 @@ from pathlib import Path
 
 from groundtune.config import InferSettings
 from groundtune.deploy.batching import Answer, Model, QueueFull, prepare_decoding
-from groundtune.deploy.chat import chat_completion, chat_inputs, chat_settings
+from groundtune.deploy.chat import chat_completion, chat_events, chat_inputs, chat_settings
 from groundtune.deploy.limits import Limits
 from groundtune.deploy.reading import Encoder, RequestError, ground_inputs, json_body
 from groundtune.errors import ConfigError, MissingPackageError
@@ -65,7 +75,7 @@ class Metrics:
     """Prometheus metrics in a registry of the app's own (two apps in one process stay apart)."""
 
     def __init__(self):
-        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
         self.requests = Counter("groundtune_requests", "HTTP requests answered", ["endpoint", "status"],
@@ -84,6 +94,12 @@ class Metrics:
                                        registry=self.registry, buckets=seconds)
         self.batch_seconds = Histogram("groundtune_batch_seconds", "one model call (a batch)",
                                        registry=self.registry, buckets=seconds)
+        # the connections (connections.Gate): how many are open, and those closed before a whole request
+        self.connections = Gauge("groundtune_connections", "open HTTP connections", registry=self.registry)
+        self.connections_shed = Counter(
+            "groundtune_connections_shed", "connections closed before a whole request came: header_timeout "
+            "(--header-timeout-s), evicted (the oldest waiting for headers, at --max-connections), refused (a 503 "
+            "at --max-connections, every one busy)", ["reason"], registry=self.registry)
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,7 +111,7 @@ def create_app(model: Model, model_name: str, limits: Limits = DEFAULT_LIMITS, a
     try:
         from fastapi import FastAPI, Request
         from fastapi.exceptions import RequestValidationError
-        from fastapi.responses import HTMLResponse, Response
+        from fastapi.responses import HTMLResponse, Response, StreamingResponse
         from starlette.exceptions import HTTPException
     except ImportError:
         raise MissingPackageError('groundtune serve needs FastAPI and uvicorn: pip install "groundtune[serve]"') from None
@@ -104,11 +120,15 @@ def create_app(model: Model, model_name: str, limits: Limits = DEFAULT_LIMITS, a
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        from groundtune.deploy.connections import quiet_accept_errors
+
+        quiet_accept_errors(asyncio.get_running_loop())
         await model.start(metrics)
         yield
         await model.stop()
 
     app = FastAPI(title="groundtune", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.metrics = metrics  # the connections' counts go here too (serve)
     app.add_middleware(_Guard, metrics=metrics, limits=limits, api_key=api_key)
 
     _add_error_handlers(app, RequestValidationError, HTTPException)
@@ -129,29 +149,44 @@ def create_app(model: Model, model_name: str, limits: Limits = DEFAULT_LIMITS, a
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await json_body(request, limits)
-        max_tokens = chat_settings(body, model_name, model.max_new_tokens)
+        settings = chat_settings(body, model_name, model.max_new_tokens)
         data, phrase = chat_inputs(body, limits)
-        return chat_completion(await answer(data, [phrase], "messages", max_tokens), model_name)
+        answered = await answer(data, [phrase], "messages", settings.max_tokens)  # a mistake is found by now
+        if not settings.stream:
+            return chat_completion(answered, model_name)
+        # no-cache, and nginx's X-Accel-Buffering off: no cache or proxy holds the events back
+        return StreamingResponse(chat_events(answered, model_name, settings.include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @app.get("/v1/models")
+    @_get(app, "/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "groundtune"}]}
 
-    @app.get("/health")
+    @_get(app, "/health")
     async def health():
         return {"status": "ok", "model": model_name, "family": model.family, "waiting": len(model.pending)}
 
-    @app.get("/metrics")
+    @_get(app, "/metrics")
     async def prometheus():
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/", response_class=HTMLResponse)
+    @_get(app, "/", response_class=HTMLResponse)
     async def ui():
         return UI_FILE.read_text()
 
     return app
+
+
+def _get(app, path: str, **options):
+    """``app.get`` answering HEAD too: the same headers, no body (uvicorn drops it), as a load
+    balancer's check may ask. HEAD is left out of /openapi.json (one operation a path and method)."""
+    def route(endpoint):
+        app.head(path, include_in_schema=False, **options)(endpoint)
+        return app.get(path, **options)(endpoint)
+    return route
 
 
 def _add_error_handlers(app, validation_error, http_exception) -> None:
@@ -248,10 +283,10 @@ class _Guard:
         except ValueError:  # h11 lets only digits through; said anyway
             declared = 0
         try:
-            guarded = path.startswith(("/v1/", "/metrics"))
-            if self.api_key is not None and guarded and not _key_ok(headers, self.api_key):
+            if self.api_key is not None and path.startswith(_GUARDED) and not _key_ok(headers, self.api_key):
                 await _error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                             kind="authentication_error")(scope, receive, counted)
+                             kind="authentication_error", headers={"WWW-Authenticate": "Bearer"})(scope, receive,
+                                                                                                 counted)
             elif declared > self.limits.max_body_bytes:
                 await _error(413, f"the request body is {declared:,} bytes; the limit is "
                                   f"{self.limits.max_body_bytes:,} (--max-body-mb)", "body",
@@ -274,9 +309,16 @@ class _Guard:
                 self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
 
 
+# What --api-key guards: the API, the metrics and the API's description (the UI at / and /health stay
+# open: a page that asks for the key, a load balancer's check)
+_GUARDED = ("/v1/", "/metrics", "/openapi.json", "/docs", "/redoc")
+
+
 def _key_ok(headers, api_key: str) -> bool:
-    given = headers.get("authorization", "").removeprefix("Bearer ").strip() or headers.get("x-api-key", "")
-    return secrets.compare_digest(given.encode(), api_key.encode())
+    """The one way to give the key: ``Authorization: Bearer KEY`` (the scheme's case is free, as
+    HTTP's auth schemes are; what the openai client sends)."""
+    scheme, _, given = headers.get("authorization", "").strip().partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), api_key.encode())
 
 
 def serve(model: str, host: str = HOST, port: int = PORT, api_key: str | None = None,
@@ -287,18 +329,28 @@ def serve(model: str, host: str = HOST, port: int = PORT, api_key: str | None = 
         import uvicorn
     except ImportError:
         raise MissingPackageError('groundtune serve needs FastAPI and uvicorn: pip install "groundtune[serve]"') from None
-    listening = listen(host, port)  # before the model loads: a taken port is said at once
+    from groundtune.deploy.connections import DEFAULT_CONNECTIONS, Gate, budget, protocol
+
+    # before the model loads, as a taken port or a connection cap the open-file limit cannot hold
+    listening = listen(host, port)
+    max_connections, backlog = budget(limits.max_connections)
     prepare_decoding()
     answering = Model(model, device, limits, max_new_tokens, Encoder, compile)
     try:
         app = create_app(answering, model, limits, api_key)
         if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
             print(f"warning: serving on {host} without --api-key: anyone who can reach it can use it")
+        if limits.max_connections is None and max_connections < DEFAULT_CONNECTIONS:
+            print(f"note: at most {max_connections} connections (--max-connections): what the open-file limit "
+                  "(ulimit -n) leaves room for")
         print(f"serving {model} ({answering.family}) on http://{host}:{port}  (UI at /, API at /v1/ground and "
               "/v1/chat/completions)", flush=True)
-        # access lines off (warning); a connection idle for 5 s between requests is closed (a body
-        # that stalls is the app's: --body-timeout-s)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=5))
+        # access lines off (warning); a connection idle for 5 s between requests is closed; its
+        # headers' time and the connections' number are the protocol's (connections.py), a body
+        # that stalls is the app's (--body-timeout-s); no WebSocket upgrades (there is no such route)
+        gate = Gate(max_connections, limits.header_timeout_s, app.state.metrics)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=5, http=protocol(gate),
+                                               backlog=backlog, ws="none"))
         answering.on_death = lambda: setattr(server, "should_exit", True)
         # uvicorn shuts down gracefully on Ctrl-C or SIGTERM, then raises the signal again with the
         # handler it found: this one ends the process as a normal exit (its workers' queues and
