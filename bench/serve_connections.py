@@ -56,7 +56,7 @@ from pathlib import Path
 import httpx
 from provenance import stamped
 
-from groundtune.deploy.serve import launch
+from serving import launch
 
 TRICKLE = b"GET /health HTTP/1.1\r\nHost: bench\r\nX-Trickle: "  # then one "a" at a time, never a blank line
 

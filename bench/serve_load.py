@@ -37,7 +37,7 @@ from provenance import stamped
 
 from groundtune.data import synth
 from groundtune.data.records import image_path, read_samples
-from groundtune.deploy.serve import launch
+from serving import launch
 
 
 def from_records(data: Path, n: int) -> list[dict]:

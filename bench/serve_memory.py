@@ -35,7 +35,7 @@ import numpy as np
 from PIL import Image
 
 from groundtune.deploy.limits import Limits
-from groundtune.deploy.serve import launch
+from serving import launch
 from provenance import stamped
 
 REPO = Path(__file__).resolve().parent.parent

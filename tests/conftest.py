@@ -2,7 +2,12 @@
 
 import json
 import os
+import sys
 from pathlib import Path
+
+# bench/serving.py (``launch``: a real server in a process of its own) is the serve benches' and
+# the tests'; appended, so that nothing of bench/ can shadow a module of the tests or the package
+sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))
 
 # Under pytest-xdist (the README's test command runs one worker per core) each worker, and every
 # process a test starts, gets its share of the cores as torch's thread count: with each worker's

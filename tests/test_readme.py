@@ -481,7 +481,7 @@ def test_serve_commands_run(exported, workspace):
     openai snippets (answered whole, then streamed) against it (at a free port instead of 8000)."""
     from PIL import Image
 
-    from groundtune.deploy.serve import launch
+    from serving import launch  # bench/serving.py
 
     serve, *clients = _commands("test_serve_commands_run")
     words = shlex.split(serve)

@@ -33,7 +33,7 @@ from PIL import Image, ImageOps
 
 from groundtune import infer
 from groundtune.data import synth
-from groundtune.deploy.serve import launch
+from serving import launch  # bench/serving.py
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
