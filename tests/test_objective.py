@@ -73,15 +73,22 @@ def test_packed_batch_gives_the_padded_batch_loss(any_family_model):
     assert not torch.allclose(answer_loss(model, joined).detach(), a)
 
 
-def test_loss_per_sample_is_the_mean_of_each_answers_own_mean():
-    """loss_per=sample: a set of three answers of different lengths (one box, none, two boxes),
-    padded or packed, gives the mean of the three answers' own mean NLLs, not the token mean."""
+def _three_answers():
+    """The tiny model (our attention, fp32) and three encoded samples of synth's every task whose
+    answers differ in length: one box, none, two boxes."""
     gm = load_model("tiny", device="cpu", dtype="fp32")
     speedups.install(gm.model)
     encoded = []
     for i in (1, 2, 0):  # one box, none, two boxes
         image, record = synth.make_sample(3, i, task="every")
         encoded.append(encode_sample(gm.processor, gm.family, gm.resize, gm.prompt, image, record, answer_label=False))
+    return gm, encoded
+
+
+def test_loss_per_sample_is_the_mean_of_each_answers_own_mean():
+    """loss_per=sample: a set of three answers of different lengths (one box, none, two boxes),
+    padded or packed, gives the mean of the three answers' own mean NLLs, not the token mean."""
+    gm, encoded = _three_answers()
     lengths = [int((e["labels"] != qwen.IGNORE_INDEX).sum()) for e in encoded]
     assert len(set(lengths)) == 3, lengths  # answers of three lengths, or the test proves nothing
     with torch.no_grad():
@@ -102,12 +109,7 @@ def test_loss_per_first_puts_half_of_each_answers_weight_on_its_first_token():
     the model's own logits, padded and packed alike."""
     import torch.nn.functional as F
 
-    gm = load_model("tiny", device="cpu", dtype="fp32")
-    speedups.install(gm.model)
-    encoded = []
-    for i in (1, 2, 0):  # one box, none, two boxes
-        image, record = synth.make_sample(3, i, task="every")
-        encoded.append(encode_sample(gm.processor, gm.family, gm.resize, gm.prompt, image, record, answer_label=False))
+    gm, encoded = _three_answers()
     expected, total = 0.0, 0
     with torch.no_grad():
         for e in encoded:
