@@ -336,8 +336,8 @@ def test_data_commands_run(tmp_path, monkeypatch):
     # the pictures' captions
     data = (ROOT / "docs" / "data.md").read_text().replace("\n", " ")
     caption = re.search(r"\*`(groundtune data synth[^`]*)` then `(groundtune data show[^`]*)`", data)
-    assert _run(caption.group(1), **{"--out synth": "--out caption"}) == 0
-    assert _run(caption.group(2), **{"synth/train.jsonl": "caption/train.jsonl"}) == 0
+    assert _run(caption.group(1), **{"--out synth-wide": "--out caption"}) == 0
+    assert _run(caption.group(2), **{"synth-wide/train.jsonl": "caption/train.jsonl"}) == 0
     # the refgen picture's commands write refs.jsonl and grid.png too: in a folder of their own
     refgen = re.search(r"then `(groundtune data refgen[^`]*)` and `(groundtune data show[^`]*)`", data)
     shutil.copytree(tmp_path / "data", tmp_path / "caption-refgen" / "data")
