@@ -12,6 +12,8 @@ This module is the table of commands and ``main``.
 A mistake of the user's (a groundtune error: a bad setting, file, record or model name) is one
 line on stderr and exit code 2; anything else (a bug, CUDA out of memory, a broken install) keeps
 its traceback and exits 1. ``groundtune --debug COMMAND`` shows the traceback of every error.
+A reader that closes stdout early (``| head``) ends the command quietly, exit code 141, as it
+ends cat.
 """
 
 from __future__ import annotations
@@ -70,6 +72,16 @@ _USER_OS_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, Per
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _run(argv)
+        finally:  # --help's text too: it is still buffered when argparse exits
+            sys.stdout.flush()  # here, where a closed pipe is caught, not at exit, where it is not
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     # the command line's own bars say what is loading; transformers' draw one per weight file
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -78,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     try:
         return args.handler(args)
+    except BrokenPipeError:
+        raise  # the reader went away: nothing went wrong (main)
     except (GroundtuneError, *_USER_OS_ERRORS) as e:
         if args.debug:
             traceback.print_exc()
@@ -90,6 +104,20 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         print(f"\nerror: {type(e).__name__} (above). {_hint(e)}", file=sys.stderr)
         return 1
+
+
+def _reader_gone() -> int:
+    """The reader of stdout closed it (``groundtune plan --json | head -c 600``): end quietly, as
+    cat does, with the status a shell gives a command SIGPIPE ended (128 + 13). What is still
+    buffered goes to /dev/null, or Python's flush at exit would report the same closed pipe."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):  # not a file (a caller's stream): nothing is flushed at exit
+        return 141
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+    return 141
 
 
 def _hint(error: Exception) -> str:
