@@ -355,6 +355,23 @@ def test_draw_answer_colours_found_missed_matched_extra():
     assert drawn.getpixel((30 * s, 8 * s)) == evaluate.EXTRA_COLOUR
 
 
+def test_an_answer_with_no_area_is_drawn_and_listed_as_invalid(tmp_path):
+    """x1 > x2 (a harness's reading of an answer, say) is no box: the gallery dashes the corners' span
+    in the invalid colour and lists it as invalid, never draws the box the sorted corners make."""
+    image = Image.new("RGB", (64, 64), "white")
+    image.save(tmp_path / "img.png")
+    turned, point = [40.0, 5.0, 10.0, 30.0], [0.0, 0.0, 0.0, 0.0]
+    row = _row("turned", [[4, 4, 20, 20]], [turned, point])
+    assert row["extra"] == [0, 1] and row["iou"] == 0.0  # scored as it was: no area, IoU 0
+    drawn = evaluate.draw_answer(image, row["true_boxes"], row["pred_boxes"], row["matched"])
+    s = drawn.width // 64
+    colours = {colour for _, colour in drawn.getcolors(drawn.width * drawn.height)}
+    assert evaluate.INVALID_COLOUR in colours and evaluate.EXTRA_COLOUR not in colours
+    assert drawn.getpixel((10 * s + 1, 5 * s)) == evaluate.INVALID_COLOUR  # a dash of its top edge
+    page = evaluate.write_gallery([row], tmp_path / "data.jsonl", tmp_path / "gallery", n_worst=1).read_text()
+    assert "invalid box(es), no area: [40, 5, 10, 30], [0, 0, 0, 0]" in page
+
+
 # --------------------------------------------------------------------------------------------
 # The eval command on the real tiny model
 
