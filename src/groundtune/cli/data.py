@@ -294,7 +294,8 @@ def _add_data_synth(dsub: argparse._SubParsersAction) -> None:
                         "attribute: 2-3 shapes named by colour and/or kind; multi: like full with 2-3 shapes; "
                         "every: sets, 1-6 shapes whose colour and kind may repeat and a phrase naming all of a "
                         "colour and/or kind ('every red circle', 'all the squares'), 0 to 6 boxes, "
-                        f"{synth.NO_TARGET_SHARE:.0%} of the samples naming nothing in the image (no target)")
+                        # "25%%": argparse %-formats help text, and prints it as 25%
+                        f"{synth.NO_TARGET_SHARE:.0%}% of the samples naming nothing in the image (no target)")
     p.add_argument("--workers", type=count, default=0, help="worker processes (0: one per CPU core this process may use)")
     p.set_defaults(handler=_data_synth)
 
