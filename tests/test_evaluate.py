@@ -401,8 +401,9 @@ REPORT_KEYS = {"model", "data", "family", "resize", "prompt", "decoding", "n", "
                "recall@0.5", "f1@0.5", "set_acc@0.5", "n_acc", "t_acc", "definitions"}
 
 
-def test_eval_cli_writes_report_and_gallery(dataset, tmp_path, capsys):
+def test_eval_cli_writes_report_and_gallery(dataset, tmp_path, capsys, monkeypatch):
     out, gallery = tmp_path / "report.json", tmp_path / "gallery"
+    monkeypatch.setenv("GROUNDTUNE_PROGRESS_EVERY", "1e-9")  # a plain progress line every batch
     assert main(["eval", "--model", "tiny", "--data", str(dataset), "--out", str(out), "--gallery", str(gallery),
                  "--batch-size", "2", "--device", "cpu"]) == 0
     report = json.loads(out.read_text())
@@ -418,8 +419,11 @@ def test_eval_cli_writes_report_and_gallery(dataset, tmp_path, capsys):
     pngs = list(gallery.glob("*.png"))
     assert len(pngs) == 3 and all(p.name in page for p in pngs)
     assert "&lt;square&gt;" in page and "<square>" not in page
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "Acc@.5" in printed and "split=test" in printed
+    # stderr is no terminal here: plain progress lines, not a bar
+    assert "eval (2/batch) 1/2 (50%)" in captured.err and "eval (2/batch) 2/2 (100%)" in captured.err
     assert all(h in printed for h in ("F1@.5", "set acc", "missed", "extra", "no target"))
     assert "ap@0.5" not in report and set(report["definitions"]) == set(evaluate.METRICS + evaluate.SET_METRICS)
 

@@ -52,6 +52,11 @@ COMMANDS = {
 }
 
 
+# The commands that run a model (and `data refgen --filter-model`): torch's threads are set to the
+# cores this process may use before they start (cores.py); the others never import torch.
+MODEL_COMMANDS = {"train", "rl", "eval", "predict", "export", "serve", "quickstart"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="groundtune",
@@ -85,10 +90,15 @@ def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     # the command line's own bars say what is loading; transformers' draw one per weight file
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from groundtune.progress import quiet_libraries
+    from groundtune import cores
+    from groundtune.progress import progress_every, quiet_libraries
 
     quiet_libraries()
+    cores.before_torch()
     try:
+        progress_every()  # a wrong GROUNDTUNE_PROGRESS_EVERY said now, not when the first loop starts
+        if args.command in MODEL_COMMANDS or getattr(args, "filter_model", None):
+            cores.use_cores()
         return args.handler(args)
     except BrokenPipeError:
         raise  # the reader went away: nothing went wrong (main)

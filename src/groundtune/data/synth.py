@@ -34,6 +34,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from groundtune.boxes import box_centre
+from groundtune.cores import cores
 from groundtune.data.records import DataError, write_samples
 from groundtune.files import regular_file
 from groundtune.progress import progress_bar
@@ -599,9 +600,9 @@ def make_synthetic_set(
 ) -> Path:
     """Write ``out_dir/{split}.jsonl`` and ``out_dir/images/{split}-{index:07d}.png``; return the
     JSONL path. ``canvas``: (MIN, MAX), each sample's sides drawn from it instead of width x height.
-    workers=0: one process per CPU core. The same arguments give byte-identical files
-    whatever the number of workers. The JSONL is written last and atomically: it exists only when
-    every image it names does."""
+    workers=0: one process per CPU core this process may use. The same arguments give
+    byte-identical files whatever the number of workers. The JSONL is written last and atomically:
+    it exists only when every image it names does."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if task not in TASKS:
@@ -611,7 +612,7 @@ def make_synthetic_set(
     out_dir = Path(out_dir)
     _not_someone_elses(out_dir / f"{split}.jsonl")
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
-    workers = workers or os.cpu_count() or 1
+    workers = workers or cores()  # the cores this process may use, not the machine's
     workers = max(1, min(workers, n)) if n else 1
     # Chunks of a few hundred: large enough that pickling records is noise, small enough that
     # the progress bar moves and the last worker does not finish long after the others.
