@@ -117,6 +117,16 @@ def test_iou_giou(a, b, expected_iou, expected_giou):
     assert boxes.giou(a, b) == pytest.approx(expected_giou)
 
 
+@pytest.mark.parametrize("box, has", [
+    ([0, 0, 10, 10], True), ([0.5, 2, 0.6, 2.1], True),
+    ([40, 5, 10, 30], False),  # corners turned round: not a box, whatever sorting them would give
+    ([0, 30, 10, 5], False), ([0, 0, 0, 10], False), ([0, 0, 0, 0], False),
+])
+def test_has_area(box, has):
+    assert boxes.has_area(box) is has
+    assert (boxes.box_area(box) > 0) is has  # the rule box_area and IoU already follow
+
+
 def test_original_resized_mapping_both_ways():
     box = [103.9, 92.5, 231.2, 410.0]
     resized = boxes.original_to_resized(box, (640, 427), (644, 420))

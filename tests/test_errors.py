@@ -7,6 +7,7 @@ groundtune is checked in a fresh interpreter, the only place an import's side ef
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -114,3 +115,34 @@ def test_importing_groundtune_changes_no_library_setting():
             "assert before == after, (before, after)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def _pipe_without_reader() -> tuple[int, int]:
+    """A real pipe whose reader has gone (``| head -c 600`` after its 600 bytes, ``| true``): every
+    write to it fails, whenever it comes. (A reader that reads a little first leaves a race: on this
+    kernel a writer may still get its whole output into the pipe before the reader closes it.)"""
+    r, w = os.pipe()
+    os.close(r)
+    return w
+
+
+def test_a_reader_that_closes_the_pipe_early_ends_the_command_quietly(tmp_path):
+    """`groundtune plan ... --json | head -c 600`: exit 141 and nothing on stderr, as cat, not a
+    traceback asking for a bug report. A real process: Python's flush at exit is part of it."""
+    w = _pipe_without_reader()
+    done = subprocess.run([sys.executable, "-m", "groundtune", "plan", "qwen2.5-vl-7b-qlora", "--json"], stdout=w,
+                          stderr=subprocess.PIPE, timeout=60)
+    os.close(w)
+    assert done.returncode == 141 and done.stderr == b""
+
+
+def test_help_to_a_closed_pipe_ends_quietly(monkeypatch, capsys):
+    """The same for --help (argparse's text is still buffered when it exits), in this process."""
+    pipe = open(_pipe_without_reader(), "w", encoding="utf-8")
+    monkeypatch.setattr(sys, "stdout", pipe)
+    try:
+        assert cli.main(["train", "--help"]) == 141
+    finally:
+        monkeypatch.undo()
+        pipe.close()  # what it still held went to /dev/null: no error here either
+    assert capsys.readouterr().err == ""

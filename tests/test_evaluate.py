@@ -355,6 +355,23 @@ def test_draw_answer_colours_found_missed_matched_extra():
     assert drawn.getpixel((30 * s, 8 * s)) == evaluate.EXTRA_COLOUR
 
 
+def test_an_answer_with_no_area_is_drawn_and_listed_as_invalid(tmp_path):
+    """x1 > x2 (a harness's reading of an answer, say) is no box: the gallery dashes the corners' span
+    in the invalid colour and lists it as invalid, never draws the box the sorted corners make."""
+    image = Image.new("RGB", (64, 64), "white")
+    image.save(tmp_path / "img.png")
+    turned, point = [40.0, 5.0, 10.0, 30.0], [0.0, 0.0, 0.0, 0.0]
+    row = _row("turned", [[4, 4, 20, 20]], [turned, point])
+    assert row["extra"] == [0, 1] and row["iou"] == 0.0  # scored as it was: no area, IoU 0
+    drawn = evaluate.draw_answer(image, row["true_boxes"], row["pred_boxes"], row["matched"])
+    s = drawn.width // 64
+    colours = {colour for _, colour in drawn.getcolors(drawn.width * drawn.height)}
+    assert evaluate.INVALID_COLOUR in colours and evaluate.EXTRA_COLOUR not in colours
+    assert drawn.getpixel((10 * s + 1, 5 * s)) == evaluate.INVALID_COLOUR  # a dash of its top edge
+    page = evaluate.write_gallery([row], tmp_path / "data.jsonl", tmp_path / "gallery", n_worst=1).read_text()
+    assert "invalid box(es), no area: [40, 5, 10, 30], [0, 0, 0, 0]" in page
+
+
 # --------------------------------------------------------------------------------------------
 # The eval command on the real tiny model
 
@@ -384,8 +401,9 @@ REPORT_KEYS = {"model", "data", "family", "resize", "prompt", "decoding", "n", "
                "recall@0.5", "f1@0.5", "set_acc@0.5", "n_acc", "t_acc", "definitions"}
 
 
-def test_eval_cli_writes_report_and_gallery(dataset, tmp_path, capsys):
+def test_eval_cli_writes_report_and_gallery(dataset, tmp_path, capsys, monkeypatch):
     out, gallery = tmp_path / "report.json", tmp_path / "gallery"
+    monkeypatch.setenv("GROUNDTUNE_PROGRESS_EVERY", "1e-9")  # a plain progress line every batch
     assert main(["eval", "--model", "tiny", "--data", str(dataset), "--out", str(out), "--gallery", str(gallery),
                  "--batch-size", "2", "--device", "cpu"]) == 0
     report = json.loads(out.read_text())
@@ -401,8 +419,11 @@ def test_eval_cli_writes_report_and_gallery(dataset, tmp_path, capsys):
     pngs = list(gallery.glob("*.png"))
     assert len(pngs) == 3 and all(p.name in page for p in pngs)
     assert "&lt;square&gt;" in page and "<square>" not in page
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "Acc@.5" in printed and "split=test" in printed
+    # stderr is no terminal here: plain progress lines, not a bar
+    assert "eval (2/batch) 1/2 (50%)" in captured.err and "eval (2/batch) 2/2 (100%)" in captured.err
     assert all(h in printed for h in ("F1@.5", "set acc", "missed", "extra", "no target"))
     assert "ap@0.5" not in report and set(report["definitions"]) == set(evaluate.METRICS + evaluate.SET_METRICS)
 

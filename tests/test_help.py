@@ -126,13 +126,14 @@ def test_eval_help_explains_the_set_metrics():
 
 
 def test_synth_help_lists_the_every_task():
+    from groundtune.data import synth
     from groundtune.data.synth import TASKS
 
     shown = _flat(_subcommand_help("data", "synth"))
     assert "every" in TASKS and "{" + ",".join(TASKS) + "}" in shown
     for task in TASKS:  # each task is explained, not only listed
         assert f"{task}: " in shown, task
-    assert "every: sets," in shown and "at least a fifth of the samples naming nothing" in shown
+    assert "every: sets," in shown and f"{synth.NO_TARGET_SHARE:.0%} of the samples naming nothing" in shown
 
 
 def test_the_reward_settings_say_how_a_set_answer_is_scored():

@@ -13,7 +13,7 @@ import groundtune
 PACKAGE = Path(groundtune.__file__).parent
 # lowest first; a module may import its own layer and any layer before it
 LAYERS = [
-    {"errors", "files", "runs", "progress", "boxes", "families"},
+    {"errors", "files", "runs", "progress", "cores", "boxes", "families"},
     {"config"},
     {"data"},
     {"plan"},  # sizes a run from config.json files and settings: no model, no torch

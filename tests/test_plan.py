@@ -206,6 +206,32 @@ def test_data_image_sizes_and_boxes_change_the_plan(tmp_path):
     assert small.samples == 20 and small.epoch_s == pytest.approx(20 / small.samples_per_s)
 
 
+def test_plan_reads_the_config_files_own_train_data(tmp_path, monkeypatch, capsys):
+    """groundtune plan defaults train_data only where neither the config file nor the command line
+    names it: a config's data file is planned (its samples, its image sizes), the command line's
+    train_data wins over the file's, and a file not made yet is planned as the default images."""
+    monkeypatch.chdir(tmp_path)
+    records = [{"id": str(i), "image": f"{i}.jpg", "width": 320, "height": 240, "phrase": "a dog",
+                "bbox": [1, 1, 20, 20], "split": "train", "source": "t"} for i in range(7)]
+    write_samples(tmp_path / "mine.jsonl", records)
+    write_samples(tmp_path / "other.jsonl", records[:3])
+    base = yaml.safe_load(preset_path("qwen2.5-vl-3b-lora-24gb").read_text())
+    (tmp_path / "with.yaml").write_text(yaml.safe_dump({**base, "train_data": "mine.jsonl"}))
+    (tmp_path / "unmade.yaml").write_text(yaml.safe_dump({**base, "train_data": "data/not-yet.jsonl"}))
+
+    def planned(*args):
+        assert main(["plan", *args, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        return out["tokens_source"], out["samples"]
+
+    assert planned("with.yaml") == ("mine.jsonl (7 samples)", 7)
+    assert planned("with.yaml", "train_data=other.jsonl") == ("other.jsonl (3 samples)", 3)
+    source, samples = planned("unmade.yaml")
+    assert source.startswith("COCO-sized") and "data/not-yet.jsonl is not there yet" in source and samples is None
+    source, samples = planned("qwen2.5-vl-3b-lora-24gb")  # no train_data anywhere: the default stream
+    assert source.startswith("COCO-sized") and "--data FILE" in source and samples is None
+
+
 def test_sharding_engines_plan_per_gpu():
     shape = plan.shape_of("qwen2.5-vl-7b")
     base = plan.Setting.of(_cfg("qwen2.5-vl-7b-lora-24gb", "method=full", "freeze_vision=true"), shape.family)

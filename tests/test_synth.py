@@ -317,7 +317,8 @@ def test_every_task_names_sets_and_sometimes_nothing():
         sizes.append(len(scene.targets))
         pairs = [(s.colour, s.kind) for s in scene.shapes]
         repeated += len(set(pairs)) < len(pairs)
-    assert sizes.count(0) / len(sizes) >= 0.20  # at least a fifth name nothing in the image
+    # a quarter name nothing in the image (20,000 scenes: 24.7% to 25.1%; these 600: 24.2%)
+    assert sizes.count(0) / len(sizes) == pytest.approx(synth.NO_TARGET_SHARE, abs=0.03)
     assert sum(n >= 2 for n in sizes) / len(sizes) >= 0.10 and repeated >= 30  # real sets, repeated pairs
     image, record = synth.make_sample(seed=4, index=0, task="every")
     assert "bbox" not in record and isinstance(record["bboxes"], list)

@@ -138,10 +138,16 @@ def synth_wide(tmp_path_factory):
     return out
 
 
-def test_loss_falls(synth_wide, tmp_path):
+def test_loss_falls(synth_wide, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GROUNDTUNE_PROGRESS_EVERY", "1e-9")  # a plain progress line every step
     run = train(_cfg(synth_wide, tmp_path / "run", max_steps=25, batch_size=8))
     losses = _losses(run)
     assert len(losses) == 25
+    # stderr is no terminal here (as in `train ... > log 2>&1`): the log says where the run is
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train ")]
+    assert progress[0].startswith("train 1/25 (4%)") and "ETA" in progress[0]
+    assert " loss " in progress[1] and " samples/s " in progress[1]
+    assert progress[-1].startswith("train 25/25 (100%)") and " done after " in progress[-1]
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:3]) / 3
     meta = json.loads((run / "model" / "groundtune.json").read_text())
     assert meta["family"] == "qwen2.5-vl" and meta["resize"]["max_pixels"] == 224 * 224

@@ -203,6 +203,13 @@ def box_area(box: Sequence[float]) -> float:
     return max(0.0, box[2] - box[0]) * max(0.0, box[3] - box[1])
 
 
+def has_area(box: Sequence[float]) -> bool:
+    """Whether an xyxy box is one: its corners in order with room between them (x1 < x2 and
+    y1 < y2). [40, 5, 10, 30] is not a box turned round: nothing says which corner was meant, so
+    it has no area, scores IoU 0 and is shown as invalid, never as the box its sorted corners make."""
+    return box[0] < box[2] and box[1] < box[3]
+
+
 def box_centre(box: Sequence[float]) -> tuple[float, float]:
     """The (x, y) centre of an xyxy box."""
     return (box[0] + box[2]) / 2, (box[1] + box[3]) / 2

@@ -492,17 +492,20 @@ def preset_path(name_or_path: str) -> Path:
 # YAML + key=value
 
 
+def file_settings(path: str | Path) -> dict:
+    """The settings a YAML file gives, as written (not yet checked against a settings class)."""
+    if Path(path).is_dir():
+        raise ConfigError(f"{path} is a folder; give a YAML file or a preset name")
+    loaded = _yaml(_settings_text(Path(path)), str(path)) or {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings, got {type(loaded).__name__}")
+    return loaded
+
+
 def load_config(cls, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()):
     """Build ``cls`` from a YAML file and ``key=value`` overrides (values parsed as YAML). An unknown
     setting is named with where it was given: the file, or the command line."""
-    from_file: dict = {}
-    if path:
-        if Path(path).is_dir():
-            raise ConfigError(f"{path} is a folder; give a YAML file or a preset name")
-        loaded = _yaml(_settings_text(Path(path)), str(path)) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: expected a mapping of settings, got {type(loaded).__name__}")
-        from_file = loaded
+    from_file = file_settings(path) if path else {}
     given: dict = {}
     for item in overrides:
         if "=" not in item:

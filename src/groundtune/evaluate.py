@@ -74,6 +74,7 @@ TRUE_COLOUR = (0, 200, 0)  # a true box, found
 PRED_COLOUR = (230, 0, 0)  # a predicted box that matched a true box
 MISSED_COLOUR = (0, 110, 255)  # a true box no predicted box matched
 EXTRA_COLOUR = (210, 0, 210)  # a predicted box that matched no true box
+INVALID_COLOUR = (255, 140, 0)  # a "box" with no area (x2 <= x1 or y2 <= y1): dashed, labelled invalid
 
 
 def headline(report: dict) -> tuple[str, float | None]:
@@ -338,14 +339,38 @@ def draw_answer(image: Image.Image, true_boxes: list[list[float]], pred_boxes: l
 
 
 def _draw(image: Image.Image, outlined: list[tuple[list[float], tuple]]) -> Image.Image:
-    """Small images are enlarged (nearest neighbour) so a 2 px outline does not hide the object."""
+    """Small images are enlarged (nearest neighbour) so a 2 px outline does not hide the object.
+    A box without area (``boxes.has_area``: x1 > x2, say, from a harness's reading) is not drawn as
+    the box its sorted corners would make: it is dashed, in INVALID_COLOUR, and labelled."""
     scale = max(1, 320 // max(image.size))
     out = image.convert("RGB").resize((image.width * scale, image.height * scale), Image.Resampling.NEAREST)
     draw = ImageDraw.Draw(out)
     width = max(2, max(out.size) // 200)
     for box, colour in outlined:
-        draw.rectangle([v * scale for v in box], outline=colour, width=width)
+        if boxes.has_area(box):
+            draw.rectangle([v * scale for v in box], outline=colour, width=width)
+        else:
+            _draw_invalid(draw, [v * scale for v in box], width)
     return out
+
+
+def _draw_invalid(draw: ImageDraw.ImageDraw, box: list[float], width: int) -> None:
+    """Dashes along the rectangle the corners span (a cross where they meet in one point), and the
+    word "invalid" beside it."""
+    x1, x2 = sorted((box[0], box[2]))
+    y1, y2 = sorted((box[1], box[3]))
+    if x2 - x1 < 2 * width and y2 - y1 < 2 * width:  # a point: nothing to dash
+        r = 3 * width
+        draw.line([x1 - r, y1 - r, x1 + r, y1 + r], fill=INVALID_COLOUR, width=width)
+        draw.line([x1 - r, y1 + r, x1 + r, y1 - r], fill=INVALID_COLOUR, width=width)
+    dash = 3 * width
+    for ax, ay, bx, by in ((x1, y1, x2, y1), (x2, y1, x2, y2), (x2, y2, x1, y2), (x1, y2, x1, y1)):
+        pieces = max(1, round(max(abs(bx - ax), abs(by - ay)) / dash))
+        for k in range(0, pieces, 2):  # every other piece: a dash, then a gap
+            a, b = k / pieces, min(1.0, (k + 1) / pieces)
+            draw.line([ax + (bx - ax) * a, ay + (by - ay) * a, ax + (bx - ax) * b, ay + (by - ay) * b],
+                      fill=INVALID_COLOUR, width=width)
+    draw.text((x1 + width, y1 + width), "invalid", fill=INVALID_COLOUR)
 
 
 def badness(row: dict) -> tuple:
@@ -386,10 +411,21 @@ def write_rows(rows: list[dict], data_path, path, model: str | None = None) -> P
 
 def verdict(row: dict) -> str:
     """One line on an answer: its first box's IoU, the true boxes found and missed, the extra ones,
-    and "no target" where the sample or the answer names none."""
-    n_true, n_found, n_extra = len(row["true_boxes"]), len(row["matched"]), len(row["extra"])
+    "no target" where the sample or the answer names none, and the answer's boxes that are none
+    (no area: ``boxes.has_area``), listed as given."""
     if not row["read"]:
         return f"parse failure: {row['error']}"
+    invalid = [b for b in row["pred_boxes"] if not boxes.has_area(b)]
+    said = "; invalid box(es), no area: " + ", ".join(_shown(b) for b in invalid) if invalid else ""
+    return _verdict(row) + said
+
+
+def _shown(box: list[float]) -> str:
+    return "[" + ", ".join(f"{round(v, 1):g}" for v in box) + "]"
+
+
+def _verdict(row: dict) -> str:
+    n_true, n_found, n_extra = len(row["true_boxes"]), len(row["matched"]), len(row["extra"])
     if not n_true:
         return "no target, answered no target" if row["no_target"] else f"no target, {n_extra} extra box(es)"
     if row["no_target"]:
@@ -422,7 +458,8 @@ pre {{ white-space: pre-wrap; word-break: break-all; background: #f4f4f4; font-s
 </style></head><body>
 <h1>{n} samples: <span style="color:#00c800">true box found</span>,
 <span style="color:#006eff">true box missed</span>, <span style="color:#e60000">predicted box matched</span>,
-<span style="color:#d200d2">predicted box extra</span> (matched one to one at IoU &ge; 0.5)</h1>
+<span style="color:#d200d2">predicted box extra</span> (matched one to one at IoU &ge; 0.5),
+<span style="color:#ff8c00">predicted "box" with no area, dashed: invalid</span></h1>
 {body}
 </body></html>
 """

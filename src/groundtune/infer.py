@@ -24,7 +24,6 @@ import contextlib
 import functools
 import itertools
 import json
-import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -36,6 +35,7 @@ from PIL import Image
 
 from groundtune import boxes
 from groundtune.config import InferSettings
+from groundtune.cores import cores
 from groundtune.data.images import load_image, to_rgb
 from groundtune.data.records import (MAX_LINE_CHARS, atomic_write, image_path, iter_jsonl, missing_fields,
                                      record_problem, record_size)
@@ -354,7 +354,7 @@ def default_workers(device) -> int:
     a CPU none: the model needs the cores more than the encoding does."""
     if torch.device(device).type == "cpu":
         return 0
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
+    return max(1, min(8, cores() // 2))
 
 
 def _check_batch_size(batch_size: int) -> None:

@@ -52,7 +52,8 @@ TINY_CONFIG = ASSETS / "tiny" / "config.json"
 GIB = 2**30
 DEFAULT_CARD = "rtx4090"  # groundtune plan without --gpu or --memory-gib: the 24 GB card the presets are sized for
 # A config loads only with a train_data (TrainConfig checks it) and a plan needs only its settings:
-# without train_data=... on the command line, groundtune plan names this stream (so no file is read)
+# where neither the config file nor the command line names one, groundtune plan names this stream
+# (so no file is read)
 PLAN_TRAIN_DATA = "synth:full"
 # bitsandbytes' NF4 with double quantization (QLoRA's base): two weights a byte, an 8-bit scale per 64
 # weights, an fp32 scale per 256 of those
@@ -639,19 +640,25 @@ class RunPlan:
 
 def plan_run(cfg: TrainConfig, c: Card, data: str | None = None, gpus: int = 1) -> RunPlan:
     """The plan of ``cfg`` on card ``c``: its data's image sizes from ``data`` (else cfg.train_data
-    when that is a file, else the COCO-sized images the constants were measured on), and the
-    changes that make it fit when it does not. batch_size=auto is planned with the largest batch
-    that fits (``plan.setting.batch_size``)."""
+    when that is a file, else, or while that file is not there, the COCO-sized images the constants
+    were measured on), and the changes that make it fit when it does not. batch_size=auto is
+    planned with the largest batch that fits (``plan.setting.batch_size``)."""
     mf = load_model_file()
     shape = shape_of(cfg.model)
     setting = Setting.of(cfg, shape.family, gpus, device="cpu" if c.key == "cpu" else "cuda")
     path = data or (cfg.train_data if cfg.train_data and ":" not in cfg.train_data else None)
+    # a preset's or a config's file not made yet (quickstart's, on a fresh clone) is planned as the
+    # default images, and said so; a --data file that is not there is the caller's error
+    unmade = None
+    if path and data is None and not Path(path).exists():
+        path, unmade = None, path
     if path:
         sizes, boxes = read_data(path)
         source = f"{path} ({len(sizes):,} samples)"
     else:
         sizes, boxes = [tuple(s) for s in mf["default_images"]], [1] * len(mf["default_images"])
-        source = "COCO-sized images (long side 480-640 px, one box each; --data FILE for yours)"
+        source = "COCO-sized images (long side 480-640 px, one box each; " + (
+            f"train_data {unmade} is not there yet" if unmade else "--data FILE for yours") + ")"
 
     def tokens_at(min_pixels: int, max_pixels: int) -> Tokens:
         return data_tokens(sizes, boxes, shape.family, min_pixels, max_pixels, mf, source)

@@ -15,6 +15,8 @@ line on stderr and exit code 2; anything else (a bug, CUDA out of memory, a brok
 its traceback and exits 1. ``groundtune --debug COMMAND`` shows the traceback of every error.
 No line of an error is over 1,000 characters (errors.cut): each message cuts the values it echoes
 (errors.shown), and what one misses is cut here.
+A reader that closes stdout early (``| head``) ends the command quietly, exit code 141, as it
+ends cat.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ COMMANDS = {
 }
 
 
+# The commands that run a model (and `data refgen --filter-model`): torch's threads are set to the
+# cores this process may use before they start (cores.py); the others never import torch.
+MODEL_COMMANDS = {"train", "rl", "eval", "predict", "export", "serve", "quickstart"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="groundtune",
@@ -74,14 +81,31 @@ _USER_OS_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, Per
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _run(argv)
+        finally:  # --help's text too: it is still buffered when argparse exits
+            sys.stdout.flush()  # here, where a closed pipe is caught, not at exit, where it is not
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     # the command line's own bars say what is loading; transformers' draw one per weight file
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from groundtune.progress import quiet_libraries
+    from groundtune import cores
+    from groundtune.progress import progress_every, quiet_libraries
 
     quiet_libraries()
+    cores.before_torch()
     try:
+        progress_every()  # a wrong GROUNDTUNE_PROGRESS_EVERY said now, not when the first loop starts
+        if args.command in MODEL_COMMANDS or getattr(args, "filter_model", None):
+            cores.use_cores()
         return args.handler(args)
+    except BrokenPipeError:
+        raise  # the reader went away: nothing went wrong (main)
     except (GroundtuneError, *_USER_OS_ERRORS) as e:
         if args.debug:
             traceback.print_exc()
@@ -94,6 +118,20 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         print(f"\nerror: {type(e).__name__} (above). {_hint(e)}", file=sys.stderr)
         return 1
+
+
+def _reader_gone() -> int:
+    """The reader of stdout closed it (``groundtune plan --json | head -c 600``): end quietly, as
+    cat does, with the status a shell gives a command SIGPIPE ended (128 + 13). What is still
+    buffered goes to /dev/null, or Python's flush at exit would report the same closed pipe."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):  # not a file (a caller's stream): nothing is flushed at exit
+        return 141
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+    return 141
 
 
 def _hint(error: Exception) -> str:

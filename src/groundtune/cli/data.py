@@ -302,9 +302,10 @@ def _add_data_synth(dsub: argparse._SubParsersAction) -> None:
                    help="full: 1-3 shapes and relational phrases; single: one shape, 'the {colour} {shape}'; "
                         "attribute: 2-3 shapes named by colour and/or kind; multi: like full with 2-3 shapes; "
                         "every: sets, 1-6 shapes whose colour and kind may repeat and a phrase naming all of a "
-                        "colour and/or kind ('every red circle', 'all the squares'), 0 to 6 boxes, at least a "
-                        "fifth of the samples naming nothing in the image (no target)")
-    p.add_argument("--workers", type=count, default=0, help="worker processes (0: one per CPU core)")
+                        "colour and/or kind ('every red circle', 'all the squares'), 0 to 6 boxes, "
+                        # "25%%": argparse %-formats help text, and prints it as 25%
+                        f"{synth.NO_TARGET_SHARE:.0%}% of the samples naming nothing in the image (no target)")
+    p.add_argument("--workers", type=count, default=0, help="worker processes (0: one per CPU core this process may use)")
     p.add_argument("--overwrite", action="store_true", help="replace a synthetic set already at OUT/SPLIT.jsonl, "
                    "and remove its images the new set does not write (never a file synth did not write)")
     p.set_defaults(handler=_data_synth)

@@ -13,7 +13,7 @@ from groundtune.runs import RunFolder
 
 def _plan(args: argparse.Namespace) -> int:
     from groundtune import plan
-    from groundtune.config import TrainConfig, load_config, preset_path
+    from groundtune.config import TrainConfig, file_settings, load_config, preset_path
 
     if args.gpus < 1:
         raise UsageError(f"groundtune plan: --gpus {args.gpus}: expected 1 or more")
@@ -22,9 +22,12 @@ def _plan(args: argparse.Namespace) -> int:
     if args.data and not os.path.isfile(args.data):
         what = "a folder, not a JSONL file" if os.path.isdir(args.data) else "no such file"
         raise UsageError(f"groundtune plan: --data {args.data}: {what}")
+    path = preset_path(args.config)
     given = dict(o.split("=", 1) for o in args.overrides if "=" in o)
-    overrides = list(args.overrides) + ([] if "train_data" in given else [f"train_data={plan.PLAN_TRAIN_DATA}"])
-    cfg = load_config(TrainConfig, preset_path(args.config), overrides)
+    # the run's own data where the file or the command line names it (its image sizes are planned)
+    named = given.get("train_data") or file_settings(path).get("train_data")
+    overrides = list(args.overrides) + ([] if named else [f"train_data={plan.PLAN_TRAIN_DATA}"])
+    cfg = load_config(TrainConfig, path, overrides)
     result = plan.plan_run(cfg, card, args.data, args.gpus)  # batch_size=auto: planned at the largest that fits
     if args.json:
         print(json.dumps({**result.plan.to_json(), "model": result.model,

@@ -71,7 +71,8 @@ from pathlib import Path
 from stat import S_ISREG
 
 
-from groundtune.boxes import MAX_RATIO, as_box, box_area, clip_box, xywh_to_xyxy
+from groundtune.boxes import MAX_RATIO, as_box, box_area, clip_box, has_area, xywh_to_xyxy
+from groundtune.cores import cores
 from groundtune.data.images import opened
 from groundtune.data.records import (MAX_PHRASE_CHARS, image_path, iter_jsonl, jsonl_file, missing_fields,
                                      record_size, write_samples)
@@ -307,7 +308,7 @@ def probe_images(paths: list[Path], cache: "ProbeCache") -> dict[Path, ImageInfo
         stats[path] = (stat.st_size, stat.st_mtime_ns)
     infos.update(cache.get(stats))
     todo = [p for p in stats if p not in infos]
-    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=min(16, cores())) as pool:
         decoded = dict(zip(todo, track(pool.map(_probe_image, todo), "decoding images", total=len(todo))))
     cache.put({p: (stats[p], info) for p, info in decoded.items()})
     return {**infos, **decoded}
@@ -467,8 +468,7 @@ def _check_box(box, size: tuple[int, int] | None) -> tuple[str | None, list]:
     """(kind or None, the box to write) for one box of a record; ``size`` is the image's (w, h)."""
     if not isinstance(box, list) or as_box(box) is None:
         return "bbox_nan", box
-    x1, y1, x2, y2 = box
-    if x2 <= x1 or y2 <= y1:
+    if not has_area(box):
         # Read as xywh? Only an image size can tell a plausible xywh box from a broken one.
         as_xyxy = xywh_to_xyxy(box)
         if size is not None and box_area(as_xyxy) > 0 and _overshoot(as_xyxy, size) <= CLIP_TOLERANCE:
