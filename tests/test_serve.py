@@ -40,7 +40,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def _start(*flags: str):
-    return launch("tiny", "--device", "cpu", *flags, timeout_s=30, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    # 90 s: a server with --workers waits for its encoding processes, each importing torch (seconds
+    # on a quiet 2-core machine; 30 s was once not enough under the whole suite's load)
+    return launch("tiny", "--device", "cpu", *flags, timeout_s=90, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                   text=True)
 
 
