@@ -193,7 +193,7 @@ def test_synthetic_stream_is_the_synthetic_set_drawn_on_the_fly(synth_single):
     batches = iter(make_loader(from_stream, 4, seed=1, start=8, num_workers=0, pad_token_id=0))
     first, expected = next(batches), from_stream[8, 8]["input_ids"]
     assert torch.equal(first["input_ids"][0, : len(expected)], expected)  # resumes at its position
-    with pytest.raises(ValueError, match="synth:'bogus'.*synth:full"):
+    with pytest.raises(ValueError, match="'synth:bogus'.*synth:full"):
         open_samples("synth:bogus", 0)
     mixture = open_samples("synth:single+attribute", 1)  # a curriculum mixture: tasks alternate
     assert [mixture[i][1]["task"] for i in range(4)] == ["single", "attribute", "single", "attribute"]
@@ -202,7 +202,7 @@ def test_synthetic_stream_is_the_synthetic_set_drawn_on_the_fly(synth_single):
     image, record = varied[3]
     assert image.size == synth.canvas_size(1, 3, "train", (112, 224)) == (record["width"], record["height"])
     assert record == synth.make_sample(1, 3, task="every", canvas=(112, 224))[1]
-    with pytest.raises(ValueError, match="synth:single@big: canvas 'big': expected MIN-MAX"):
+    with pytest.raises(ValueError, match="'synth:single@big': canvas 'big': expected MIN-MAX"):
         open_samples("synth:single@big", 0)
 
 

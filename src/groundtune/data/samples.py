@@ -67,11 +67,11 @@ class SyntheticStream:
         try:
             self.canvas = synth.parse_canvas(canvas) if canvas else None
         except ValueError as e:
-            raise ConfigError(f"train_data=synth:{shown(spec)}: {e}") from None
+            raise ConfigError(f"train_data={shown('synth:' + spec)}: {e}") from None
         self.spec, self.tasks = spec, tasks.split("+")
         for task in self.tasks:
             if task not in synth.TASKS:
-                raise ConfigError(f"train_data=synth:{shown(spec)}: unknown task {shown(task)}; expected one of "
+                raise ConfigError(f"train_data={shown('synth:' + spec)}: unknown task {shown(task)}; expected one of "
                                  f"{', '.join(SYNTH_PREFIX + t for t in synth.TASKS)}, or several joined by +, "
                                  "then optionally @MIN-MAX (canvas sides in px)")
         self.seed = seed
