@@ -41,6 +41,7 @@ SMOKE = {
     "plan_check": (["measure", "--models", "tiny", "--samples", "16", "--limit", "1"], {"rows", "data"}),
     "serve_connections": (["--connections", "40", "--holders", "2", "--hold-s", "1", "--settle-s", "1",
                            "--attacks", "once"], {"connections", "targets", "runs"}),
+    "serve_openai": (["--requests", "8", "--concurrency", "2", "--batch-size", "4"], {"runs"}),
 }
 
 
