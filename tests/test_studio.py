@@ -108,12 +108,14 @@ def page(studio, browser):
 
 
 def _wait(driver, condition, what: str, timeout: float = WAIT_S):
-    """``condition(driver)`` once it is truthy; the page's message line in the failure."""
-    from selenium.common.exceptions import TimeoutException
+    """``condition(driver)`` once it is truthy; the page's message line in the failure. An element
+    the page redraws between finding and reading it (Watch redraws as it polls) is looked for again."""
+    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
     try:
-        return WebDriverWait(driver, timeout, poll_frequency=0.2).until(condition)
+        return WebDriverWait(driver, timeout, poll_frequency=0.2,
+                             ignored_exceptions=(StaleElementReferenceException,)).until(condition)
     except TimeoutException:
         raise AssertionError(f"waited {timeout} s for {what}; the page says: "
                              f"{driver.find_element('id', 'message').text!r}") from None
