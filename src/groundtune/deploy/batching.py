@@ -192,11 +192,13 @@ def _model_process(model: str, device: str, limits, max_new_tokens: int, compile
     for batch, answers in batches:
         done = time.monotonic()
         began = max(asked, batch.formed)  # the model's time on it: from when both it and the batch were ready
-        if isinstance(answers, Exception):  # the server must outlive a failed batch
-            results = [(item[0], f"{type(answers).__name__}: {answers}") for item in batch]
-        else:
+        try:  # the server must outlive a failed batch: its phrases get the error
+            if isinstance(answers, Exception):
+                raise answers
             results = [(item[0], _answered(gm, ids, prediction, item[2], item[4]))
                        for item, (ids, prediction) in zip(batch, answers)]
+        except Exception as e:  # noqa: BLE001
+            results = [(item[0], f"{type(e).__name__}: {e}") for item in batch]
         outbox.put((results, {"size": len(batch), "seconds": done - began,
                               "waits": [began - item[3] for item in batch]}))
         asked = time.monotonic()
