@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["METADATA_FILE", "STEP_PREFIX", "RunFolder", "is_run", "step_name"]
+__all__ = ["METADATA_FILE", "STEP_PREFIX", "RunFolder", "is_run", "step_name", "step_of"]
 
 # what groundtune writes into every model folder it makes (RUN/model/, an export): family, box
 # convention, pixel budget, prompt, head; models/loading.py reads it back
@@ -38,6 +38,15 @@ STEP_PREFIX = "step-"  # a checkpoint's folder and an eval's report are named by
 def step_name(step: int) -> str:
     """step-000100: zero-padded, so that names sort as steps do."""
     return f"{STEP_PREFIX}{step:06d}"
+
+
+def step_of(path: Path) -> int:
+    """The step a file or folder of ``step_name`` is named by (RUN/eval/step-000100.json,
+    step-000100.samples.jsonl, checkpoints/step-000100); 0 for a name that holds none."""
+    try:
+        return int(path.name.split(".", 1)[0].removeprefix(STEP_PREFIX))
+    except ValueError:
+        return 0
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,15 @@ import json
 import typing
 from pathlib import Path
 
-import yaml
-
-from groundtune.config import PRESETS, RLConfig, TrainConfig, load_config, settings_of
+from groundtune.config import (
+    PRESETS,
+    RLConfig,
+    TrainConfig,
+    file_settings,
+    load_config,
+    settings_of,
+)
+from groundtune.errors import ConfigError
 from groundtune.runs import RunFolder, is_run
 from groundtune.studio.safety import Refusal
 
@@ -37,7 +43,7 @@ def _preset(cls, args: dict) -> tuple[str, dict]:
     name = args.get("preset") or DEFAULT_PRESET[cls.command]
     if "/" in name or "\\" in name or not (PRESETS / f"{name}.yaml").is_file():
         raise Refusal(f"preset {name!r}: not a shipped preset ({', '.join(_presets())})")
-    return name, yaml.safe_load((PRESETS / f"{name}.yaml").read_text()) or {}
+    return name, file_settings(PRESETS / f"{name}.yaml")
 
 
 def _presets() -> list[str]:
@@ -169,15 +175,20 @@ def resume(studio, args: dict) -> dict:
 
 
 def saved_settings(run: Path) -> dict:
-    """The run's saved config.yaml ({} when it has none or it cannot be read)."""
+    """The run's saved config.yaml, read as every settings file is (``config.file_settings``: bounded
+    before YAML expands it); {} when it has none or it cannot be read."""
     try:
-        saved = yaml.safe_load(RunFolder(run).config.read_text())
-    except (OSError, yaml.YAMLError):
+        return file_settings(RunFolder(run).config)
+    except (OSError, ConfigError):
         return {}
-    return saved if isinstance(saved, dict) else {}
 
 
 def command_of(run: Path) -> str:
     """train or rl: which settings the run's saved config.yaml holds."""
+    return command_for(saved_settings(run))
+
+
+def command_for(saved: dict) -> str:
+    """train or rl: which command's settings ``saved`` (a run's config.yaml) holds."""
     rl_only = {f.name for f in dataclasses.fields(RLConfig)} - {f.name for f in dataclasses.fields(TrainConfig)}
-    return "rl" if rl_only & set(saved_settings(run)) else "train"
+    return "rl" if rl_only & set(saved) else "train"

@@ -9,9 +9,9 @@ import json
 import os
 from pathlib import Path
 
-from groundtune.runs import STEP_PREFIX, RunFolder, is_run
+from groundtune.runs import STEP_PREFIX, RunFolder, is_run, step_of
 from groundtune.studio import judge
-from groundtune.studio.launch import command_of, run_folder, saved_settings
+from groundtune.studio.launch import command_for, run_folder, saved_settings
 
 MAX_DEPTH = 4  # how deep under the work folder runs are looked for
 MAX_FOLDERS = 5000  # ... and how many folders at most (a folder of images is not walked)
@@ -55,9 +55,9 @@ def runs(studio, args: dict) -> dict:
     running = {j.about.get("run") for j in studio.jobs.running()}
     found = []
     for path in find_runs(studio.paths.root):
-        folder, shown = RunFolder(path), studio.paths.shown(path)
-        eval_data = str(saved_settings(path).get("eval_data") or "")
-        found.append({"run": shown, "command": command_of(path) if folder.config.is_file() else "?",
+        folder, shown, saved = RunFolder(path), studio.paths.shown(path), saved_settings(path)
+        eval_data = str(saved.get("eval_data") or "")
+        found.append({"run": shown, "command": command_for(saved) if folder.config.is_file() else "?",
                       "step": _last_step(folder.metrics), "has_model": folder.has_model,
                       "running": shown in running or folder.lock.exists(),
                       # what Judge proposes to evaluate it on: what it was evaluated on while training
@@ -100,5 +100,5 @@ def latest_eval(studio, args: dict) -> dict:
     shown = studio.paths.shown(files[-1])
     worst = [judge.summary(rows[i], i, shown) for i in ranked[:SHOWN]]
     best = [judge.summary(rows[i], i, shown) for i in reversed(ranked[-SHOWN:]) if i not in ranked[:SHOWN]]
-    return {"step": int(files[-1].name.split(".")[0].removeprefix(STEP_PREFIX)), "file": shown,
+    return {"step": step_of(files[-1]), "file": shown,
             "worst": worst, "best": best}

@@ -17,7 +17,7 @@ import torch
 
 from groundtune.data.records import atomic_write
 from groundtune.errors import MissingPackageError
-from groundtune.runs import STEP_PREFIX, RunFolder
+from groundtune.runs import STEP_PREFIX, RunFolder, step_of
 
 
 class MetricsLog:
@@ -37,7 +37,7 @@ class MetricsLog:
             with atomic_write(self.path) as f:
                 f.writelines(kept)
             for report in RunFolder(run).eval_reports.glob(f"{STEP_PREFIX}*"):  # reports and their answers
-                if _report_step(report) > resume_step:
+                if step_of(report) > resume_step:
                     report.unlink()
         self.file = open(self.path, "a", encoding="utf-8")
         ids = _read_ids(run) if resume_step is not None else {}
@@ -216,14 +216,6 @@ def _mlflow_key(key: str) -> str:
 def _read_ids(run: Path) -> dict:
     path = RunFolder(run).trackers
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-
-
-def _report_step(path: Path) -> int:
-    """The step of RUN/eval/step-000100.json or step-000100.samples.jsonl."""
-    try:
-        return int(path.name.split(".", 1)[0].removeprefix(STEP_PREFIX))
-    except ValueError:
-        return 0
 
 
 def _logged_step(line: str) -> float:
