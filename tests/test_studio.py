@@ -419,8 +419,11 @@ def test_the_judge_tab_lists_the_worst_answer_first(page, stopped_run, tmp_path)
     _js(page, "document.getElementById('judge-model').value = 'runs/browser'")
     page.find_element("id", "judge-data").send_keys("data/val.jsonl")
     page.find_element("id", "judge-run").click()
-    _wait(page, lambda d: len(d.find_elements("css selector", "#judge-list .card")) == 6, "the eval's answers")
-    ious = [float(c.get_attribute("data-iou") or 1) for c in page.find_elements("css selector", "#judge-list .card")]
+    # read the list in one script: the page may redraw it between finding a card and reading it
+    read_ious = ("return [...document.querySelectorAll('#judge-list .card')]"
+                 ".map(c => parseFloat(c.dataset.iou || '1'))")
+    _wait(page, lambda d: len(_js(d, read_ious)) == 6, "the eval's answers")
+    ious = _js(page, read_ious)
     assert ious[0] == min(ious) and ious == sorted(ious)
     _wait(page, lambda d: _js(d, "return [...document.querySelectorAll('#judge-list img')].every("
                                  "i => i.complete && i.naturalWidth > 0)"), "the answers' pictures")
