@@ -15,7 +15,7 @@
 # VAL="synth args" sets the held-out set runs are evaluated and selected on (default: the full task
 # at 112 px).
 set -uo pipefail
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PLAN=$1
 T=${SECONDS_PER_RUN:-470}
 W=/tmp/tp
