@@ -7,6 +7,8 @@
 #   bash bench/headline_gpu.sh infer OUT     # eval 3B (engine against plain generate; answers of natural
 #                                            # lengths); box head against text, one and 7 phrases per image
 #   bash bench/headline_gpu.sh infer7b OUT   # eval 7B (engine against plain generate)
+#   bash bench/headline_gpu.sh serve OUT     # serve 3B against eval on the same requests; the openai client
+#   bash bench/headline_gpu.sh plan OUT      # plan's held-out configurations (never fitted), 3B
 #   PEER_SITE=DIR bash bench/headline_gpu.sh peers OUT   # the 3B preset against TRL and ms-swift
 #   bash bench/headline_gpu.sh checks OUT    # the tests that need a GPU (kernels, graphs, 4-bit bases)
 #
@@ -15,7 +17,7 @@
 # folder holding ms-swift and the datasets/trl it pins (BENCHMARKS.md, "Peers, side by side").
 set -euo pipefail
 if [ $# -ne 2 ]; then
-  echo "usage: bash bench/headline_gpu.sh train|infer|infer7b|peers|checks OUT" >&2
+  echo "usage: bash bench/headline_gpu.sh train|infer|infer7b|serve|plan|peers|checks OUT" >&2
   exit 2
 fi
 stage=$1
@@ -32,6 +34,18 @@ case "$stage" in
       --out "$out/rl_speed_3b.json"
     python bench/sft_speed.py --models 7b --steps 12 --no-loader \
       --variants preset:qwen2.5-vl-7b-lora-24gb,preset:qwen2.5-vl-7b-qlora --out "$out/sft_speed_7b_qlora.json"
+    ;;
+  serve)
+    python -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path
+from sft_speed import make_refcoco_like; make_refcoco_like(Path('/tmp/serve_data'), 1024)"
+    python bench/serve_load.py --model random:qwen2.5-vl-3b --device cuda --data /tmp/serve_data/train.jsonl \
+      --requests 1024 --concurrency 128 --batch-size 64 --max-new-tokens 32 --eval-too --unbatched-requests 32 \
+      --out "$out/serve_load_3b.json"
+    python bench/serve_openai.py --model random:qwen2.5-vl-3b --device cuda --requests 512 --concurrency 128 \
+      --batch-size 64 --max-new-tokens 32 --out "$out/serve_openai_3b.json"
+    ;;
+  plan)
+    python bench/plan_check.py measure --models 3b --held-out --out "$out/measure_3b_held_out.json"
     ;;
   infer)
     python bench/eval_speed.py --models 3b --samples 1024 --small-batch-too "" --engine-batches "" \

@@ -105,6 +105,19 @@ GRID = {
     ],
 }
 TINY_CHECK = range(9, 14)  # GRID["tiny"]'s rows the CPU fit does not see: its check
+# configurations off the grid, measured with `measure --held-out` and never fitted: the check of
+# what the fit predicts for settings it did not see (another LoRA target set, ranks, pixel budgets,
+# odd batches, part of the layers recomputed: the kinds of runs users reported it wrong on)
+HELD_OUT = {
+    "3b": [
+        (dict(batch_size=48, lora_targets=["llm_attn"], max_pixels=602112), 4),
+        (dict(batch_size=82), 4),
+        (dict(batch_size=36), 4),
+        (dict(batch_size=17, lora_r=64, lora_alpha=128, gradient_checkpointing=24), 4),
+        (dict(batch_size=40, lora_targets=["llm_mlp"], max_pixels=802816), 4),
+        (dict(batch_size=24, lora_r=8, lora_alpha=16, max_pixels=301056, head="box"), 4),
+    ],
+}
 CAPS = (12, 16, 24, 40)
 # what verify checks: (model, settings over BASE, caps); each 20-step run at the largest batch costs
 # a minute at most (the 40 GiB cap's batches would take several: its peaks lie inside the uncapped grid's)
@@ -246,9 +259,10 @@ def measure(args) -> None:
         data = make_refcoco_like(Path(tmp), args.samples)
         stats = [data_stats(data, p) for p in (PRESET_PIXELS, SMALL_PIXELS, 200704, 50176)]
         for key in args.models.split(","):
-            for i, (settings, steps) in enumerate(GRID[key][:args.limit]):
-                rows.append(dict(run_config(key, settings, steps, data, weights),
-                                 role="check" if key == "tiny" and i in TINY_CHECK else "fit"))
+            grid = HELD_OUT.get(key, []) if args.held_out else GRID[key]
+            for i, (settings, steps) in enumerate(grid[:args.limit]):
+                held_out = args.held_out or (key == "tiny" and i in TINY_CHECK)
+                rows.append(dict(run_config(key, settings, steps, data, weights), role="check" if held_out else "fit"))
                 _save({"cuda_context_gib": context, "data": stats, "rows": rows}, args.out)
     _table(rows)
 
@@ -324,17 +338,18 @@ def fit(measured: list[dict], with_time: bool = True) -> tuple[dict, list[dict]]
     rows = [dict(r, provenance=m["provenance"]) for m in measured for r in m["rows"]]
     ok = [r for r in rows if r["status"] == "ok" and r.get("peak_gib") and r["model"] != "tiny"]
     counted = [(r, row_counts(r, model_file, sizes)) for r in ok]
+    fitting = [(r, c) for r, c in counted if r.get("role") != "check"]  # the held-out rows are predicted only
     tiny = [r for r in rows if r["status"] == "ok" and r.get("peak_gib") and r["model"] == "tiny"]
 
     # memory: activations' coefficients from the adapter runs, where they decide the peak
-    adapters = [(r, c) for r, (_, s, _, c) in counted if s.method != "full"]
+    adapters = [(r, c) for r, (_, s, _, c) in fitting if s.method != "full"]
     a = np.array([[c[k] for k in FITTED_MEMORY] for _, c in adapters])
     y = np.array([r["peak_gib"] * plan.GIB - sum(c[k] * v for k, v in EXACT.items()) for r, c in adapters])
     w = 1 / np.array([r["peak_gib"] * plan.GIB for r, _ in adapters])  # relative error
     x = _nonnegative_least_squares(a * w[:, None], y * w)
     model_file["memory"].update({k: float(v) for k, v in zip(FITTED_MEMORY, x)})
     # full fine-tuning: the optimizer step's own peak, the largest any full run showed
-    for r, (_, s, _, c) in counted:
+    for r, (_, s, _, c) in fitting:
         if s.method == "full":
             static = sum(c[k] * model_file["memory"][k] for k in ("weights", "trained", "fixed"))
             model_file["memory"]["optimizer"] = max(model_file["memory"]["optimizer"],
@@ -354,7 +369,7 @@ def fit(measured: list[dict], with_time: bool = True) -> tuple[dict, list[dict]]
         model_file["memory"].update({k: float(v) for k, v in zip(cpu_terms, x)})
         counted += [(r, row_counts(r, model_file, sizes)) for r in tiny]
     if with_time:
-        model_file["time"] = fit_time([(r, c) for r, c in counted if r["model"] != "tiny"])
+        model_file["time"] = fit_time(fitting)
     else:  # (verify needs memory alone)
         model_file["time"] = {k: 1e-30 for k in plan.TIME_TERMS}
 
@@ -370,7 +385,7 @@ def fit(measured: list[dict], with_time: bool = True) -> tuple[dict, list[dict]]
                               speed_error=round(s.batch_size * s.grad_accum / step / r["samples_per_s"] - 1, 4)
                               if gpu and r.get("samples_per_s") else None))
     model_file["margin"] = round(max(0.0, max(-p["peak_error"] / (1 + p["peak_error"]) for p in predicted
-                                              if p["model"] != "tiny")), 4)
+                                              if p["model"] != "tiny" and p.get("role") != "check")), 4)
     model_file["default_images"] = [list(size) for size in sizes]
     return model_file, predicted
 
@@ -456,12 +471,17 @@ def draw(predicted: list[dict], out: Path) -> None:
 def summary(predicted: list[dict], verified: list[dict]) -> dict:
     presets = [p for p in predicted if _is_preset(p)]
     held_out = [p for p in predicted if p["model"] == "tiny" and p.get("role") == "check"]
-    predicted = [p for p in predicted if p["model"] != "tiny"]
+    gpu_held_out = [p for p in predicted if p["model"] != "tiny" and p.get("role") == "check"]
+    predicted = [p for p in predicted if p["model"] != "tiny" and p.get("role") != "check"]
     return {"configurations": len(predicted),
             "largest_peak_error": max((abs(p["peak_error"]) for p in predicted), default=None),
             "within_10_percent": sum(abs(p["peak_error"]) <= 0.10 for p in predicted),
             "cpu_held_out": len(held_out),
             "cpu_largest_held_out_error": max((abs(p["peak_error"]) for p in held_out), default=None),
+            "gpu_held_out": len(gpu_held_out),
+            "gpu_largest_held_out_error": max((abs(p["peak_error"]) for p in gpu_held_out), default=None),
+            "gpu_largest_held_out_speed_error": max((abs(p["speed_error"]) for p in gpu_held_out
+                                                     if p["speed_error"] is not None), default=None),
             "largest_preset_speed_error": max((abs(p["speed_error"]) for p in presets), default=None),
             "verified_fits": sum(v["status"] == "ok" for v in verified if v.get("role") == "predicted largest"),
             "false_fits": sum(v["status"] != "ok" for v in verified if v.get("role") == "predicted largest"),
@@ -550,6 +570,8 @@ def main() -> None:
     m.add_argument("--models", default="3b,7b")
     m.add_argument("--samples", type=int, default=256)
     m.add_argument("--limit", type=int, help="only the first N configurations of each model (a smoke test)")
+    m.add_argument("--held-out", action="store_true",
+                   help="measure HELD_OUT's configurations (off the grid, never fitted: the fit's check) instead of GRID's")
     m.add_argument("--out")
     f = sub.add_parser("fit", help="fit the planner's constants from measure files")
     f.add_argument("files", nargs="+")

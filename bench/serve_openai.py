@@ -1,14 +1,16 @@
 """The official `openai` client against `groundtune serve`: N chat requests, streamed and not, at
-concurrency C; errors counted, and each streamed answer checked against the plain one.
+concurrency C; errors counted, and each streamed answer's text compared with the plain one's.
 
     python bench/serve_openai.py --out bench/results/serve_openai.json     # tiny model, CPU: 512 each
-    python bench/serve_openai.py --model random:qwen2.5-vl-3b --device cuda --requests 512 --concurrency 128
+    python bench/serve_openai.py --model random:qwen2.5-vl-3b --device cuda --requests 512 --concurrency 128 \
+        --batch-size 64 --max-new-tokens 32
 
 Each request asks one of 32 synthetic scenes (PNG as a data: URI) for its phrase, as a chat front-end
 would: ``client.chat.completions.create(model=..., messages=[...])``, then the same with
 ``stream=True, stream_options={"include_usage": True}``: the chunks' text joined must be the plain
-answer's text, the last chunk with choices must carry the boxes (``groundtune``) and a usage chunk
-must close the stream. Zero errors is the target (the script exits 1 otherwise).
+answer's text on the CPU (fp32; in bf16 on a GPU a batch can tip a near-tie, so there such answers
+are counted apart), the last chunk with choices must carry the boxes (``groundtune``) and a usage
+chunk must close the stream. Zero errors is the target (the script exits 1 otherwise).
 """
 
 from __future__ import annotations
@@ -68,16 +70,18 @@ async def run(url: str, n: int, concurrency: int, stream: bool, plain: dict | No
 
     client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=600, max_retries=0)
     model = (await client.models.list()).data[0].id
-    items, answers, errors = scenes(), {}, {}
+    items, answers, errors, differs = scenes(), {}, {}, 0
     queue = iter(range(n))
 
     async def worker() -> None:
+        nonlocal differs
         for i in queue:
             uri, phrase = items[i % len(items)]
             try:
                 text, _ = await ask(client, model, uri, phrase, stream)
-                if plain is not None and text != plain[i % len(items)]:
-                    raise ValueError("a streamed answer differs from the plain one")
+                # counted apart from errors: in bf16 on a GPU a greedy answer can change with the batch it
+                # was answered in (random weights leave near-ties), which no protocol fault explains
+                differs += plain is not None and text != plain[i % len(items)]
                 answers[i % len(items)] = text
             except Exception as e:  # noqa: BLE001 - every failure is counted by its kind
                 errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
@@ -87,7 +91,8 @@ async def run(url: str, n: int, concurrency: int, stream: bool, plain: dict | No
     seconds = time.perf_counter() - start
     await client.close()
     return ({"stream": stream, "requests": n, "concurrency": concurrency, "seconds": round(seconds, 2),
-             "requests_per_s": round(n / seconds, 2), "errors": sum(errors.values()), "error_kinds": errors},
+             "requests_per_s": round(n / seconds, 2), "errors": sum(errors.values()), "error_kinds": errors,
+             "texts_differing_from_plain": differs if plain is not None else None},
             answers)
 
 
@@ -98,9 +103,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, help="the server's answer length limit (default: its own)")
     parser.add_argument("--out", default="bench/results/serve_openai.json")
     args = parser.parse_args()
-    process, url = launch(args.model, "--device", args.device, "--batch-size", str(args.batch_size), timeout_s=600)
+    limit = ["--max-new-tokens", str(args.max_new_tokens)] if args.max_new_tokens else []
+    process, url = launch(args.model, "--device", args.device, "--batch-size", str(args.batch_size), *limit,
+                          timeout_s=600)
     try:
         plain, answers = asyncio.run(run(url, args.requests, args.concurrency, False, None))
         streamed, _ = asyncio.run(run(url, args.requests, args.concurrency, True, answers))
@@ -108,6 +116,7 @@ def main() -> None:
         process.terminate()
         process.wait(60)
     result = stamped({"model": args.model, "device": args.device, "batch_size": args.batch_size,
+                      "max_new_tokens": args.max_new_tokens,
                       "runs": [plain, streamed]})
     with atomic_write(args.out) as f:
         f.write(json.dumps(result, indent=2) + "\n")
@@ -115,8 +124,8 @@ def main() -> None:
         print(f"{'streamed' if row['stream'] else 'plain':>9}: {row['requests']} requests, {row['requests_per_s']} "
               f"req/s, {row['errors']} errors {row['error_kinds'] or ''}")
     print(f"wrote {args.out}")
-    if plain["errors"] or streamed["errors"]:
-        raise SystemExit(1)  # the target is none: a run with errors is a failed run
+    if plain["errors"] or streamed["errors"] or (args.device == "cpu" and streamed["texts_differing_from_plain"]):
+        raise SystemExit(1)  # the target is none: a run with errors is a failed run (and in fp32, so is a change)
 
 
 if __name__ == "__main__":
