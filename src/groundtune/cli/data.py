@@ -112,6 +112,7 @@ def _data_synth(args: argparse.Namespace) -> int:
         split=args.split,
         task=args.task,
         workers=args.workers,
+        palette=synth.PALETTES[args.palette],
         canvas=args.canvas,
         overwrite=args.overwrite,
     )
@@ -305,6 +306,9 @@ def _add_data_synth(dsub: argparse._SubParsersAction) -> None:
                         "colour and/or kind ('every red circle', 'all the squares'), 0 to 6 boxes, "
                         # "25%%": argparse %-formats help text, and prints it as 25%
                         f"{synth.NO_TARGET_SHARE:.0%}% of the samples naming nothing in the image (no target)")
+    p.add_argument("--palette", default="default", choices=list(synth.PALETTES),
+                   help="default: red, green, blue, yellow; unseen: purple, orange, pink, brown (colours no built-in "
+                        "model was pre-trained on: the quickstart's variant); circles, squares and triangles in both")
     p.add_argument("--workers", type=count, default=0, help="worker processes (0: one per CPU core this process may use)")
     p.add_argument("--overwrite", action="store_true", help="replace a synthetic set already at OUT/SPLIT.jsonl, "
                    "and remove its images the new set does not write (never a file synth did not write)")

@@ -96,6 +96,12 @@ class Palette:
 
 
 DEFAULT_PALETTE = Palette()
+# Colours no built-in model was pre-trained on (new words and hues; the shapes it knows): the
+# quickstart's variant, which LoRA must teach. Each differs from the default colours and the
+# background by at least ~60 in some channel.
+UNSEEN_PALETTE = Palette(colours={"purple": (130, 50, 180), "orange": (240, 120, 10), "pink": (240, 100, 180),
+                                  "brown": (120, 70, 30)})
+PALETTES = {"default": DEFAULT_PALETTE, "unseen": UNSEEN_PALETTE}
 
 SET_TASK = "every"
 # of the every task's samples: a phrase naming nothing in the image (measured: 24.7% to 25.1% of
