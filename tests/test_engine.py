@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 
 import pytest
 import torch
@@ -227,6 +228,38 @@ def test_cuda_graph_steps_equal_plain_generate(dtype):
     assert first == again
     same = sum(a == b for a, b in zip(first, plain))
     assert same == len(plain) if dtype == "fp32" else same >= len(plain) - 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_capture_survives_another_thread_pinning_memory():
+    """eval reads the next batch into page-locked memory on a thread while the decode step of a new
+    batch shape is captured; training's loader pins on its own thread around an eval. Both must go
+    on (a pin during a global-mode capture failed both, on an H200)."""
+    import threading
+
+    gm = load_model("tiny", device="cuda", dtype="bf16")
+    speedups.install(gm.model)
+    encoded, _ = _batch(gm)
+    engine = infer.engine_for(gm)
+    stop, failures = threading.Event(), []
+
+    def pin() -> None:
+        while not stop.is_set():
+            try:
+                torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+            except Exception as e:  # noqa: BLE001 - recorded, the test fails on it
+                failures.append(e)
+
+    thread = threading.Thread(target=pin)
+    thread.start()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a capture given up on is a failure too
+            answers = engine.generate(encoded, 24, infer.Decoding.greedy(24).choose)
+    finally:
+        stop.set()
+        thread.join()
+    assert not failures and len(answers) == len(SIZES)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -125,7 +125,10 @@ class _Step:
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph, pool=self.pool):
+                # thread_local: the read-ahead thread (infer) and the loader's pin-memory thread
+                # (an eval during training) allocate page-locked memory meanwhile; under the
+                # default global mode such a call from any thread breaks this capture and fails there
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                     self.compute()
             except RuntimeError as e:
                 # a layer that waits on the host (a quantised kernel, a custom module) cannot be
