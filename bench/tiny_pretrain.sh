@@ -46,7 +46,7 @@ for r in "${runs[@]}"; do
 done | tee -a $OUT/summary.txt
 models=(); for r in "${runs[@]}"; do models+=("$W/$r/model"); done
 python bench/tiny_breakdown.py "${models[@]}" --n 1000 --out $OUT/breakdown.json | tee -a $OUT/summary.txt
-keep=$(python -c "import json,sys; b=json.load(open('$OUT/breakdown.json'))
+keep=$(python -c "import json,sys; b=json.load(open('$OUT/breakdown.json')); b.pop('provenance', None)
 best=sorted(b, key=lambda m: -b[m]['all']['acc@0.5'])[:int(sys.argv[1])]
 print(' '.join(m.split('/')[-2] for m in best))" "${KEEP:-${#runs[@]}}")
 for r in $keep; do
