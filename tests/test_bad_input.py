@@ -345,6 +345,11 @@ CASES = {
                                                   o / "images", "--overwrite"],
         "gallery-someone-elses": lambda o, c: ["eval", "--model", "tiny", "--data", o / "val.jsonl", "--gallery",
                                                o / "gallery"]}.items()},
+    # 63: a JPEG whose header promises a frame its few bytes cannot hold
+    "63-predict-short-jpeg": (lambda c, out: ["predict", "--model", "tiny", "--image", c.short_jpg, "--phrase", "x"],
+                              {}),
+    "63-check-short-jpeg": (lambda c, out: ["data", "check", c.short_data], {}),
+    "63-eval-short-jpeg": (lambda c, out: ["eval", "--model", "tiny", "--data", c.short_data], {}),
 }
 
 
@@ -462,6 +467,16 @@ def _issue_48_files(c, good_lines: list[str]) -> None:
     c.latin1.write_bytes(("\n".join(good_lines[:3]) + "\n").encode() + b'{"phrase": "caf\xe9"}\n')
     c.latin1_yaml = c.base / "latin1.yaml"
     c.latin1_yaml.write_bytes(f"model: tiny\ntrain_data: {c.train}\n".encode() + b"prompt: 'caf\xe9 {phrase}'\n")
+    # 63: a 16x16 JPEG whose frame header says 4000x4000, whole (its end marker too): libjpeg drew the rest grey
+    small = io.BytesIO()
+    Image.new("RGB", (16, 16), "red").save(small, format="JPEG")
+    short = bytearray(small.getvalue())
+    frame = short.index(b"\xff\xc0")
+    short[frame + 5:frame + 9] = (4000).to_bytes(2, "big") * 2  # height, width
+    c.short_jpg = c.data / "images" / "short.jpg"
+    c.short_jpg.write_bytes(bytes(short))
+    c.short_data = _with_line(c.data / "short.jsonl", good_lines, 3, json.dumps(
+        {**line, "image": "images/short.jpg", "width": 4000, "height": 4000}))
 
 
 def _own_folders(c, good_lines: list[str]) -> None:
@@ -1066,6 +1081,24 @@ def test_62_no_output_replaces_what_the_command_reads_nor_a_file_it_did_not_writ
     assert re.fullmatch("error: " + said, message), message
     assert _snapshot(corpus.own["62"]) == corpus.own_snapshot["62"]
     _untouched(corpus)
+
+
+def test_63_a_jpeg_too_short_for_its_frame_is_refused_unread(corpus):
+    """Was: a 633-byte JPEG whose header says 4000x4000 decoded to a grey 4000x4000 image (libjpeg
+    fills a scan cut short by its end marker), so predict answered on it, exit 0, and data check
+    and eval took it (at 13000x13000: 1.3 GB and 2 s an image). Now refused before decoding."""
+    short, data = corpus.short_jpg, corpus.short_jpg.read_bytes()
+    sos = data.index(b"\xff\xda")
+    scan = sos + 2 + int.from_bytes(data[sos + 2:sos + 4], "big")  # where the scan's data begins
+    # 4000 x 4000 / 4 (a 4:2:0 chroma component) / 64 pixels a block = 62,500 bits
+    said = (rf"its header says 4000x4000, whose scan takes at least 7,812 bytes \(a bit for each 8x8 block\); the "
+            rf"file holds {len(data) - scan} after its header")
+    assert re.fullmatch(rf"error: {re.escape(str(short))}: cannot decode image \({said}\)",
+                        _quick_line(corpus.result("63-predict-short-jpeg")))
+    check = corpus.result("63-check-short-jpeg")
+    assert check.returncode == 1 and _table_row(check.stdout, "image_unreadable", 3), _show(check)
+    assert re.fullmatch(rf"error: {re.escape(str(short))}: cannot decode image \({said}\)",
+                        _quick_line(corpus.result("63-eval-short-jpeg")))
 
 
 def test_99_every_case_done_and_the_finished_run_untouched(corpus):
