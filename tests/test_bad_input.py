@@ -267,7 +267,7 @@ CASES = {
     "51-serve-port-99999": (lambda c, out: ["serve", "--model", "tiny", "--port", "99999"], {}),
     **{case: (lambda c, out, bad=bad: ["eval", "--model", "tiny", "--data", c.bad[bad]], {})
        for case, (bad, _) in EVAL_BAD_BOXES.items()},
-    # 54-63: issue 48's corpus (each case's test says what it was)
+    # 54-61: issue 48's corpus (each case's test says what it was)
     "54-yaml-alias-bomb": (lambda c, out: ["train", c.bomb_yaml, f"out_dir={out}"], {}),
     **{f"54-bomb-{key}": (lambda c, out, key=key: _train(c, out, f"{key}={SMALL_BOMB}"), {})
        for key in ("model", "max_steps", "report_to", "lora_targets")},
@@ -312,6 +312,44 @@ CASES = {
         "convert": lambda c, out: ["data", "convert", "--from", "jsonl", "--path", c.latin1, "--out",
                                    out / "c.jsonl"]}.items()},
     "61-checkpoint-write-fails": (lambda c, out: _train(c, out, "max_steps=1", "save_every=1"), {}),
+    # 62: the other outputs, as 59's --out (each over a file of ``c.own["62"]``; --overwrite where it is no excuse)
+    **{f"62-{name}": (lambda c, out, args=args: args(c.own["62"], c), {}) for name, args in {
+        "convert-out-is-an-image": lambda o, c: ["data", "convert", "--from", "jsonl", "--path", o / "val.jsonl",
+                                                 "--out", o / "images" / "train-0000001.png", "--overwrite"],
+        "convert-out-is-a-coco-image": lambda o, c: ["data", "convert", "--from", "coco", "--instances",
+                                                     o / "instances.json", "--images", o / "images", "--out",
+                                                     o / "images" / "train-0000002.png", "--overwrite"],
+        "convert-out-someone-elses": lambda o, c: ["data", "convert", "--from", "jsonl", "--path", o / "val.jsonl",
+                                                   "--out", o / "notes.json"],
+        "refgen-out-is-an-image": lambda o, c: ["data", "refgen", "--from", "coco", "--instances", o / "instances.json",
+                                                "--images", o / "images", "--out", o / "images" / "train-0000002.png",
+                                                "--overwrite"],
+        "refgen-out-a-model-file": lambda o, c: ["data", "refgen", "--from", "coco", "--instances",
+                                                 o / "instances.json", "--images", o / "images", "--filter-model",
+                                                 c.finished, "--out", c.finished / "model" / "groundtune.json",
+                                                 "--overwrite"],
+        "refgen-out-someone-elses": lambda o, c: ["data", "refgen", "--from", "coco", "--instances",
+                                                  o / "instances.json", "--images", o / "images", "--out",
+                                                  o / "notes.json"],
+        "fix-out-is-an-image": lambda o, c: ["data", "check", o / "val.jsonl", "--fix-out",
+                                             o / "images" / "train-0000003.png", "--overwrite"],
+        "fix-out-someone-elses": lambda o, c: ["data", "check", o / "val.jsonl", "--fix-out", o / "notes.json"],
+        "gallery-is-data": lambda o, c: ["eval", "--model", "tiny", "--data", o / "val.jsonl", "--gallery",
+                                         o / "val.jsonl", "--overwrite"],
+        "gallery-is-an-image": lambda o, c: ["eval", "--model", "tiny", "--data", o / "val.jsonl", "--gallery",
+                                             o / "images" / "train-0000001.png", "--overwrite"],
+        "gallery-is-a-model-file": lambda o, c: ["eval", "--model", c.finished, "--data", o / "val.jsonl",
+                                                 "--gallery", c.finished / "model" / "groundtune.json"],
+        # the images' folder as the gallery: its worst_000.png, an image of --data, is what it would draw first
+        "gallery-file-is-an-image": lambda o, c: ["eval", "--model", "tiny", "--data", o / "worst.jsonl", "--gallery",
+                                                  o / "images", "--overwrite"],
+        "gallery-someone-elses": lambda o, c: ["eval", "--model", "tiny", "--data", o / "val.jsonl", "--gallery",
+                                               o / "gallery"]}.items()},
+    # 63: a JPEG whose header promises a frame its few bytes cannot hold
+    "63-predict-short-jpeg": (lambda c, out: ["predict", "--model", "tiny", "--image", c.short_jpg, "--phrase", "x"],
+                              {}),
+    "63-check-short-jpeg": (lambda c, out: ["data", "check", c.short_data], {}),
+    "63-eval-short-jpeg": (lambda c, out: ["eval", "--model", "tiny", "--data", c.short_data], {}),
 }
 
 
@@ -429,12 +467,22 @@ def _issue_48_files(c, good_lines: list[str]) -> None:
     c.latin1.write_bytes(("\n".join(good_lines[:3]) + "\n").encode() + b'{"phrase": "caf\xe9"}\n')
     c.latin1_yaml = c.base / "latin1.yaml"
     c.latin1_yaml.write_bytes(f"model: tiny\ntrain_data: {c.train}\n".encode() + b"prompt: 'caf\xe9 {phrase}'\n")
+    # 63: a 16x16 JPEG whose frame header says 4000x4000, whole (its end marker too): libjpeg drew the rest grey
+    small = io.BytesIO()
+    Image.new("RGB", (16, 16), "red").save(small, format="JPEG")
+    short = bytearray(small.getvalue())
+    frame = short.index(b"\xff\xc0")
+    short[frame + 5:frame + 9] = (4000).to_bytes(2, "big") * 2  # height, width
+    c.short_jpg = c.data / "images" / "short.jpg"
+    c.short_jpg.write_bytes(bytes(short))
+    c.short_data = _with_line(c.data / "short.jsonl", good_lines, 3, json.dumps(
+        {**line, "image": "images/short.jpg", "width": 4000, "height": 4000}))
 
 
 def _own_folders(c, good_lines: list[str]) -> None:
     """Each case of 33-41 works in a folder of its own, ``c.own[N]``, holding what it reads beside
     files it must not touch; ``c.own_snapshot[N]`` is every byte of it before the case runs."""
-    c.own = {n: c.base / "own" / n for n in ("33", "34", "35", "36", "37", "38", "39", "40", "41", "59")}
+    c.own = {n: c.base / "own" / n for n in ("33", "34", "35", "36", "37", "38", "39", "40", "41", "59", "62")}
     for folder in c.own.values():
         folder.mkdir(parents=True)
     (c.own["33"] / "train.jsonl").write_text("\n".join(good_lines) + "\n")
@@ -455,7 +503,26 @@ def _own_folders(c, good_lines: list[str]) -> None:
     (c.own["59"] / "val.jsonl").write_text("\n".join(good_lines) + "\n")
     (c.own["59"] / "notes.json").write_text('{"mine": true}\n')
     make_synthetic_set(c.own["59"] / "synth", n=3, seed=2, task="single", workers=1)
+    _own_62(c.own["62"], c, good_lines)
     c.own_snapshot = {n: _snapshot(folder) for n, folder in c.own.items()}
+
+
+def _own_62(folder: Path, c, good_lines: list[str]) -> None:
+    """What 62's outputs must not replace: the data and its images, COCO instances naming two of
+    them, a user's notes, a user's index.html in a folder, an image named as a gallery's card."""
+    shutil.copytree(c.data / "images", folder / "images", ignore=lambda _, names: [
+        n for n in names if not n.startswith("train-")])
+    (folder / "val.jsonl").write_text("\n".join(good_lines) + "\n")
+    first = json.loads(good_lines[0])
+    (folder / "images" / "worst_000.png").write_bytes((folder / first["image"]).read_bytes())
+    (folder / "worst.jsonl").write_text(json.dumps({**first, "image": "images/worst_000.png"}) + "\n")
+    (folder / "instances.json").write_text(json.dumps({
+        "images": [{"id": k, "file_name": f"train-000000{k}.png", "width": SIZE, "height": SIZE} for k in (1, 2)],
+        "annotations": [{"id": k, "image_id": k, "category_id": 1, "bbox": [10, 10, 30, 30]} for k in (1, 2)],
+        "categories": [{"id": 1, "name": "shape"}]}))
+    (folder / "notes.json").write_text('{"mine": true}\n')
+    (folder / "gallery").mkdir()
+    (folder / "gallery" / "index.html").write_text("<html><body>my own page</body></html>\n")
 
 
 # --------------------------------------------------------------------------------------------
@@ -970,6 +1037,68 @@ def test_61_a_checkpoint_write_that_fails_is_one_line(corpus):
                         r"another disk\), then start the run again", message), message
     assert len(message) <= 1000
     assert list((out / "checkpoints").iterdir()) == [] and not (out / "model").exists() and not (out / ".lock").exists()
+
+
+DESTROYS = r"writing it would destroy what the command reads"
+NOT_BY = (r"exists and was not written by `groundtune {command}`: it would be replaced; choose another {flag}, or "
+          r"give --overwrite to replace it")
+
+
+@pytest.mark.parametrize("case, said", [
+    ("62-convert-out-is-an-image", rf"--out B/own/62/images/train-0000001\.png is an image of --path "
+                                   rf"\(B/own/62/images/train-0000001\.png\): {DESTROYS}; choose another --out"),
+    ("62-convert-out-is-a-coco-image", rf"--out B/own/62/images/train-0000002\.png is an image of --instances "
+                                       rf"\(B/own/62/images/train-0000002\.png\): {DESTROYS}; choose another --out"),
+    ("62-convert-out-someone-elses", r"--out B/own/62/notes\.json "
+                                     + NOT_BY.format(command="data convert", flag="--out")),
+    ("62-refgen-out-is-an-image", rf"--out B/own/62/images/train-0000002\.png is an image of --instances "
+                                  rf"\(B/own/62/images/train-0000002\.png\): {DESTROYS}; choose another --out"),
+    ("62-refgen-out-a-model-file", rf"--out B/finished/model/groundtune\.json is a file of --filter-model B/finished "
+                                   rf"\(B/finished/model/groundtune\.json\): {DESTROYS}; choose another --out"),
+    ("62-refgen-out-someone-elses", r"--out B/own/62/notes\.json "
+                                    + NOT_BY.format(command="data refgen", flag="--out")),
+    ("62-fix-out-is-an-image", rf"--fix-out B/own/62/images/train-0000003\.png is an image of the file being checked "
+                               rf"\(B/own/62/images/train-0000003\.png\): {DESTROYS}; choose another --fix-out"),
+    ("62-fix-out-someone-elses", r"--fix-out B/own/62/notes\.json "
+                                 + NOT_BY.format(command="data check", flag="--fix-out")),
+    ("62-gallery-is-data", rf"--gallery B/own/62/val\.jsonl is --data \(B/own/62/val\.jsonl\): {DESTROYS}; choose "
+                           r"another --gallery"),
+    ("62-gallery-is-an-image", rf"--gallery B/own/62/images/train-0000001\.png is an image of --data "
+                               rf"\(B/own/62/images/train-0000001\.png\): {DESTROYS}; choose another --gallery"),
+    ("62-gallery-is-a-model-file", rf"--gallery B/finished/model/groundtune\.json is a file of --model B/finished "
+                                   rf"\(B/finished/model/groundtune\.json\): {DESTROYS}; choose another --gallery"),
+    ("62-gallery-file-is-an-image", rf"--gallery B/own/62/images/worst_000\.png is an image of --data "
+                                    rf"\(B/own/62/images/worst_000\.png\): {DESTROYS}; choose another --gallery"),
+    ("62-gallery-someone-elses", r"--gallery B/own/62/gallery/index\.html " + NOT_BY.format(command="eval",
+                                                                                            flag="--gallery")),
+])
+def test_62_no_output_replaces_what_the_command_reads_nor_a_file_it_did_not_write(corpus, case, said):
+    """59's rule for the other outputs. Was: data convert and refgen --out, data check --fix-out
+    replaced an image of their data (with a JSONL file), a model's file or a user's file, exit 0;
+    eval --gallery drew its cards over the data's images and its index.html over a user's page
+    after the whole eval (onto the data file itself or an image: a traceback)."""
+    message = _quick_line(corpus.result(case)).replace(str(corpus.base), "B")
+    assert re.fullmatch("error: " + said, message), message
+    assert _snapshot(corpus.own["62"]) == corpus.own_snapshot["62"]
+    _untouched(corpus)
+
+
+def test_63_a_jpeg_too_short_for_its_frame_is_refused_unread(corpus):
+    """Was: a 633-byte JPEG whose header says 4000x4000 decoded to a grey 4000x4000 image (libjpeg
+    fills a scan cut short by its end marker), so predict answered on it, exit 0, and data check
+    and eval took it (at 13000x13000: 1.3 GB and 2 s an image). Now refused before decoding."""
+    short, data = corpus.short_jpg, corpus.short_jpg.read_bytes()
+    sos = data.index(b"\xff\xda")
+    scan = sos + 2 + int.from_bytes(data[sos + 2:sos + 4], "big")  # where the scan's data begins
+    # 4000 x 4000 / 4 (a 4:2:0 chroma component) / 64 pixels a block = 62,500 bits
+    said = (rf"its header says 4000x4000, whose scan takes at least 7,812 bytes \(a bit for each 8x8 block\); the "
+            rf"file holds {len(data) - scan} after its header")
+    assert re.fullmatch(rf"error: {re.escape(str(short))}: cannot decode image \({said}\)",
+                        _quick_line(corpus.result("63-predict-short-jpeg")))
+    check = corpus.result("63-check-short-jpeg")
+    assert check.returncode == 1 and _table_row(check.stdout, "image_unreadable", 3), _show(check)
+    assert re.fullmatch(rf"error: {re.escape(str(short))}: cannot decode image \({said}\)",
+                        _quick_line(corpus.result("63-eval-short-jpeg")))
 
 
 def test_99_every_case_done_and_the_finished_run_untouched(corpus):

@@ -247,6 +247,16 @@ def test_cli_fix_out_and_summary(broken: Path, capsys, monkeypatch):
     # The fixed file passes with warnings only (image modes and EXIF stay: fixed at load).
     assert main(["data", "check", str(out)]) == 0
     assert "No errors" in capsys.readouterr().out
+    # a previous --fix-out of the file (its records) is replaced; a file of other records only with --overwrite
+    assert main(["data", "check", str(broken), "--fix-out", str(out)]) == 1
+    other = broken.parent / "other.jsonl"
+    other.write_text(json.dumps(_rec("someone-elses")) + "\n")
+    capsys.readouterr()
+    assert main(["data", "check", str(broken), "--fix-out", str(other)]) == 2
+    assert f"--fix-out {other} exists and was not written by `groundtune data check`" in capsys.readouterr().err
+    assert read_samples(other)[0]["id"] == "someone-elses"
+    assert main(["data", "check", str(broken), "--fix-out", str(other), "--overwrite"]) == 1
+    assert read_samples(other) == read_samples(out)
 
 
 def test_summary_of_a_clean_file(tmp_path: Path):

@@ -315,6 +315,13 @@ def test_gallery_worst_first_escaped(tmp_path):
     assert pngs == ["best_000.png", "best_001.png", "worst_000.png", "worst_001.png"]
     assert all(f'src="{p}"' in page for p in pngs)
     assert not list((tmp_path / "gallery").glob(".*"))  # no temporary files left behind
+    # what eval checks before it starts names every file written, and each is known as the gallery's
+    written = sorted((tmp_path / "gallery").iterdir())
+    assert set(written) <= set(evaluate.gallery_files(tmp_path / "gallery"))
+    assert all(evaluate.written_by_gallery(p) for p in written)
+    (tmp_path / "mine.html").write_text("<html><title>my page</title></html>\n")
+    assert not evaluate.written_by_gallery(tmp_path / "mine.html")
+    assert not evaluate.written_by_gallery(tmp_path / "img.png")
 
 
 def test_draw_boxes_colours():
@@ -426,6 +433,10 @@ def test_eval_cli_writes_report_and_gallery(dataset, tmp_path, capsys, monkeypat
     assert "eval (2/batch) 1/2 (50%)" in captured.err and "eval (2/batch) 2/2 (100%)" in captured.err
     assert all(h in printed for h in ("F1@.5", "set acc", "missed", "extra", "no target"))
     assert "ap@0.5" not in report and set(report["definitions"]) == set(evaluate.METRICS + evaluate.SET_METRICS)
+    # again into the same report and gallery: each is this command's, replaced without --overwrite
+    assert main(["eval", "--model", "tiny", "--data", str(dataset), "--out", str(out), "--gallery", str(gallery),
+                 "--batch-size", "2", "--device", "cpu", "--limit", "1"]) == 0
+    assert json.loads(out.read_text())["n"] == 1
 
 
 def test_eval_compare_and_pixel_override(dataset, tmp_path):

@@ -183,6 +183,70 @@ def test_the_bytes_read_from_an_image_file_are_bounded(tmp_path):
     assert images.load_image(tmp_path / "ok.png").size == images.load_image(tmp_path / "trailing.png").size == (64, 48)
 
 
+def _jpeg_saying(width: int, height: int, **save) -> bytes:
+    """A 16x16 JPEG, whole (its end marker too), whose frame header says ``width`` x ``height``."""
+    data = bytearray(_encoded(Image.new("RGB", (16, 16), "red"), "JPEG", **save))
+    frame = data.index(b"\xff\xc2" if save.get("progressive") else b"\xff\xc0")
+    data[frame + 5:frame + 9] = height.to_bytes(2, "big") + width.to_bytes(2, "big")
+    return bytes(data)
+
+
+def test_a_jpeg_too_short_for_its_frame_is_refused_before_decoding(tmp_path):
+    """libjpeg fills a scan cut short by a marker with grey: a 633-byte JPEG saying 13000x13000
+    decoded in 2 s to 1.3 GB (progressive 4:4:4: 1.6 GB). A Huffman-coded frame takes a bit for
+    each 8x8 block at least; a file with fewer bits after its header is refused, unread: in a
+    process doing only that, a few MB and well under a second."""
+    path = tmp_path / "short.jpg"
+    path.write_bytes(_jpeg_saying(13000, 13000, progressive=True, subsampling=0))
+    code = textwrap.dedent("""
+        import sys, time
+        from pathlib import Path
+        from groundtune.data import images
+
+        def kb(key):
+            return next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                        if line.startswith(key))
+
+        Path("/proc/self/clear_refs").write_text("5")  # the peak from here
+        before, started = kb("VmRSS"), time.monotonic()
+        try:
+            images.load_image(sys.argv[1])
+        except images.DataError as e:
+            print(e, file=sys.stderr)
+        print((kb("VmHWM") - before) * 1024, time.monotonic() - started)
+    """)
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0 and "clear_refs" in done.stderr:
+        pytest.skip("cannot reset the peak memory (/proc/self/clear_refs)")
+    peak, seconds = map(float, done.stdout.split())
+    # the last line: Pillow's DecompressionBombWarning (over 89 MP) comes first
+    held = path.stat().st_size - _scan_start(path.read_bytes())
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"{path}: cannot decode image (its header says 13000x13000, whose scan takes at least 330,078 bytes (a bit "
+        f"for each 8x8 block); the file holds {held} after its header)")
+    assert peak < 32 * 2**20 and seconds < 1, (peak, seconds)
+    for read, said in ((images.header_size, "cannot read image"), (images.load_image, "cannot decode image")):
+        path.write_bytes(_jpeg_saying(4000, 3000))  # baseline 4:2:0: 4000 x 3000 / 4 / 64 bits
+        with pytest.raises(DataError, match=rf"{said} .*at least 5,859 bytes \(a bit for each 8x8 block\)"):
+            read(path)
+
+
+def _scan_start(data: bytes) -> int:
+    """Where a JPEG's first scan's data begins: after its SOS marker and the segment it opens."""
+    sos = data.index(b"\xff\xda")
+    return sos + 2 + int.from_bytes(data[sos + 2:sos + 4], "big")
+
+
+@pytest.mark.parametrize("mode, save", [("L", {"optimize": True}), ("L", {"progressive": True}),
+                                        ("RGB", {"optimize": True, "subsampling": 0}),
+                                        ("RGB", {"progressive": True, "subsampling": 2})])
+def test_the_most_compressible_real_jpegs_are_read(tmp_path, mode, save):
+    """A flat image is the least a frame is stored in: 2 bits a block (grey, optimised tables) and
+    up, every one at least twice the bound."""
+    Image.new(mode, (2000, 1500), 128 if mode == "L" else (200, 30, 30)).save(tmp_path / "flat.jpg", **save)
+    assert images.load_image(tmp_path / "flat.jpg").size == images.header_size(tmp_path / "flat.jpg") == (2000, 1500)
+
+
 def test_an_image_path_no_file_can_have_is_said_as_such():
     with pytest.raises(DataError, match=r"^image 'a\\x00\.png' holds a NUL byte, which no file name can$"):
         images.load_image("a\0.png")

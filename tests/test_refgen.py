@@ -198,6 +198,21 @@ def test_from_jsonl_both_forms_match_coco(tmp_path):
         assert sorted(map(key, got)) == sorted(key(r) for r in coco if r["kind"] != "none")
 
 
+def test_refgen_replaces_its_own_output_and_no_one_elses(tmp_path, capsys):
+    out = run_refgen(tmp_path)
+    assert run_refgen(tmp_path) == out  # its own previous output: replaced
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text(json.dumps({"id": "x", "image": "a.png", "phrase": "a cup", "bbox": [0, 0, 5, 5],
+                                  "source": "my-labels"}) + "\n")
+    before = labels.read_bytes()
+    capsys.readouterr()
+    assert main(["data", "refgen", "--from", "coco", "--instances", str(FIXTURE), "--images", str(tmp_path / "images"),
+                 "--out", str(labels)]) == 2
+    assert f"--out {labels} exists and was not written by `groundtune data refgen`" in capsys.readouterr().err
+    assert labels.read_bytes() == before
+    assert run_refgen(tmp_path, "--overwrite", out="labels.jsonl") == labels and read(labels) == read(out)
+
+
 def test_bad_input_is_one_line_naming_file_line_or_flag(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"image": "a.png", "width": 10, "height": 10, "bboxes": [[0, 0, 5, 5]],

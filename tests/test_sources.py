@@ -566,6 +566,25 @@ def test_cli_convert_coco(tmp_path, coco, capsys):
         assert f"{flag[0]} is for --from coco" in capsys.readouterr().err
 
 
+def test_cli_convert_replaces_its_own_output_and_no_one_elses(tmp_path, coco, capsys):
+    """A previous convert's output is replaced (its source is convert's, or, from JSONL, it holds the
+    input's records); a user's own labels only with --overwrite, the file as it was until then."""
+    out = tmp_path / "cli.jsonl"
+    coco_argv = ["data", "convert", "--from", "coco", "--instances", str(coco["instances"]), "--images",
+                 str(coco["images"]), "--out", str(out)]
+    assert main(coco_argv) == 0 and main(coco_argv) == 0
+    mine = tmp_path / "mine.jsonl"  # source "my-labels": from --from jsonl, the output keeps it
+    mine.write_text("".join(json.dumps({**r, "source": "my-labels"}) + "\n" for r in read(out)))
+    jsonl_argv = ["data", "convert", "--from", "jsonl", "--path", str(mine), "--out", str(tmp_path / "again.jsonl")]
+    assert main(jsonl_argv) == 0 and main(jsonl_argv) == 0
+    capsys.readouterr()
+    labels = mine.read_bytes()
+    assert main([*coco_argv[:-1], str(mine)]) == 2  # the user's labels, written by no convert
+    assert f"--out {mine} exists and was not written by `groundtune data convert`" in capsys.readouterr().err
+    assert mine.read_bytes() == labels
+    assert main([*coco_argv[:-1], str(mine), "--overwrite"]) == 0 and read(mine) == read(out)
+
+
 def test_cli_missing_flag_is_named(tmp_path, coco, capsys):
     assert main(["data", "convert", "--from", "coco", "--images", str(coco["images"]),
                  "--out", str(tmp_path / "x.jsonl")]) == 2

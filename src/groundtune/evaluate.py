@@ -38,7 +38,7 @@ from PIL import Image, ImageDraw
 from groundtune import boxes, infer, protocols
 from groundtune.config import InferSettings
 from groundtune.errors import UsageError
-from groundtune.data.images import load_image
+from groundtune.data.images import drawn_by, load_image, png_info
 from groundtune.data.records import atomic_write, image_path, read_samples, sample_boxes
 from groundtune.data.refgen import MODEL_FILTER_IOU
 
@@ -380,9 +380,40 @@ def badness(row: dict) -> tuple:
     return (row["read"], row["set_hit"], right / total if total else 1.0, row["iou"] if row["iou"] is not None else 1.0)
 
 
-def write_gallery(rows: list[dict], data_path, out_dir, n_worst: int = 24, n_best: int = 12, seed: int = 0) -> Path:
+GALLERY_WORST, GALLERY_BEST = 24, 12  # answers drawn: the worst, and a sample of the exact ones
+GALLERY_TITLE = "groundtune eval gallery"  # in its index.html: a later gallery may replace it
+GALLERY_DRAWN_BY = "groundtune eval --gallery"  # in each PNG it draws: likewise
+
+
+def gallery_files(folder, n_worst: int = GALLERY_WORST, n_best: int = GALLERY_BEST) -> list[Path]:
+    """Every file ``write_gallery`` may write in ``folder``: what eval checks it may write before
+    the model loads."""
+    folder = Path(folder)
+    return ([folder / "index.html"] + [folder / _card_name("worst", k) for k in range(n_worst)]
+            + [folder / _card_name("best", k) for k in range(n_best)])
+
+
+def _card_name(section: str, k: int) -> str:
+    return f"{section}_{k:03d}.png"
+
+
+def written_by_gallery(path: Path) -> bool:
+    """Whether ``path`` is a file an eval gallery wrote (its PNG text, its index's title): the next
+    gallery may replace it without --overwrite."""
+    if path.suffix == ".png":
+        return drawn_by(path, GALLERY_DRAWN_BY)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f"<title>{GALLERY_TITLE}</title>" in f.read(4096)
+    except (OSError, ValueError):  # ValueError: not UTF-8
+        return False
+
+
+def write_gallery(rows: list[dict], data_path, out_dir, n_worst: int = GALLERY_WORST, n_best: int = GALLERY_BEST,
+                  seed: int = 0) -> Path:
     """Draw the worst answers (parse failures first, then wrong sets, then lowest IoU) and a random
-    sample of the exact ones (``set_hit``), and write ``index.html`` listing them; returns its path."""
+    sample of the exact ones (``set_hit``), and write ``index.html`` listing them (``gallery_files``
+    names them); returns its path."""
     out_dir = Path(out_dir)
     ranked = sorted(range(len(rows)), key=lambda i: badness(rows[i]))
     worst = ranked[:n_worst]
@@ -390,11 +421,11 @@ def write_gallery(rows: list[dict], data_path, out_dir, n_worst: int = 24, n_bes
     best = random.Random(seed).sample(hits, min(n_best, len(hits)))
     sections = []
     for title, name, chosen in [("Worst", "worst", worst), ("Best (random sample of exact answers)", "best", best)]:
-        cards = [_card(rows[i], data_path, out_dir, f"{name}_{k:03d}.png") for k, i in enumerate(chosen)]
+        cards = [_card(rows[i], data_path, out_dir, _card_name(name, k)) for k, i in enumerate(chosen)]
         sections.append(f"<h2>{title}: {len(chosen)}</h2>\n<div class=grid>\n" + "\n".join(cards) + "\n</div>")
     index = out_dir / "index.html"
     with atomic_write(index) as f:
-        f.write(_PAGE.format(n=len(rows), body="\n".join(sections)))
+        f.write(_PAGE.format(title=GALLERY_TITLE, n=len(rows), body="\n".join(sections)))
     return index
 
 
@@ -439,7 +470,8 @@ def _verdict(row: dict) -> str:
 def _card(row: dict, data_path, out_dir: Path, png_name: str) -> str:
     image = load_image(image_path(row, data_path), (row["width"], row["height"]))
     with atomic_write(out_dir / png_name, "wb") as f:
-        draw_answer(image, row["true_boxes"], row["pred_boxes"], row["matched"]).save(f, format="PNG")
+        draw_answer(image, row["true_boxes"], row["pred_boxes"], row["matched"]).save(
+            f, format="PNG", pnginfo=png_info(GALLERY_DRAWN_BY))
     e = html.escape
     return (
         f'<div class=card><img src="{e(png_name)}"><p><b>{e(str(row["phrase"]))}</b></p>'
@@ -448,7 +480,7 @@ def _card(row: dict, data_path, out_dir: Path, png_name: str) -> str:
 
 
 _PAGE = """<!doctype html>
-<html><head><meta charset="utf-8"><title>groundtune eval gallery</title>
+<html><head><meta charset="utf-8"><title>{title}</title>
 <style>
 body {{ font-family: sans-serif; margin: 1em; }}
 .grid {{ display: flex; flex-wrap: wrap; gap: 12px; }}

@@ -6,9 +6,10 @@
   255 bytes) is said as such (``path_problem``), not left to the OS call that chokes on it; a file
   that is not UTF-8 is named with the line and byte offset where it stops being so (``not_utf8``).
 - Writing: a command never writes over its own input. An output file (``--out``, ``--fix-out``,
-  ``--draw``) is refused when it is one of the files the command reads (the same file by another
-  name included: a link, ``./x`` for ``x``); an output folder (``export --out``, a run's
-  ``out_dir``) is refused when it is, holds or lies inside a file or folder the command reads.
+  ``--draw``, each file of ``eval --gallery``) is refused when it is one of the files the command
+  reads (the same file by another name included: a link, ``./x`` for ``x``); an output folder
+  (``export --out``, a run's ``out_dir``) is refused when it is, holds or lies inside a file or
+  folder the command reads.
   What an existing output folder may be replaced with is the command's own rule (export.py: only a
   previous export; train/loop.py: only a previous run). An output file is never one of the files
   the command reads however it is named (``not_one_of``: an image of the data, a model's file), and

@@ -4,27 +4,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
-from groundtune.cli.flags import MODEL_HELP, OVERWRITE_HELP, Formatter, infer_flag, positive_int
+from groundtune.cli.flags import MODEL_HELP, OVERWRITE_HELP, Formatter, infer_flag, model_files, positive_int
 from groundtune.errors import UsageError
-from groundtune.files import not_an_input, output_file
+from groundtune.files import not_an_input, not_one_of, output_file
 from groundtune.protocols import DEFAULT_PROTOCOL, PROTOCOLS
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from groundtune.evaluate import run_eval, written_by_eval, written_by_eval_samples
+    from groundtune.evaluate import (gallery_files, run_eval, written_by_eval, written_by_eval_samples,
+                                     written_by_gallery)
 
     outs = [(flag, out, written) for flag, out, written in (("--out", args.out, written_by_eval),
                                                             ("--samples", args.samples, written_by_eval_samples))
             if out is not None]
+    if args.gallery is not None:  # each file the gallery may write, the --compare model's in FOLDER/compare too
+        folders = [Path(args.gallery)] + ([Path(args.gallery) / "compare"] if args.compare else [])
+        outs += [("--gallery", path, written_by_gallery) for folder in folders for path in gallery_files(folder)]
     if outs:
         from groundtune.data.records import image_path, jsonl_file, read_samples
 
         data = jsonl_file(args.data)
         reads = [("an image of --data", image_path(s, data)) for s in read_samples(data)]
-        reads += _model_files(("--model", args.model), ("--compare", args.compare))
+        reads += model_files(("--model", args.model), ("--compare", args.compare))
+        if args.gallery is not None:
+            _gallery_folder(args.gallery, args.data, reads)
         for flag, out, written in outs:
             not_an_input(out, flag, {"--data": args.data})
             output_file(out, flag, "eval", reads, written, args.overwrite)
@@ -47,21 +54,13 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_files(*models: tuple[str, str | None]) -> list[tuple[str, Path]]:
-    """The files loading each model reads ((flag, name) pairs; a name None is none): a folder's, a
-    run's model/, the built-in tiny model's. No output may be one of them."""
-    from groundtune.models.loading import resolve
-    from groundtune.runs import RunFolder
-
-    files = []
-    for flag, name in models:
-        if name is None:
-            continue
-        kind, path = resolve(name)  # a missing model is said here, before anything is read
-        folder = RunFolder(path).model if kind == "run" else path  # a hub model's cache: not ours to guard
-        if folder is not None:
-            files += [(f"a file of {flag} {name}", p) for p in sorted(folder.rglob("*"))[:10_000] if p.is_file()]
-    return files
+def _gallery_folder(gallery: str, data: str, reads: list[tuple[str, Path]]) -> None:
+    """--gallery names a folder: a UsageError when it is --data, a file the command reads, or any
+    other file (the gallery's own files are checked one by one, as --out)."""
+    not_an_input(gallery, "--gallery", {"--data": data})
+    if os.path.lexists(gallery) and not Path(gallery).is_dir():
+        not_one_of(gallery, "--gallery", reads)
+        raise UsageError(f"--gallery {gallery} is a file; name a folder for the gallery")
 
 
 DRAWN_BY = "groundtune predict --draw"  # in the PNG it writes: a later --draw may replace it
@@ -90,7 +89,7 @@ def _predict(args: argparse.Namespace) -> int:
     if args.jsonl is not None:
         records = infer.read_queries(args.jsonl)  # a bad file is said before the model loads
         reads = [("an image of --jsonl", image_path(r, args.jsonl)) for r in records]
-        output_file(args.out, "--out", "predict", reads + _model_files(("--model", args.model)),
+        output_file(args.out, "--out", "predict", reads + model_files(("--model", args.model)),
                     infer.written_by_predict, args.overwrite)
         gm = infer.load(args.model, device=args.device, compile=args.compile)
         n = infer.predict_jsonl(gm, args.jsonl, args.out, batch_size=args.batch_size,
@@ -98,7 +97,7 @@ def _predict(args: argparse.Namespace) -> int:
         print(f"wrote {n} predictions to {args.out}", file=sys.stderr)
         return 0
     if args.draw is not None:
-        output_file(args.draw, "--draw", "predict", _model_files(("--model", args.model)),
+        output_file(args.draw, "--draw", "predict", model_files(("--model", args.model)),
                     lambda path: drawn_by(path, DRAWN_BY), args.overwrite)
     image = load_image(args.image)  # a missing or broken image is said before the model loads
     gm = infer.load(args.model, device=args.device)
@@ -146,9 +145,11 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--samples", metavar="OUT.jsonl", help="write every answer here, one JSON line a sample: the "
                    "sample, its boxes, IoU, boxes matched, missed and extra (each line names its model; "
                    "`groundtune studio` browses them); the same rules as --out")
-    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP.format(what="report"))
-    p.add_argument("--gallery", help="write PNGs of the worst and some of the best answers, and an "
-                   "index.html, to this folder (the --compare model's go to FOLDER/compare)")
+    p.add_argument("--overwrite", action="store_true",
+                   help=OVERWRITE_HELP.format(what="report (or --samples file, or file of the --gallery)"))
+    p.add_argument("--gallery", metavar="FOLDER", help="write PNGs of the worst and some of the best answers, and "
+                   "an index.html, to this folder (the --compare model's go to FOLDER/compare); each file the same "
+                   "rules as --out")
     p.add_argument("--compare", metavar="M2", help="a second model evaluated on the same samples; "
                    "both reports side by side")
     infer_flag(p, "batch_size")

@@ -9,43 +9,53 @@ import sys
 from groundtune.boxes import FAMILIES
 from groundtune.cli.flags import (
     MODEL_HELP,
+    OVERWRITE_HELP,
     Formatter,
     canvas_range,
     canvas_side,
     count,
     infer_flag,
+    model_files,
     positive_int,
 )
 from groundtune.errors import UsageError
 from groundtune.files import not_an_input, output_file
 
 
+# the flags each source of `data convert` needs
+CONVERT_NEEDS = {"refcoco": ("refs", "instances", "images"), "grefcoco": ("refs", "instances", "images"),
+                 "parquet": ("path", "images_out"), "coco": ("instances", "images"), "jsonl": ("path",)}
+
+
 def _data_convert(args: argparse.Namespace) -> int:
     from collections import Counter
 
     from groundtune.data import sources
+    from groundtune.data.records import named_images
 
     not_an_input(args.out, "--out", {"--refs": args.refs, "--instances": args.instances, "--path": args.path})
     if args.source != "coco" and (args.negatives or args.one_per_box):
         flag = "--negatives" if args.negatives else "--one-per-box"
         raise UsageError(f"groundtune data convert: {flag} is for --from coco, not --from {args.source}")
+    _require(args, *CONVERT_NEEDS[args.source])
+    # the images the input names (read lazily: only an --out already there needs them); parquet's are in the file
+    images = (named_images(args.path, "an image of --path") if args.source == "jsonl" else
+              sources.instance_images(args.instances, args.images) if args.instances is not None else [])
+    jsonl_input = args.path if args.source == "jsonl" else None
+    output_file(args.out, "--out", "data convert", images, lambda out: sources.written_by_convert(out, jsonl_input),
+                args.overwrite)
     counts = Counter()
     if args.source == "refcoco":
-        _require(args, "refs", "instances", "images")
         n = sources.convert_refcoco(args.refs, args.instances, args.images, args.out, split=args.split)
     elif args.source == "grefcoco":
-        _require(args, "refs", "instances", "images")
         n = sources.convert_grefcoco(args.refs, args.instances, args.images, args.out, split=args.split,
                                      counts=counts)
     elif args.source == "parquet":
-        _require(args, "path", "images_out")
         n = sources.convert_parquet(args.path, args.images_out, args.out, split=args.split)
     elif args.source == "coco":
-        _require(args, "instances", "images")
         n = sources.convert_coco(args.instances, args.images, args.out, split=args.split, negatives=args.negatives,
                                  seed=args.seed, one_per_box=args.one_per_box, counts=counts)
     else:
-        _require(args, "path")
         n = sources.convert_jsonl(args.path, args.out)
     print(f"wrote {n} samples to {args.out}")
     if args.source in ("coco", "grefcoco"):
@@ -63,9 +73,14 @@ def _data_convert(args: argparse.Namespace) -> int:
 
 def _data_check(args: argparse.Namespace) -> int:
     from groundtune.data import check
+    from groundtune.data.records import derived_from, named_images
 
     if args.fix_out is not None:
         not_an_input(args.fix_out, "--fix-out", {"the file being checked": args.file})
+        # a previous --fix-out of the file holds its records; an image the file names is never one
+        images = named_images(args.file, "an image of the file being checked")
+        output_file(args.fix_out, "--fix-out", "data check", images, lambda out: derived_from(out, args.file),
+                    args.overwrite)
     if args.refs:
         from groundtune.data import refcheck
 
@@ -84,14 +99,12 @@ def _data_show(args: argparse.Namespace) -> int:
     from groundtune.boxes import ResizeSpec
     from groundtune.data import show
     from groundtune.data.images import drawn_by
-    from groundtune.data.records import image_path, iter_jsonl, jsonl_file
+    from groundtune.data.records import named_images
     from groundtune.models import qwen
 
     not_an_input(args.out, "--out", {"the file being drawn": args.file})
-    path = jsonl_file(args.file)
-    images = [("an image of the file being drawn", image_path(line.record, path)) for line in iter_jsonl(path)
-              if line.record is not None and isinstance(line.record.get("image"), str)]
-    output_file(args.out, "--out", "data show", images, lambda out: drawn_by(out, show.DRAWN_BY), args.overwrite)
+    output_file(args.out, "--out", "data show", named_images(args.file, "an image of the file being drawn"),
+                lambda out: drawn_by(out, show.DRAWN_BY), args.overwrite)
     family = qwen.family(args.family)
     resize = ResizeSpec(factor=family.factor, min_pixels=args.min_pixels or family.min_pixels,
                         max_pixels=args.max_pixels or family.max_pixels)
@@ -131,16 +144,12 @@ def _data_refgen(args: argparse.Namespace) -> int:
         raise UsageError("groundtune data refgen: --filter-iou and --filter-mode need --filter-model")
     if args.filter_iou is not None and not 0 < args.filter_iou <= 1:
         raise UsageError(f"groundtune data refgen: --filter-iou must be in (0, 1], got {args.filter_iou}")
-    if args.filter_model is not None:
-        from groundtune.models.loading import resolve
-
-        resolve(args.filter_model)  # a wrong model name is said before any work
+    _require(args, *(("instances", "images") if args.source == "coco" else ("path",)), command="refgen")
+    _refgen_out(args)
     if args.source == "coco":
-        _require(args, "instances", "images", command="refgen")
         images = refgen.from_coco(args.instances, args.images, args.out, split=args.split,
                                   attribute_field=args.attribute_field)
     else:
-        _require(args, "path", command="refgen")
         images = refgen.from_jsonl(args.path, args.out, attribute_field=args.attribute_field)
     stats = refgen.Stats()
     records = list(refgen.generate(images, settings, stats))
@@ -168,6 +177,23 @@ def _data_refgen(args: argparse.Namespace) -> int:
     print(f"wrote {n} expressions to {args.out}: {one_box} naming one box ({stats.targets} of {stats.boxes} boxes "
           f"have one), {sets} naming sets, {stats.expressions['none']} naming nothing")
     return 0
+
+
+def _refgen_out(args: argparse.Namespace) -> None:
+    """A UsageError when --out is an image the detections name or a file of --filter-model (a model
+    that is not there is said here, before any work), or a file refgen did not write, without
+    --overwrite."""
+    from itertools import chain
+
+    from groundtune.data.records import named_images
+    from groundtune.data.refgen import written_by_refgen
+    from groundtune.data.sources import instance_images
+
+    images = (instance_images(args.instances, args.images) if args.source == "coco"
+              else named_images(args.path, "an image of --path"))  # read lazily: only an --out already there needs them
+    reads = chain(model_files(("--filter-model", args.filter_model)), images)
+    output_file(args.out, "--out", "data refgen", reads, written_by_refgen, args.overwrite)
+
 
 def _require(args: argparse.Namespace, *names: str, command: str = "convert") -> None:
     missing = [n for n in names if getattr(args, n) is None]
@@ -215,7 +241,9 @@ def _add_data_convert(dsub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--from", dest="source", required=True, choices=["refcoco", "grefcoco", "parquet", "coco", "jsonl"],
                    help="source format")
-    p.add_argument("--out", required=True, help="canonical JSONL file to write")
+    p.add_argument("--out", required=True, help="canonical JSONL file to write (never over an input file or an image "
+                   "it names; over another file only with --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP.format(what="--out JSONL"))
     p.add_argument("--refs", help="refcoco: the refer toolkit pickle, refs(unc).p / refs(umd).p / refs(google).p; "
                    "grefcoco: grefs(unc).json")
     p.add_argument("--instances", help="refcoco/grefcoco/coco: COCO instances.json with images and annotations")
@@ -250,7 +278,9 @@ def _add_data_check(dsub: argparse._SubParsersAction) -> None:
                    "hf:lmms-lab/RefCOCO:val; docs/data.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--fix-out", help="write the usable records, with automatic fixes applied, here "
-                   "(with --refs: the records whose phrase picks exactly its box)")
+                   "(with --refs: the records whose phrase picks exactly its box). Never over the file or an image "
+                   "it names; a previous --fix-out of the file is replaced, another file only with --overwrite")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP.format(what="--fix-out file"))
     p.add_argument("--refs", action="store_true",
                    help="instead: check that every phrase of a `data refgen` file picks exactly its box, re-read "
                    "from the text and the image's boxes (the record's objects) by a checker independent of the "
@@ -360,7 +390,9 @@ def _add_data_refgen(dsub: argparse._SubParsersAction) -> None:
         formatter_class=Formatter,
     )
     p.add_argument("--from", dest="source", required=True, choices=["coco", "jsonl"], help="detections' format")
-    p.add_argument("--out", required=True, help="canonical JSONL file to write")
+    p.add_argument("--out", required=True, help="canonical JSONL file to write (never over --instances, --path, an "
+                   "image they name or a file of --filter-model; over another file only with --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP.format(what="--out JSONL"))
     p.add_argument("--instances", help="coco: instances.json with images, annotations and categories")
     p.add_argument("--images", help="coco: folder holding the images")
     p.add_argument("--path", help="jsonl: the detections file")

@@ -1,10 +1,12 @@
-"""What several commands' flags share: the help formatter, argument types, the --model help, and
-the flags of InferSettings fields (one definition each, read by every command that takes them)."""
+"""What several commands' flags share: the help formatter, argument types, the --model help, the
+files a model flag names (which no output may be), and the flags of InferSettings fields (one
+definition each, read by every command that takes them)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -57,6 +59,23 @@ MODEL_HELP = (
     "the model: `tiny` (the built-in tiny model), a training run folder, a local Hugging Face "
     "folder (an export included) or a hub id such as Qwen/Qwen2.5-VL-3B-Instruct"
 )
+
+
+def model_files(*models: tuple[str, str | None]) -> list[tuple[str, Path]]:
+    """The files loading each model reads ((flag, name) pairs; a name None is none): a folder's, a
+    run's model/, the built-in tiny model's. No output may be one of them (``files.output_file``)."""
+    from groundtune.models.loading import resolve
+    from groundtune.runs import RunFolder
+
+    files = []
+    for flag, name in models:
+        if name is None:
+            continue
+        kind, path = resolve(name)  # a missing model is said here, before anything is read
+        folder = RunFolder(path).model if kind == "run" else path  # a hub model's cache: not ours to guard
+        if folder is not None:
+            files += [(f"a file of {flag} {name}", p) for p in sorted(folder.rglob("*"))[:10_000] if p.is_file()]
+    return files
 
 
 def infer_flag(p: argparse.ArgumentParser, name: str, when: str = "") -> None:

@@ -12,7 +12,8 @@ decoding one will hold in memory, before it is decoded.
 A file on disk is opened with the bytes read bounded (``opened``): its header must end within
 HEADER_BYTES, and decoding may read what its frame can take and no more. Pillow's JPEG reader skips
 bytes that are no marker one at a time, so a JPEG header followed by 10 GB of zeros (or a sparse
-file) read for ten minutes; bounded, it is refused in about a second.
+file) read for ten minutes; bounded, it is refused in about a second. A JPEG whose header promises
+a frame its file is too small to hold is refused before a pixel is decoded (``_jpeg_too_short``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ HEADER_BYTES = 8 * 2**20
 
 class ReadTooMuch(OSError):
     """An image file read past what its header, or its frame, can take: damaged, or no image."""
+
+
+class TooShort(OSError):
+    """An image file smaller than the least its header's frame can be stored in: damaged, or no image."""
 
 
 class _Bounded(io.RawIOBase):
@@ -87,9 +92,66 @@ def opened(path: str | Path) -> Iterator[Image.Image]:
             raise Image.UnidentifiedImageError(f"cannot identify image file {str(path)!r}") from None
         with image:
             width, height = image.size
+            short = _jpeg_too_short(image, raw.fileno()) if image.format in ("JPEG", "MPO") else None
+            if short:
+                raise TooShort(short)
             bounded.limit = bounded.taken + 2 * width * height * _bytes_per_pixel(image.mode) + HEADER_BYTES
             bounded.what = f"the end of a {width}x{height} image"
             yield image
+
+
+# Every 8x8 block of every component of a Huffman-coded JPEG (baseline, extended, progressive,
+# lossless: SOF0-3, 5-7) takes at least one bit of scan data, its DC coefficient's code (a
+# progressive file's first DC scan included); a flat image, the most compressible, takes 2 (grey,
+# optimised tables) to 32 bits (4:2:0 colour, standard tables) a block of its smallest component
+# (measured with Pillow, 4000x4000, every quality). libjpeg fills a scan cut short by a marker with
+# grey and says nothing: a 633-byte file whose header says 13000x13000 decoded to a grey image in
+# 1.8 s, at 1.3 GB (1.6 GB progressive). So a frame whose smallest component has more blocks than
+# the file has bits after its header is refused, unread (one component only: a file may leave the
+# others out, which libjpeg decodes as grey). Arithmetic coding (SOF9-15, rare) can take far less
+# than a bit a block: not judged. PNG, GIF, TIFF and BMP need no such rule: Pillow refuses their
+# short data itself ("truncated") before the frame it allocated is touched (12000x12000: 24 MB,
+# 0.01 s). A frame the file CAN hold is decoded, however large (Pillow's own limit aside): a scan of
+# zeros is no sign of damage (a grey 4000x4000 JPEG with optimised tables: 62,504 of its scan's
+# 62,512 bytes are zeros), and only the read budget bounds it.
+_HUFFMAN_FRAMES = (0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7)
+
+
+def _jpeg_too_short(image: Image.Image, fd: int) -> str | None:
+    """Why the JPEG ``image`` (open on ``fd``) cannot hold the frame its header says, or None."""
+    found = _jpeg_scan_start(fd)
+    if found is None or found[0] not in _HUFFMAN_FRAMES or not image.layer:
+        return None
+    width, height = image.size
+    h_max, v_max = max(c[1] for c in image.layer), max(c[2] for c in image.layer)
+    share = min(c[1] * c[2] for c in image.layer) / (h_max * v_max)  # the smallest component's
+    least = int(width * height * share / 64) // 8  # a bit a block, edge blocks not counted
+    held = os.fstat(fd).st_size - found[1]
+    if held >= least:
+        return None
+    return (f"its header says {width}x{height}, whose scan takes at least {least:,} bytes (a bit for each 8x8 "
+            f"block); the file holds {held:,} after its header")
+
+
+def _jpeg_scan_start(fd: int) -> tuple[int, int] | None:
+    """(the frame's SOF marker, where the first scan's data begins) of the JPEG file ``fd``, its
+    segments walked with ``os.pread`` (Pillow's position in the file stays where it is); None where
+    the walk meets anything but a segment within HEADER_BYTES (Pillow skips such junk)."""
+    at, frame = 2, None
+    while at < HEADER_BYTES:
+        head = os.pread(fd, 4, at)
+        if len(head) < 4 or head[0] != 0xFF:
+            return None
+        if head[1] == 0xFF:  # a fill byte before the marker
+            at += 1
+            continue
+        if 0xC0 <= head[1] <= 0xCF and head[1] not in (0xC4, 0xC8, 0xCC):  # not DHT, JPG, DAC
+            frame = frame or head[1]
+        length = struct.unpack(">H", head[2:])[0]
+        if head[1] == 0xDA:  # SOS: the scan's data follows its header
+            return (frame, at + 2 + length) if frame else None
+        at += 2 + length
+    return None
 
 
 def png_info(software: str):

@@ -51,8 +51,8 @@ MAX_LINE_CHARS = 16 * 2**20
 
 __all__ = ["DataError", "REQUIRED_FIELDS", "REMOTE_DATA", "MAX_PHRASE_CHARS", "MAX_JSON_DEPTH", "MAX_LINE_CHARS",
            "Line", "jsonl_file", "iter_jsonl", "read_samples", "missing_fields", "box_problem", "record_problem",
-           "phrase_too_long", "record_size", "sample_boxes", "image_path", "atomic_write", "dumps_sample",
-           "write_samples"]
+           "phrase_too_long", "record_size", "sample_boxes", "image_path", "named_images", "first_record",
+           "derived_from", "atomic_write", "dumps_sample", "write_samples"]
 
 
 @dataclass
@@ -243,6 +243,39 @@ def image_path(sample: dict, jsonl_path: str | Path) -> Path:
     """Absolute path of a sample's image: relative paths are relative to the JSONL file's folder."""
     p = Path(sample["image"])
     return p if p.is_absolute() else Path(jsonl_path).resolve().parent / p
+
+
+def named_images(path: str | Path, what: str) -> Iterator[tuple[str, Path]]:
+    """(``what``, image) for every record of the JSONL file ``path`` that names an image: what no
+    output of a command reading ``path`` may be (``files.output_file``'s ``reads``)."""
+    for line in iter_jsonl(path):
+        if line.record is not None and isinstance(line.record.get("image"), str):
+            yield what, image_path(line.record, path)
+
+
+def first_record(path: str | Path) -> dict | None:
+    """The first line of ``path`` as a record; None when it is none (not UTF-8, not a JSON object,
+    longer than MAX_LINE_CHARS, unreadable): what says which command wrote a JSONL file."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            text = f.readline(MAX_LINE_CHARS + 1)
+    except (OSError, ValueError):  # ValueError: not UTF-8
+        return None
+    return _decoded(1, text).record if text.strip() and len(text) <= MAX_LINE_CHARS else None
+
+
+def derived_from(out: str | Path, data: str | Path) -> bool:
+    """Whether the first record of ``out`` is one of ``data``'s (the same id): a file a command
+    wrote from ``data``'s records (``data check --fix-out``, ``data convert --from jsonl``), which
+    the next such command may replace. A file of other records is someone else's."""
+    first = first_record(out)
+    if first is None or first.get("id") is None:
+        return False
+    try:
+        return any(line.record is not None and line.record.get("id") is not None
+                   and str(line.record["id"]) == str(first["id"]) for line in iter_jsonl(data))
+    except DataError:  # not UTF-8, no such file: nothing of it can be in ``out``
+        return False
 
 
 @contextlib.contextmanager

@@ -105,7 +105,7 @@ from groundtune.files import path_problem
 from groundtune.progress import track
 
 from .images import header_size
-from .records import MAX_PHRASE_CHARS, DataError, image_path, iter_jsonl, jsonl_file, record_size
+from .records import MAX_PHRASE_CHARS, DataError, first_record, image_path, iter_jsonl, jsonl_file, record_size
 from .refexp import (
     EXTREME_TEXTS,
     FAR_FRAC,
@@ -153,6 +153,7 @@ MAX_COVERED = 0.5
 # shorter box's height excludes one box standing on the other (a laptop on a table shares none).
 BAND_SHARE = 0.5
 MODEL_FILTER_IOU = 0.5  # --filter-model: a phrase the model boxes back at this IoU or more is kept
+SOURCE = "refgen"  # every record's source: what tells a file refgen wrote (``written_by_refgen``)
 
 
 # --------------------------------------------------------------------------------------------
@@ -710,7 +711,7 @@ def generate(images: Iterable[Detections], settings: RefgenSettings = RefgenSett
             stats.expressions[c.kind] += 1
             ann_ids = [d.objects[i].ann_id for i in c.targets]
             return {"id": id, **base, "phrase": _say(c, label, d, rng), "bboxes": [list(d.objects[i].box) for i in c.targets],
-                    "split": d.split, "source": "refgen", "kind": c.kind, "label": label, **d.extras,
+                    "split": d.split, "source": SOURCE, "kind": c.kind, "label": label, **d.extras,
                     **({"ann_ids": ann_ids} if c.targets and None not in ann_ids else {}),
                     "targets": list(c.targets), "objects": objects}
 
@@ -727,7 +728,7 @@ def generate(images: Iterable[Detections], settings: RefgenSettings = RefgenSett
                 yield {
                     "id": f"refgen-{d.split}-{d.key}-{box_id(i)}-{k}", **base,
                     "phrase": _say(c, o.label, d, rng), "bbox": list(o.box),
-                    "split": d.split, "source": "refgen", "kind": c.kind, "label": o.label,
+                    "split": d.split, "source": SOURCE, "kind": c.kind, "label": o.label,
                     **d.extras, **({"ann_id": o.ann_id} if o.ann_id is not None else {}),
                     "target": i, "objects": objects,
                 }
@@ -738,6 +739,13 @@ def generate(images: Iterable[Detections], settings: RefgenSettings = RefgenSett
                     yield set_record(f"refgen-{d.split}-{d.key}-set-{box_id(first)}-{k}", c, label)
         for k, c in enumerate(_choose(none_candidates(d), settings, rng, NONE_PER_IMAGE)):
             yield set_record(f"refgen-{d.split}-{d.key}-none-{k}", c, c.meaning[1])
+
+
+def written_by_refgen(path: Path) -> bool:
+    """Whether ``path`` holds what `data refgen` wrote (its first record's source is SOURCE): the
+    next refgen may replace it without --overwrite."""
+    first = first_record(path)
+    return first is not None and first.get("source") == SOURCE
 
 
 def format_stats(stats: Stats) -> str:

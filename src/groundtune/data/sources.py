@@ -45,8 +45,12 @@ from groundtune.files import not_utf8, regular_file
 from groundtune.progress import track
 
 from .images import header_size
-from .records import (DataError, atomic_write, image_path, iter_jsonl, jsonl_file, missing_fields, record_problem,
-                      record_size, write_samples)
+from .records import (DataError, atomic_write, derived_from, first_record, image_path, iter_jsonl, jsonl_file,
+                      missing_fields, record_problem, record_size, write_samples)
+
+# The sources `data convert` names in what it writes (refer_source's, and each converter's own; --from
+# jsonl keeps a record's own source, "jsonl" where it has none): how its output is told from a user's
+SOURCES = ("refcoco", "refcoco+", "refcocog", "refclef", "grefcoco", "parquet", "coco", "jsonl")
 
 
 def _sample(id, image, width, height, phrase, bbox, split, source, box_key="bbox", **extras) -> dict:
@@ -91,6 +95,21 @@ def load_instances(path: str | Path) -> tuple[dict, dict]:
     if not isinstance(data, dict) or "images" not in data or "annotations" not in data:
         raise DataError(f"{path}: not a COCO instances file (needs 'images' and 'annotations')")
     return data, {im["id"]: im for im in data["images"]}
+
+
+def written_by_convert(out: Path, path: str | Path | None = None) -> bool:
+    """Whether ``out`` holds what `data convert` wrote, which the next convert may replace: its
+    first record's source is one of SOURCES, or (``path``: the --from jsonl input, whose records
+    keep their own source) it is one of ``path``'s records."""
+    first = first_record(out)
+    return first is not None and (first.get("source") in SOURCES or (path is not None and derived_from(out, path)))
+
+
+def instance_images(instances: str | Path, images: str | Path) -> Iterator[tuple[str, Path]]:
+    """("an image of --instances", path) for every image a COCO instances file names under the
+    folder ``images``: what no output of a command reading them may be (``files.output_file``)."""
+    for im in load_instances(instances)[0]["images"]:
+        yield "an image of --instances", Path(images) / str(im.get("file_name"))
 
 
 # --------------------------------------------------------------------------------------------
