@@ -15,8 +15,8 @@ from groundtune.config import TrainConfig, load_config, preset_path
 from groundtune.data import synth
 from groundtune.data.records import atomic_write, read_samples
 
-# The variant: the full task (1-3 shapes, relational phrases) in colours the model has not seen.
-VARIANT = {"width": 168, "height": 168, "task": "full", "palette": "unseen"}
+# The variant: the full task (1-3 shapes, relational phrases) on a canvas the model has not seen.
+VARIANT = {"width": 168, "height": 168, "task": "full"}
 # quickstart()'s defaults, and so its flags' (--out, --n-train, --n-eval): the command line reads
 # them here, which is why this module imports torch only inside quickstart()
 OUT = "quickstart"
@@ -36,8 +36,7 @@ def quickstart(out: str | Path = OUT, n_train: int = N_TRAIN, n_eval: int = N_EV
     data = out / "data"
     for split, n, seed in (("train", n_train, 1), ("val", n_eval, 2)):
         if not (data / f"{split}.jsonl").exists():
-            synth.make_synthetic_set(data, n=n, seed=seed, split=split,
-                                     **{**VARIANT, "palette": synth.PALETTES[VARIANT["palette"]]})
+            synth.make_synthetic_set(data, n=n, seed=seed, split=split, **VARIANT)
     cfg = load_config(TrainConfig, preset_path("quickstart"),
                       [f"train_data={data / 'train.jsonl'}", f"eval_data={data / 'val.jsonl'}",
                        f"out_dir={out / 'run'}", *overrides])
