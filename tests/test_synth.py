@@ -233,14 +233,14 @@ def test_palette_variant_is_one_argument():
         assert independent_resolve(scene.phrase, scene.shapes, pal) == scene.targets
 
 
-def test_the_unseen_palette_is_a_flag_and_shares_no_colour_with_the_default(tmp_path):
+def test_the_unseen_palette_is_a_flag_and_shares_no_colour_or_shape_with_the_default(tmp_path):
     from cli_in_process import groundtune
 
-    unseen = synth.PALETTES["unseen"]
-    assert not set(unseen.colours) & set(synth.DEFAULT_PALETTE.colours)
+    unseen, default = synth.PALETTES["unseen"], synth.DEFAULT_PALETTE
+    assert not set(unseen.colours) & set(default.colours) and not set(unseen.shapes) & set(default.shapes)
     assert groundtune("data", "synth", "--out", str(tmp_path), "--n", "40", "--palette", "unseen").returncode == 0
-    words = {w for r in read_samples(tmp_path / "train.jsonl") for w in r["phrase"].split()}
-    assert words & set(unseen.colours) and not words & set(synth.DEFAULT_PALETTE.colours)
+    words = {w.rstrip("s") for r in read_samples(tmp_path / "train.jsonl") for w in r["phrase"].split()}
+    assert words & {*unseen.colours, *unseen.shapes} and not words & {*default.colours, *default.shapes}
 
 
 def test_varied_canvases_are_drawn_per_sample_and_reproducible(tmp_path):

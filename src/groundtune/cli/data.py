@@ -337,8 +337,8 @@ def _add_data_synth(dsub: argparse._SubParsersAction) -> None:
                         # "25%%": argparse %-formats help text, and prints it as 25%
                         f"{synth.NO_TARGET_SHARE:.0%}% of the samples naming nothing in the image (no target)")
     p.add_argument("--palette", default="default", choices=list(synth.PALETTES),
-                   help="default: red, green, blue, yellow; unseen: purple, orange, pink, brown (colours no built-in "
-                        "model was pre-trained on: the quickstart's variant); circles, squares and triangles in both")
+                   help="default: red, green, blue and yellow circles, squares and triangles; unseen: purple, orange, "
+                        "pink and brown diamonds and crosses (colours and shapes no built-in model was pre-trained on)")
     p.add_argument("--workers", type=count, default=0, help="worker processes (0: one per CPU core this process may use)")
     p.add_argument("--overwrite", action="store_true", help="replace a synthetic set already at OUT/SPLIT.jsonl, "
                    "and remove its images the new set does not write (never a file synth did not write)")

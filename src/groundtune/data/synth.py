@@ -96,11 +96,11 @@ class Palette:
 
 
 DEFAULT_PALETTE = Palette()
-# Colours no built-in model was pre-trained on (new words and hues; the shapes it knows): the
-# quickstart's variant, which LoRA must teach. Each differs from the default colours and the
+# Colours and shapes no built-in model was pre-trained on (new words, hues and outlines): the
+# quickstart's variant, which LoRA must teach. Each colour differs from the default colours and the
 # background by at least ~60 in some channel.
 UNSEEN_PALETTE = Palette(colours={"purple": (130, 50, 180), "orange": (240, 120, 10), "pink": (240, 100, 180),
-                                  "brown": (120, 70, 30)})
+                                  "brown": (120, 70, 30)}, shapes=("diamond", "cross"))
 PALETTES = {"default": DEFAULT_PALETTE, "unseen": UNSEEN_PALETTE}
 
 SET_TASK = "every"
