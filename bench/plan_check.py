@@ -338,18 +338,18 @@ def fit(measured: list[dict], with_time: bool = True) -> tuple[dict, list[dict]]
     rows = [dict(r, provenance=m["provenance"]) for m in measured for r in m["rows"]]
     ok = [r for r in rows if r["status"] == "ok" and r.get("peak_gib") and r["model"] != "tiny"]
     counted = [(r, row_counts(r, model_file, sizes)) for r in ok]
-    fitting = [(r, c) for r, c in counted if r.get("role") != "check"]  # the held-out rows are predicted only
+    gpu_fitted = [(r, c) for r, c in counted if r.get("role") != "check"]  # the held-out rows are predicted only
     tiny = [r for r in rows if r["status"] == "ok" and r.get("peak_gib") and r["model"] == "tiny"]
 
     # memory: activations' coefficients from the adapter runs, where they decide the peak
-    adapters = [(r, c) for r, (_, s, _, c) in fitting if s.method != "full"]
+    adapters = [(r, c) for r, (_, s, _, c) in gpu_fitted if s.method != "full"]
     a = np.array([[c[k] for k in FITTED_MEMORY] for _, c in adapters])
     y = np.array([r["peak_gib"] * plan.GIB - sum(c[k] * v for k, v in EXACT.items()) for r, c in adapters])
     w = 1 / np.array([r["peak_gib"] * plan.GIB for r, _ in adapters])  # relative error
     x = _nonnegative_least_squares(a * w[:, None], y * w)
     model_file["memory"].update({k: float(v) for k, v in zip(FITTED_MEMORY, x)})
     # full fine-tuning: the optimizer step's own peak, the largest any full run showed
-    for r, (_, s, _, c) in fitting:
+    for r, (_, s, _, c) in gpu_fitted:
         if s.method == "full":
             static = sum(c[k] * model_file["memory"][k] for k in ("weights", "trained", "fixed"))
             model_file["memory"]["optimizer"] = max(model_file["memory"]["optimizer"],
@@ -369,7 +369,7 @@ def fit(measured: list[dict], with_time: bool = True) -> tuple[dict, list[dict]]
         model_file["memory"].update({k: float(v) for k, v in zip(cpu_terms, x)})
         counted += [(r, row_counts(r, model_file, sizes)) for r in tiny]
     if with_time:
-        model_file["time"] = fit_time(fitting)
+        model_file["time"] = fit_time(gpu_fitted)
     else:  # (verify needs memory alone)
         model_file["time"] = {k: 1e-30 for k in plan.TIME_TERMS}
 
