@@ -86,3 +86,23 @@ def test_a_wrong_interval_is_one_line_and_exit_2(value, monkeypatch, capsys, tmp
     err = capsys.readouterr().err.splitlines()
     assert err == [f"error: {progress.EVERY_ENV}={value}: expected seconds between progress lines, a number >= 0 "
                    "(0: none)"]
+
+
+def test_library_bars_are_off_even_when_the_library_was_imported_first():
+    """transformers and huggingface_hub read HF_HUB_DISABLE_PROGRESS_BARS once, on import: in a
+    process that imported them before the command line set it (a program, a test worker), a model
+    load drew "Loading weights" above a one-line error (it failed CI once)."""
+    import huggingface_hub.utils as hub
+    from transformers.utils import logging as hf_logging
+
+    from groundtune.progress import quiet_libraries
+
+    were = hub.are_progress_bars_disabled(), hf_logging.is_progress_bar_enabled()
+    hub.enable_progress_bars()
+    hf_logging.enable_progress_bar()
+    try:
+        quiet_libraries()
+        assert hub.are_progress_bars_disabled() and not hf_logging.is_progress_bar_enabled()
+    finally:  # as they were, for the tests after this one
+        (hub.disable_progress_bars if were[0] else hub.enable_progress_bars)()
+        (hf_logging.enable_progress_bar if were[1] else hf_logging.disable_progress_bar)()

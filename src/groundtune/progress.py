@@ -163,6 +163,14 @@ class _DropMessages(logging.Filter):
 def quiet_libraries() -> None:
     """Keep the libraries' notes about themselves off the terminal, each named here with why it is
     none of the user's business. Called once by each process the command line starts."""
+    # transformers draws a bar on every model load ("Loading weights"), huggingface_hub one per
+    # file: the command line's own lines say what loads. HF_HUB_DISABLE_PROGRESS_BARS (cli) turns
+    # them off for a library imported after it is set; each reads it once, on import, so one
+    # already imported (a program that imported it before calling the command line) is told here.
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
     # peft reads transformers' `is_gradient_checkpointing`, which transformers 5 deprecates: a
     # FutureWarning on every command that loads a LoRA model, about code that is not the user's
     warnings.filterwarnings("ignore", message=r".*`is_gradient_checkpointing` is deprecated", category=FutureWarning)
