@@ -67,3 +67,38 @@ def test_a_full_batch_goes_at_once_and_the_inbox_end_ends_the_batches():
     assert _keys(next(batches)) == [0, 1, 2, 3]
     assert _keys(next(batches)) == [4, 5]  # the inbox's end: the phrases before it still answered
     assert next(batches, None) is None
+
+
+def test_a_request_s_pixels_cross_to_the_model_once_and_every_phrase_gets_them():
+    """The encoding side sends an image's pixels with its first phrase only (a 3B image is ~20 MB,
+    copied through the queue once per phrase before); the model's side puts them back in every
+    phrase's prompt and forgets them after the last."""
+    import io
+    import pickle
+
+    from groundtune import infer
+    from groundtune.data import synth
+    from groundtune.deploy.batching import _encode_and_send, _from_wire, _with_pixels
+    from groundtune.deploy.limits import Limits
+    from groundtune.deploy.reading import Encoder
+
+    gm = infer.load("tiny", device="cpu")
+    image, _ = synth.make_sample(5, 0)
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    phrases = ["the red circle", "the blue square", "every shape"]
+    inbox = queue.Queue()
+    _encode_and_send(Encoder(gm, Limits()), inbox, [10, 11, 12], png.getvalue(), phrases, "image")
+    sent = [inbox.get_nowait() for _ in phrases]
+    sizes = [len(pickle.dumps(item)) for item in sent]
+    assert sent[0][1]["pixel_values"] is not None and all(item[1]["pixel_values"] is None for item in sent[1:])
+    assert max(sizes[1:]) < sizes[0] / 2  # the followers carry no pixels
+
+    kept: dict = {}
+    received = [_with_pixels(item, kept) for item in sent]
+    assert not kept  # the last phrase took them
+    alone = [infer.PromptEncoder(gm).many(image, [phrase], "the image")[0][0] for phrase in phrases]
+    for item, expected in zip(received, alone):
+        encoded = _from_wire(item[1])
+        assert torch.equal(encoded["pixel_values"], expected["pixel_values"])
+        assert torch.equal(encoded["input_ids"], expected["input_ids"])

@@ -87,12 +87,38 @@ def _encode_and_send(encoder, inbox, keys: list[int], data: bytes, phrases: list
     """Encode a request and put its prompts in the model's inbox, one item per phrase, each answer
     to be cut at ``max_tokens`` (None: the server's --max-new-tokens); returns the image's size and
     each prompt's length in tokens. Nothing is sent for a request that fails (a RequestError for
-    the caller)."""
+    the caller).
+
+    The image's pixels go once, with the first phrase: a later phrase's item carries None in their
+    place and, as every item does, (the first phrase's key, the request's phrase count), from which
+    the model's process puts them back (``_with_pixels``). A 3B image is ~20 MB of pixels, copied
+    through the queue once per phrase before."""
     width, height, prompts = encoder(data, phrases, param)
     queued = time.monotonic()  # the system's monotonic clock: the model's process reads it too
-    for key, (encoded, sizes) in zip(keys, prompts):
-        inbox.put((key, _to_wire(encoded), sizes, queued, max_tokens))
+    request = (keys[0], len(prompts))
+    for i, (key, (encoded, sizes)) in enumerate(zip(keys, prompts)):
+        shared = i > 0 and encoded["pixel_values"] is prompts[0][0]["pixel_values"]
+        wire = _to_wire({k: v for k, v in encoded.items() if not (shared and k == "pixel_values")})
+        inbox.put((key, wire if not shared else {**wire, "pixel_values": None}, sizes, queued, max_tokens, request))
     return width, height, [int(encoded["input_ids"].shape[-1]) for encoded, _ in prompts]
+
+
+def _with_pixels(item: tuple, kept: dict) -> tuple:
+    """An inbox item with its request's pixels put back where ``_encode_and_send`` left None: kept
+    from the request's first item (which comes first: one sender puts a request's items in order)
+    until its last phrase has taken them."""
+    key, wire, *rest, (first, phrases) = item
+    if phrases > 1:
+        if key == first:
+            kept[first] = [wire["pixel_values"], phrases - 1]
+        else:
+            pixels = kept[first]
+            pixels[1] -= 1
+            if pixels[1] == 0:
+                del kept[first]
+            if wire["pixel_values"] is None:
+                wire = {**wire, "pixel_values": pixels[0]}
+    return (key, wire, *rest, (first, phrases))
 
 
 _worker_state: tuple | None = None  # an encoding process's (encoder, inbox)
@@ -179,8 +205,9 @@ def _model_process(model: str, device: str, limits, max_new_tokens: int, compile
     waiting: queue.Queue = queue.Queue()
 
     def read_inbox() -> None:  # (its items unpickled) on a thread of its own, while the model works
+        kept: dict = {}  # the pixels of requests some of whose phrases are still to come
         for item in iter(inbox.get, None):
-            waiting.put(item)
+            waiting.put(_with_pixels(item, kept))
         waiting.put(None)
 
     threading.Thread(target=read_inbox, daemon=True).start()
