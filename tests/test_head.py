@@ -121,16 +121,17 @@ def test_a_map_spread_over_a_block_of_cells_points_at_that_block():
     assert torch.cat([centre - size / 2, centre + size / 2], dim=-1)[0].tolist() == pytest.approx([5 / 6, 3 / 4, 1, 1])
 
 
-def test_the_head_gives_each_sample_its_own_images_box_however_the_batch_is_laid_out(synth_single):
+@pytest.mark.parametrize("slots", [0, 8])
+def test_the_head_gives_each_sample_its_own_images_box_however_the_batch_is_laid_out(synth_single, slots):
     """Padded (training's default), packed, and in a row where an image's phrases share its tokens:
-    the same boxes, each from its own image's tokens."""
+    the same boxes, each from its own image's tokens; in both layouts (a candidate per cell, K slots)."""
     gm = infer.load("tiny", device="cpu")
     core = adapt.base_model(gm.model)
     torch.manual_seed(0)
-    box_head = head.attach(gm.model, adapt.hidden_size(core))
+    box_head = head.attach(gm.model, adapt.hidden_size(core), slots=slots)
     with torch.no_grad():
         box_head.query.weight.mul_(40)  # a peaked map: boxes that differ from image to image
-        box_head.out.weight.normal_(std=0.01)
+        box_head.out.weight.normal_(std=0.01 if slots else 0.03)
     images = [Image.open(synth_single / "images" / name).convert("RGB")
               for name in sorted(p.name for p in (synth_single / "images").iterdir())[:2]]
     pairs = [(images[0], "the red circle"), (images[1], "the red circle"), (images[0], "a shape")]
@@ -151,7 +152,8 @@ def test_the_head_gives_each_sample_its_own_images_box_however_the_batch_is_laid
         got.append(head.read(box_head, hidden, (torch.zeros(3, dtype=torch.long), torch.tensor(row.last)), tokens))
     for other in got[1:]:
         torch.testing.assert_close(other, got[0], atol=1e-4, rtol=0)
-    assert got[0][0].shape == (3, box_head.slots.shape[0], 4) and got[0][1].shape == (3, box_head.slots.shape[0])
+    candidates = slots or int(tokens.mask.sum(dim=1).max())  # the cells layout: one per image token
+    assert got[0][0].shape == (3, candidates, 4) and got[0][1].shape == (3, candidates)
     assert (got[0][0][0] - got[0][0][1]).abs().max() > 0.01  # another image, another box: the check has teeth
 
 
@@ -333,11 +335,19 @@ def test_a_box_head_trains_saves_loads_and_answers_in_one_pass(synth_single, tmp
     assert saved["head"] == "box" and "eval" in saved
     gm = infer.load(str(run))
     loaded = head.head_of(gm.model)
-    assert loaded.slots.shape[0] == 3 and loaded.threshold == 0.3  # the settings it was trained with
-    # the loaded head answers as the trained one did: the eval it was saved with, again
+    assert loaded.slots.shape[0] == 3  # the layout it was trained with
+    # its threshold was chosen on the eval set (not head_threshold's 0.3): the one of best F1@0.5 there
     from groundtune import evaluate
 
     records = [json.loads(line) for line in (synth_single / "val.jsonl").read_text().splitlines()][:16]
+    chosen = loaded.threshold
+    logged = [r["eval/head_threshold"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+              if "eval/head_threshold" in r]
+    assert chosen in evaluate.THRESHOLD_CHOICES and chosen in logged
+    loaded.threshold = evaluate.THRESHOLD_CHOICES[0]
+    assert evaluate.best_threshold(infer.predict_records(gm, records, synth_single / "val.jsonl"), records) == chosen
+    loaded.threshold = chosen
+    # the loaded head answers as the trained one did: the eval it was saved with, again
     report, rows = evaluate.evaluate(gm, records, synth_single / "val.jsonl", batch_size=5)
     assert report["acc@0.5"] == pytest.approx(saved["eval"]["acc@0.5"]) and report["parse_fail_rate"] == 0
     assert report["head"] == "box"
@@ -348,7 +358,7 @@ def test_a_box_head_trains_saves_loads_and_answers_in_one_pass(synth_single, tmp
     for p, q in zip(one, three):
         assert p.error is None and len(p.boxes) == len(q.boxes) <= 3 and len(p.scores) == len(p.boxes)
         assert np.array(p.boxes).reshape(-1, 4) == pytest.approx(np.array(q.boxes).reshape(-1, 4), abs=0.05)
-        assert all(s >= 0.3 for s in p.scores)
+        assert all(s >= chosen for s in p.scores)
         for box in p.boxes:
             assert 0 <= box[0] <= box[2] <= image.width and 0 <= box[1] <= box[3] <= image.height
     # exported (LoRA merged), it loads with its head and answers the same slots (threshold 0: all of them)
@@ -358,7 +368,7 @@ def test_a_box_head_trains_saves_loads_and_answers_in_one_pass(synth_single, tmp
     assert (exported / head.HEAD_FILE).is_file()
     assert json.loads((exported / "groundtune.json").read_text())["head"] == "box"
     again_gm = infer.load(str(exported))
-    assert head.head_of(again_gm.model).threshold == 0.3
+    assert head.head_of(again_gm.model).threshold == chosen
     for model in (gm, again_gm):
         head.head_of(model.model).threshold = 0.0
     ours, again = (infer.predict(model, [image], [records[0]["phrase"]])[0] for model in (gm, again_gm))
@@ -393,7 +403,8 @@ def _set_task(folder, n: int, seed: int) -> list[dict]:
 
 
 def test_a_box_head_learns_a_set_task_of_several_boxes_and_none(tmp_path):
-    """Trained on phrases with 0-3 boxes, the set loss on a fixed batch of them falls."""
+    """Trained on phrases with 0-3 boxes, the set loss on a fixed batch of them falls (the layout of
+    a candidate per image cell, quickstart-every's)."""
     from groundtune.data.records import read_samples
     from groundtune.data.samples import FileSamples
     from groundtune.train.objective import BoxObjective, box_head_loss
@@ -415,13 +426,34 @@ def test_a_box_head_learns_a_set_task_of_several_boxes_and_none(tmp_path):
                 measured[step] = float(box_head_loss(BoxObjective(model), fixed, 24, 1, 2.0, 0.0))
 
     cfg = TrainConfig(model="tiny", train_data=str(data), eval_data="", out_dir=str(tmp_path / "run"), head="box",
-                      head_slots=4, lr=3e-3, batch_size=8, max_steps=30, log_every=1, save_every=0, warmup_steps=0)
+                      head_slots=0, lr=3e-3, batch_size=8, max_steps=30, log_every=1, save_every=0, warmup_steps=0)
     run = train(cfg, on_step=measure)
     assert measured[30] < 0.8 * measured[1]  # it learns the sets
     gm = infer.load(str(run))
+    assert head.head_of(gm.model).per_cell  # saved and loaded in its layout
     image = Image.open(tmp_path / "sets" / "0.png")
+    cells = (image.width // 28) * (image.height // 28)  # the tiny model's merged cells: 28 px
     answers = infer.predict(gm, [image] * 2, ["all the shapes", "every purple shape"])
-    assert all(a.error is None and len(a.boxes) <= 4 and len(a.scores) == len(a.boxes) for a in answers)
+    assert all(a.error is None and len(a.boxes) <= cells and len(a.scores) == len(a.boxes) for a in answers)
+
+
+def test_the_threshold_chosen_is_the_one_of_best_f1_on_the_eval_set():
+    """Scored answers where the true boxes score 0.7 and the extra ones 0.2 or 0.4: every threshold
+    in (0.4, 0.7] keeps exactly the true ones; the highest of them is chosen. Then a set where a
+    true box scores 0.15 and nothing else is extra: the threshold drops to keep it."""
+    from groundtune import evaluate
+
+    def answer(scored):
+        return infer.Prediction(bbox=None, boxes=[b for b, _ in scored], label=None, raw="", error=None,
+                                scores=[s for _, s in scored])
+
+    a, b, c = [0, 0, 10, 10], [20, 20, 30, 30], [40, 40, 50, 50]
+    samples = [{"bboxes": [a, b]}, {"bboxes": []}, {"bboxes": [c]}]
+    predictions = [answer([(a, 0.7), (b, 0.7), (c, 0.2)]), answer([(a, 0.4)]), answer([(c, 0.7)])]
+    assert evaluate.best_threshold(predictions, samples) == 0.7
+    assert predictions[1].above(0.7).no_target and predictions[0].above(0.7).boxes == [a, b]
+    predictions = [answer([(a, 0.7), (b, 0.15)]), answer([]), answer([(c, 0.7)])]
+    assert evaluate.best_threshold(predictions, samples) == 0.15
 
 
 def test_a_batch_holds_every_true_box_of_each_phrase_and_none_for_a_no_target_one(synth_single):
@@ -446,10 +478,14 @@ def test_head_settings_are_checked():
         TrainConfig(train_data="x", head="boxes")
     with pytest.raises(ConfigError, match="head_l1_weight"):
         TrainConfig(train_data="x", head="box", head_l1_weight=-1)
-    with pytest.raises(ConfigError, match="head_slots=0 must be positive"):
-        TrainConfig(train_data="x", head="box", head_slots=0)
+    with pytest.raises(ConfigError, match="head_slots=-1 must be 0 or more"):
+        TrainConfig(train_data="x", head="box", head_slots=-1)
     with pytest.raises(ConfigError, match=r"head_threshold=1.5 must be in \[0, 1\]"):
         TrainConfig(train_data="x", head="box", head_threshold=1.5)
+    # the head alone may train: every part of the model frozen
+    TrainConfig(train_data="x", head="box", method="full", freeze_vision=True, freeze_merger=True, freeze_llm=True)
+    with pytest.raises(ConfigError, match="trains nothing"):
+        TrainConfig(train_data="x", method="full", freeze_vision=True, freeze_merger=True, freeze_llm=True)
 
 
 def test_phrases_asked_of_one_image_share_its_vision_pass_and_get_the_same_boxes():

@@ -65,14 +65,18 @@ def _threshold_between(scores: list[float]) -> float:
     return (low + high) / 2
 
 
+CELLS = 4 * 3  # the tiny model's merged cells (28 px) of a 112x84 image
+
+
 @pytest.fixture(scope="module")
 def onnx_export_folder(synth_single, tmp_path_factory):
-    """A tiny box-head run (a few steps, 3 slots) exported with --onnx for 112x84 images, through
+    """A tiny box-head run (a few steps, a candidate per cell: 4 x 3 cells at 112x84; the slots'
+    graph is the one-box head's with K queries, tests/test_export.py) exported with --onnx for 112x84 images, through
     the CLI. Threshold 0: every slot answers (a few steps leave every score near 0.5; the tests
     choose thresholds between them)."""
     tmp = tmp_path_factory.mktemp("onnx")
     cfg = TrainConfig(model="tiny", train_data=str(synth_single / "train.jsonl"), eval_data="", out_dir=str(tmp / "run"),
-                      head="box", head_slots=3, head_threshold=0.0, lr=3e-3, batch_size=4, max_steps=4, log_every=1,
+                      head="box", head_slots=0, head_threshold=0.0, lr=3e-3, batch_size=4, max_steps=4, log_every=1,
                       save_every=0, warmup_steps=0)
     run = train(cfg)
     assert main(["export", str(run), "--out", str(tmp / "export"), "--onnx", "--image-size", "112x84"]) == 0
@@ -84,14 +88,14 @@ def test_onnx_runtime_answers_as_pytorch_within_half_a_pixel(onnx_export_folder)
     run, folder = onnx_export_folder
     meta = json.loads((folder / "groundtune.json").read_text())
     assert meta["head"] == "box" and meta["onnx"]["image_size"] == [112, 84]
-    assert meta["onnx"]["slots"] == 3 and meta["onnx"]["threshold"] == 0.0
+    assert meta["onnx"]["slots"] == 0 and meta["onnx"]["threshold"] == 0.0  # 0: a candidate per cell
     assert (folder / "model.onnx").is_file() and (folder / "onnx_predict.py").is_file()
     gm = load_model(str(run), device="cpu", dtype="fp32")
     grounder = onnx_predict.Grounder(folder)
     for image in _images((112, 84)):
         expected = _torch_answers(gm, image, PHRASES + HOSTILE)
         got = grounder.ground(image, PHRASES + HOSTILE)  # one batch of prompts of six lengths
-        assert all(len(a["boxes"]) == 3 for a in got)  # threshold 0: every slot
+        assert all(len(a["boxes"]) == CELLS for a in got)  # threshold 0: every cell
         _assert_same_answers(got, expected)
         single = grounder.ground(image, PHRASES[2:3])[0]  # batch of one, same answer
         assert np.array(single["boxes"]) == pytest.approx(np.array(got[2]["boxes"]), abs=1e-3)
@@ -100,7 +104,7 @@ def test_onnx_runtime_answers_as_pytorch_within_half_a_pixel(onnx_export_folder)
         grounder.settings["threshold"] = head.head_of(gm.model).threshold = threshold
         fewer = grounder.ground(image, PHRASES + HOSTILE)
         _assert_same_answers(fewer, _torch_answers(gm, image, PHRASES + HOSTILE))
-        assert 0 < sum(len(a["boxes"]) for a in fewer) < 3 * len(fewer)  # some slots kept, some not: teeth
+        assert 0 < sum(len(a["boxes"]) for a in fewer) < CELLS * len(fewer)  # some slots kept, some not: teeth
         grounder.settings["threshold"] = head.head_of(gm.model).threshold = 0.0
 
 

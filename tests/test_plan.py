@@ -189,6 +189,19 @@ def test_a_run_that_does_not_fit_gets_changes_that_do_ranked_by_speed():
     assert "method=qlora" in result.suggestions[0].change
 
 
+def test_the_box_heads_cells_are_counted_in_its_memory():
+    """A candidate per image cell keeps (samples x image tokens x width) activations that K slots do
+    not: head_slots=0 plans more memory, by the counted bytes, at the head's own width."""
+    from groundtune.models import box_head
+
+    assert plan.HEAD_WIDTH == box_head.WIDTH
+    slots, cells = (plan.plan_run(_cfg("qwen2.5-vl-3b-lora-24gb", "head=box", f"head_slots={k}"),
+                                  plan.card("rtx4090")).plan for k in (8, 0))
+    counted = (cells.setting.batch_size * cells.tokens.image * plan.HEAD_WIDTH * 2 * plan.HEAD_CELL_TENSORS
+               / plan.GIB)
+    assert cells.peak_gib - slots.peak_gib == pytest.approx(counted, rel=1e-6) and counted > 0.05
+
+
 def test_data_image_sizes_and_boxes_change_the_plan(tmp_path):
     def data(name, size, boxes):
         records = [{"id": str(i), "image": f"{i}.jpg", "width": size[0], "height": size[1], "phrase": "a dog",

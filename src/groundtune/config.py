@@ -127,17 +127,19 @@ class _Method(_Settings):
                                     "fractions of the image)")
     head_text_loss_weight: float = setting(0.0, "head=box: > 0 also trains the text answer (joint mode): its token "
                                            "loss times this is added")
-    head_slots: int = setting(8, "head=box: query slots, each a box and an objectness score, matched to the true boxes "
-                              "(Hungarian): the most boxes one phrase can get")
-    head_threshold: float = setting(0.5, "head=box: an answer keeps the slots whose objectness is at least this (0: "
-                                    "all of them); saved with the head")
+    head_slots: int = setting(8, "head=box: K learned query slots, each a box and an objectness score (one target per "
+                              "phrase: the better boxes) | 0: a candidate per cell of the image's token grid (sets: "
+                              "quickstart-every's); matched to the true boxes (Hungarian)")
+    head_threshold: float = setting(0.5, "head=box: an answer keeps the candidates whose objectness is at least this; "
+                                    "with eval_data, each eval chooses the one of best F1@0.5 there instead; saved "
+                                    "with the head")
 
     def check(self) -> None:
         if self.head not in HEADS:
             raise ConfigError(f"head={shown(self.head)}: expected one of {', '.join(HEADS)}")
         if self.head_l1_weight < 0 or self.head_text_loss_weight < 0:
             raise ConfigError("head_l1_weight and head_text_loss_weight must be >= 0")
-        _positive(self, "head_slots")
+        _at_least_zero(self, "head_slots")
         _fraction(self, "head_threshold")
         if self.method not in ("lora", "qlora", "full"):
             raise ConfigError(f"method={shown(self.method)}: expected lora, qlora or full")
@@ -146,8 +148,9 @@ class _Method(_Settings):
                               "be sharded; use distributed=ddp or zero2 (the 4-bit base is small enough to copy)")
         if self.method in ("lora", "qlora") and not self.lora_targets:
             raise ConfigError(f"lora_targets is empty: method={self.method} would train nothing")
-        if self.method == "full" and self.freeze_vision and self.freeze_merger and self.freeze_llm:
-            raise ConfigError("method=full with freeze_vision, freeze_merger and freeze_llm all true trains nothing")
+        if self.method == "full" and self.freeze_vision and self.freeze_merger and self.freeze_llm and self.head != "box":
+            raise ConfigError("method=full with freeze_vision, freeze_merger and freeze_llm all true trains nothing "
+                              "(with head=box: the head alone)")
 
 
 @dataclass

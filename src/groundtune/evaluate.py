@@ -44,6 +44,7 @@ from groundtune.data.refgen import MODEL_FILTER_IOU
 
 MATCH_IOU = 0.5  # a predicted box counts for a true box at IoU >= 0.5, as in RefCOCO and gRefCOCO
 THRESHOLDS = [round(0.5 + 0.05 * i, 2) for i in range(10)]  # 0.5, 0.55, ..., 0.95 (COCO's)
+THRESHOLD_CHOICES = [round(0.05 * i, 2) for i in range(1, 20)]  # a box head's objectness threshold: 0.05 ... 0.95
 METRICS = ["acc@0.5", "acc@0.75", "acc@0.5:0.95", "miou", "parse_fail_rate"]
 SET_METRICS = ["precision@0.5", "recall@0.5", "f1@0.5", "set_acc@0.5", "n_acc", "t_acc"]
 AP_METRICS = ["ap@0.5:0.95", "ap@0.5"]
@@ -119,6 +120,24 @@ def score_answer(pred: infer.Prediction, true_boxes: list[list[float]]) -> dict:
         # either, but it did not say "none".
         "set_hit": read and len(matched) == len(true_boxes) == len(pred.boxes),
     }
+
+
+def best_threshold(predictions: list[infer.Prediction], samples: list[dict]) -> float:
+    """The objectness threshold of a box head's answers (made at the lowest of ``THRESHOLD_CHOICES``)
+    with the best F1@0.5 on ``samples``, the highest of equals: what a run's box head keeps on
+    its eval set, chosen from it instead of by hand."""
+    true = [sample_boxes(sample) for sample in samples]
+    best, best_f1 = THRESHOLD_CHOICES[0], -1.0
+    for threshold in THRESHOLD_CHOICES:
+        matched = predicted = 0
+        for pred, boxes_ in zip(predictions, true):
+            kept = pred.above(threshold).boxes
+            matched += len(boxes.match_boxes(kept, boxes_, boxes.iou, MATCH_IOU))
+            predicted += len(kept)
+        f1 = 2 * matched / max(predicted + sum(map(len, true)), 1)
+        if f1 >= best_f1:
+            best, best_f1 = threshold, f1
+    return best
 
 
 def _ratio(a: float, b: float) -> float | None:

@@ -138,6 +138,15 @@ class Prediction:
                 "boxes": [rounded(box) for box in self.boxes], "no_target": self.no_target,
                 "label": self.label, "raw": self.raw, "error": self.error}
 
+    def above(self, threshold: float) -> Prediction:
+        """A box head's answer as it would be at a higher ``threshold``: the boxes scored at least
+        it, in the same order; none left is a no-target answer."""
+        kept = [(box, score) for box, score in zip(self.boxes, self.scores or ()) if score >= threshold]
+        found, found_scores = [box for box, _ in kept], [score for _, score in kept]
+        return Prediction(bbox=found[0] if found else None, boxes=found, label=self.label,
+                          raw=json.dumps({"boxes": found, "scores": found_scores}), error=self.error,
+                          no_target=not found and self.error is None, scores=found_scores)
+
 
 def read_answer(
     token_ids: list[int],
@@ -525,8 +534,10 @@ def head_boxes(gm, encoded: list[dict], sizes: list[tuple], row: qwen.SharedRow 
         hidden = core.model(**batch, use_cache=False).last_hidden_state
         units, logits = head.read(box_head, hidden, query, tokens)
     scores = torch.sigmoid(logits.float()).cpu().tolist()
-    return [head_answer(unit, score, box_head.threshold, original)
-            for unit, score, (original, _) in zip(units.float().cpu().tolist(), scores, sizes)]
+    # the cells layout: a sample's candidates are its own image's cells, the first of the row's
+    candidates = tokens.mask.sum(dim=1).tolist() if box_head.per_cell else [logits.shape[1]] * len(scores)
+    return [head_answer(unit[:n], score[:n], box_head.threshold, original)
+            for unit, score, n, (original, _) in zip(units.float().cpu().tolist(), scores, candidates, sizes)]
 
 
 def head_answer(units: list[list[float]], scores: list[float], threshold: float, size: boxes.Size) -> Prediction:

@@ -60,7 +60,12 @@ PLAN_TRAIN_DATA = "synth:full"
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 PEAK_BATCH_SIGMAS = 3.0  # a batch's tokens: its mean plus three standard deviations (the largest of ~1000 batches)
 STATIC = ("weights", "trained", "fixed", "fixed_cpu")  # held for the whole step
-ACTIVATIONS = ("boundaries", "layer", "logits", "vision", "attention", "attention_kept", "mask")
+ACTIVATIONS = ("boundaries", "layer", "logits", "vision", "attention", "attention_kept", "mask", "head_cells")
+COUNTED = {"head_cells": 1.0}  # activation terms in bytes as counted, with no fitted coefficient
+# the box head's cells layout keeps ~10 (samples x image tokens x width) tensors for its backward:
+# the gathered token projections, the product's two factors, the sums before and after each GELU
+HEAD_CELL_TENSORS = 10
+HEAD_WIDTH = 512  # the head's MLP width: models/box_head.py's WIDTH (a test holds them equal; plan loads no torch)
 MEMORY_TERMS = (*STATIC, *ACTIVATIONS, "optimizer")
 TIME_TERMS = ("floor", "llm_matmul", "vision_matmul", "traffic", "dequant", "optimizer_sweep")
 
@@ -373,6 +378,7 @@ class Setting:
     freeze_merger: bool
     freeze_llm: bool
     head_text_loss_weight: float
+    head_slots: int
     distributed: str
     gpus: int
     device: str = "cuda"  # cpu: fp32, attention through dense masks (models/attention.py's fallbacks)
@@ -388,7 +394,8 @@ class Setting:
                    lora_last_n_layers=cfg.lora_last_n_layers, min_pixels=cfg.min_pixels or facts.min_pixels,
                    max_pixels=cfg.max_pixels or facts.max_pixels, freeze_vision=cfg.freeze_vision,
                    freeze_merger=cfg.freeze_merger, freeze_llm=cfg.freeze_llm,
-                   head_text_loss_weight=cfg.head_text_loss_weight, distributed=cfg.distributed, gpus=gpus, device=device, precision=precision)
+                   head_text_loss_weight=cfg.head_text_loss_weight, head_slots=cfg.head_slots,
+                   distributed=cfg.distributed, gpus=gpus, device=device, precision=precision)
 
     def recomputed(self, layers: int) -> int:
         return layers if self.gradient_checkpointing < 0 else min(self.gradient_checkpointing, layers)
@@ -440,6 +447,10 @@ def counts(shape: Shape, s: Setting, tokens: Tokens) -> dict[str, float]:
         "attention": rows * shape.heads * row * row * value if cpu else 0.0,  # the layer being computed
         "mask": rows * row * row * (1 if s.packing else value) if cpu else 0.0,  # one for all layers: bool or additive
         "attention_kept": rows * shape.heads * row * row * value * (shape.layers - recomputed) if cpu else 0.0,
+        # the box head's cells layout: its MLP's activations, a (samples x image tokens x width)
+        # tensor each, counted (not fitted: the fit's box-head runs had slots, whose are negligible)
+        "head_cells": (s.batch_size * tokens.image * HEAD_WIDTH * value * HEAD_CELL_TENSORS
+                       if s.head == "box" and s.head_slots == 0 else 0.0),
         "optimizer": trained * 4 / shard_state if s.method == "full" else 0.0,
         # time terms: per micro-batch (FLOPs of the matmuls, bytes of the activations' traffic and of
         # QLoRA's dequantisation), per optimizer step (bytes of the optimizer's sweep)
@@ -454,6 +465,7 @@ def counts(shape: Shape, s: Setting, tokens: Tokens) -> dict[str, float]:
 def peak_bytes(c: dict[str, float], coef: dict[str, float]) -> tuple[float, dict[str, float]]:
     """Peak allocated bytes and its parts: the static terms, plus the larger of the activations and
     (full fine-tuning) the optimizer step's own peak."""
+    coef = {**COUNTED, **coef}
     parts = {k: c[k] * coef.get(k, 0.0) for k in (*STATIC, *ACTIVATIONS)}
     activations = sum(parts[k] for k in ACTIVATIONS)
     optimizer = c["optimizer"] * coef["optimizer"]

@@ -162,11 +162,12 @@ A {meta['family']} model fine-tuned for visual grounding (image + phrase -> boun
 groundtune, exported from `{meta['exported_from']}` (base: `{meta['base_model']}`), weights in
 {meta['dtype']}. It answers with a **box head** (`box_head.safetensors`): the language model's
 hidden state at the last token of the prompt, which ends with the opening of a text answer
-(`{meta['prompt_end']}`, `prompt_end` in `groundtune.json`), is the query of K slots, each of which
-attends over the image's tokens and reads a box off its attention map over the image's cells, as
-fractions of the image, and an objectness score, in one forward pass, without generating text.
-A phrase's answer is the boxes of the slots whose score reaches the threshold saved with the head
-(the file's metadata): 0 to K boxes.
+(`{meta['prompt_end']}`, `prompt_end` in `groundtune.json`), is read against the image's tokens:
+each cell of the image's token grid (or each of K learned slots, in a head trained with
+`head_slots` K) gives a candidate box, as fractions of the image, and an objectness score, in
+one forward pass, without generating text. A phrase's answer is the boxes of the candidates whose
+score reaches the threshold saved with the head (the file's metadata), chosen on the run's eval
+set: none, one or several boxes.
 
 ## Evaluation
 
@@ -183,7 +184,7 @@ def _box_head_transformers_section(name: str, example_phrase: str) -> str:
 needs torch, transformers, safetensors and Pillow, no groundtune: it builds the prompt from
 `groundtune.json` (the run's prompt, then `prompt_end`), lets this folder's processor resize the
 image, runs the model once and the head on the last token's state and the image's tokens, keeps the
-slots whose score reaches the threshold, and maps their boxes from fractions of the image to its
+candidates whose score reaches the threshold, and maps their boxes from fractions of the image to its
 pixels. From Python:
 
 ```python
@@ -215,8 +216,8 @@ def _onnx_section(onnx: dict | None, name: str, example_phrase: str) -> str:
 
 `model.onnx`{f" (its weights in `{onnx['weights_file']}` beside it)" if onnx.get('weights_file') else ""} holds the vision tower, the language model and the head in one fp32 graph for
 {onnx['image_size'][0]}x{onnx['image_size'][1]} images (exported for {onnx['exported_for'][0]}x{onnx['exported_for'][1]}: other sizes are stretched
-to it), any batch and phrase length; it gives every slot's box and score. `onnx_predict.py`
-prepares its inputs with numpy, Pillow and `tokenizer.json`, keeps the slots whose score reaches
+to it), any batch and phrase length; it gives every candidate's box and score. `onnx_predict.py`
+prepares its inputs with numpy, Pillow and `tokenizer.json`, keeps the candidates whose score reaches
 the threshold (`onnx` in `groundtune.json`), and maps their boxes back to the caller's pixels:
 
 ```bash

@@ -43,6 +43,12 @@ FREQUENCIES = 4  # Fourier features of a cell's (x, y): sin and cos at pi x 1, 2
 # beside a state of RMS ~1 after the model's final norm, so every slot starts reading the image as
 # the single-box head did, and different enough that the matching tells them apart from step one.
 SLOT_SPREAD = 0.1
+# The cells layout's objectness prior: one of a phrase's ~1 true boxes among a 112-px image's 16 cells
+TYPICAL_CELLS = 16
+# A padding token's logit (a sample of a batch with fewer image tokens than another): its score is
+# 0, below any threshold but 0, and no true box is ever matched to it (finite: a cross-entropy of
+# -inf against 0 is NaN)
+PADDING_LOGIT = -1e4
 # The objectness logit of a head saved before sets (one box, no score): sigmoid(20) is 1.0 in fp32,
 # so its one slot is always kept, as its box always was.
 SURE = 20.0
@@ -64,18 +70,27 @@ class ImageTokens:
 
 
 class BoxHead(torch.nn.Module):
-    """K query slots, each a box and an objectness score, from one query state and the image's
-    tokens. Slot k's query is the query state plus a learned offset (``slots[k]``); each slot
-    attends over the image on its own and its box comes from its own map, corrected by the MLP,
-    whose features also give its objectness logit. Slot 0's offset starts at zero: one slot
-    starts as, and with a zero offset is, the single-box head of before (models/head.py).
-    ``threshold``: an answer keeps the slots whose objectness (the logit's sigmoid) is at least it;
-    saved with the weights (``save_head``), not learned."""
+    """A phrase's boxes and their objectness scores, from one query state and the image's tokens,
+    in one of two layouts (models/head.py says which answers what better):
+
+    - ``slots`` = 0: one candidate per image token (CELLS). Token t's candidate box is its own cell,
+      corrected by an MLP on the query state, the token's state and where its cell lies (a sum,
+      plus their elementwise product: "red" in the query meeting "red" in the cell); its
+      objectness logit is that MLP's, plus the query's attention score on the token.
+    - ``slots`` = K > 0: K query SLOTS. Slot k's query is the query state plus a learned offset
+      (``slots[k]``); each slot attends over the image on its own and its box comes from its own
+      map, corrected by the MLP, whose features also give its objectness logit. Slot 0's offset
+      starts at zero: one slot starts as, and with a zero offset is, the single-box head of before.
+
+    ``threshold``: an answer keeps the candidates whose objectness (the logit's sigmoid) is at
+    least it; saved with the weights (``save_head``), not learned (training chooses it on its eval
+    set, loop.py)."""
 
     def __init__(self, hidden_size: int, slots: int = 1, threshold: float = 0.0, width: int = WIDTH,
                  key_width: int = KEY_WIDTH):
         super().__init__()
         self.threshold = threshold
+        self.per_cell = slots == 0
         self.slots = torch.nn.Parameter(torch.zeros(slots, hidden_size))
         torch.nn.init.normal_(self.slots[1:], std=SLOT_SPREAD)
         self.query = torch.nn.Linear(hidden_size, key_width)
@@ -97,6 +112,14 @@ class BoxHead(torch.nn.Module):
         self.objectness = torch.nn.Linear(width, 1)
         torch.nn.init.zeros_(self.objectness.weight)
         torch.nn.init.constant_(self.objectness.bias, -math.log(max(slots - 1, 1)))
+        if self.per_cell:
+            # where the cell lies, the product of query and token, and a second (residual) layer: what
+            # the cells' MLP reads besides the slots' sum of query and attended states
+            self.cell_where = torch.nn.Linear(2 + 4 * FREQUENCIES, width, bias=False)
+            self.product_query = torch.nn.Linear(hidden_size, width)
+            self.product_image = torch.nn.Linear(hidden_size, width, bias=False)
+            self.second = torch.nn.Linear(width, width)
+            torch.nn.init.constant_(self.objectness.bias, -math.log(TYPICAL_CELLS - 1))
 
     def forward(self, query: torch.Tensor, image: torch.Tensor,
                 tokens: ImageTokens) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +129,8 @@ class BoxHead(torch.nn.Module):
         dtype = self.query.weight.dtype
         query, image, xy, cell = query.to(dtype), image.to(dtype), tokens.xy.to(dtype), tokens.cell.to(dtype)
         keys = self.key(image) + self.where(fourier(xy))  # (image tokens, key width)
+        if self.per_cell:
+            return self._cells(query, image, xy, cell, keys, tokens)
         slots = query[:, None] + self.slots  # (samples, slots, hidden): each slot's query state
         q = self.query(slots)
         scores = torch.einsum("nsk,ntk->nst", q, keys[tokens.index]) / q.shape[-1] ** 0.5
@@ -117,6 +142,22 @@ class BoxHead(torch.nn.Module):
         cx, cy = (centre + correction[..., :2]).unbind(-1)
         w, h = (size * torch.exp(correction[..., 2:])).unbind(-1)
         return torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], dim=-1), self.objectness(features)[..., 0]
+
+    def _cells(self, query: torch.Tensor, image: torch.Tensor, xy: torch.Tensor, cell: torch.Tensor,
+               keys: torch.Tensor, tokens: ImageTokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CELLS layout's (samples, most tokens, 4) boxes and logits: one candidate per image
+        token of each sample, a padding token's logit at ``PADDING_LOGIT`` (never kept, never
+        matched)."""
+        per_token = self.from_image(image) + self.cell_where(fourier(xy))  # (image tokens, width): once each
+        features = F.gelu(self.from_query(query)[:, None] + per_token[tokens.index]
+                          + self.product_query(query)[:, None] * self.product_image(image)[tokens.index])
+        features = features + F.gelu(self.second(features))
+        correction = self.out(features)
+        cx, cy = (xy[tokens.index] + correction[..., :2]).unbind(-1)
+        w, h = (cell[tokens.index] * torch.exp(correction[..., 2:])).unbind(-1)
+        score = torch.einsum("nk,ntk->nt", self.query(query), keys[tokens.index]) / keys.shape[-1] ** 0.5
+        logits = (self.objectness(features)[..., 0] + score).masked_fill(~tokens.mask, PADDING_LOGIT)
+        return torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], dim=-1), logits
 
 
 def map_box(p: torch.Tensor, xy: torch.Tensor, cell: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,23 +19,40 @@ against the text head's 0.655. The map reaches 0.725-0.75 in the same steps and 
 (docs/benchmarks-history.md, "A box head that looks at the image"). The map puts the box where the image is,
 cell by cell, so the head need not learn coordinates from nothing.
 
-A phrase names a SET: 0, 1 or several boxes. The head has K query slots (``head_slots``), DETR's
-answer: slot k's query is the query state plus a learned offset, each slot makes its own map,
-box and objectness score (the MLP's features, one more output). Slot 0's offset starts at zero and
-the others near it (``box_head.SLOT_SPREAD``), so one slot IS the single-box head, and K slots
-start as K near-copies of it that the matching pulls apart. Why offsets on the query state rather
-than K queries of their own: every slot keeps reading the phrase and the image through the
-state the single-box head was measured on; an offset only moves where in the image it looks.
+A phrase names a SET: 0, 1 or several boxes, so the head answers candidates, each a box and an
+objectness score, in one of two layouts (``head_slots``).
 
-Training matches slots to true boxes one-to-one with the Hungarian algorithm (``set_loss``). The
-cost of giving true box j to slot k is exactly what that changes in the loss: the pair's
-1 - GIoU + ``head_l1_weight`` x L1, plus the slot's objectness loss as "object" minus as "no
-object" (-logit for binary cross-entropy). The matching therefore minimises the loss itself over
-every assignment (DETR's cost has the same three terms, weighted on their own). Loss per sample:
-the matched pairs' box losses + binary cross-entropy of every slot's objectness (matched: 1,
-others: 0), as fractions of the image (``boxes.to_unit``). A no-target phrase trains every slot
-towards 0; a single-target one trains one slot's box. An answer keeps the slots whose score
-(sigmoid) is at least ``head_threshold`` (saved with the head), boxes in reading order.
+CELLS (``head_slots`` 0; quickstart-every's): one candidate per image token. Token t's candidate
+box is its own cell, corrected by an MLP on the query state, the token's state, where the cell lies
+and the product of query and token projections (the phrase's "red circle" meeting the cell's); its
+objectness is that MLP's logit plus the query's attention score on the token. Why: a cell owns its
+region, so no two candidates start alike, and the matching pairs each true box with the cells under
+it from the first step. The slots below, which do not see one another, never learned to split a set
+between them: `groundtune train quickstart-every head=box` from tiny 2's first model gave F1@0.5
+0.085 with 8 slots, 0.38-0.45 with cells, against the text answer's 0.507 (docs/box-head.md). A
+phrase's boxes are those of the cells whose score reaches the threshold; a padding token (a batch's
+smaller image) never answers.
+
+SLOTS (``head_slots`` K > 0, the default, 8): K query slots, DETR's answer, and the better boxes
+where a phrase names one thing (a cell's box is its cell moved and resized, a slot's is read off an
+attention map over every cell: on the quickstart's variant, Acc@0.5 0.685 against 0.495): slot k's
+query is the query state plus a learned offset, each slot makes its own map, box and objectness
+score (the MLP's features, one more output). Slot 0's offset starts at zero and the others near it
+(``box_head.SLOT_SPREAD``), so one slot IS the single-box head, and K slots start as K near-copies
+of it that the matching pulls apart. Why offsets on the query state rather than K queries of their
+own: every slot keeps reading the phrase and the image through the state the single-box head was
+measured on; an offset only moves where in the image it looks.
+
+Training matches candidates (cells or slots) to true boxes one-to-one with the Hungarian algorithm
+(``set_loss``). The cost of giving true box j to candidate k is exactly what that changes in the
+loss: the pair's 1 - GIoU + ``head_l1_weight`` x L1, plus the candidate's objectness loss as
+"object" minus as "no object" (-logit for binary cross-entropy). The matching therefore minimises
+the loss itself over every assignment (DETR's cost has the same three terms, weighted on their
+own). Loss per sample: the matched pairs' box losses + binary cross-entropy of every candidate's
+objectness (matched: 1, others: 0), as fractions of the image (``boxes.to_unit``). A no-target
+phrase trains every candidate towards 0; a single-target one trains one candidate's box. An answer
+keeps the candidates whose score (sigmoid) is at least the head's threshold (saved with the head; a
+run with eval data chooses it there, the one of best F1@0.5), boxes in reading order.
 
 The head is a submodule of the model it reads (``model.box_head``): it trains, is checkpointed,
 sharded and all-reduced with the model's trainable weights without any code of its own, and it
@@ -201,8 +218,9 @@ def set_loss(predicted: torch.Tensor, logits: torch.Tensor, targets: torch.Tenso
     slots = predicted.shape[1]
     most = int(counts.max()) if len(counts) else 0
     if most > slots:
-        raise TrainingError(f"a phrase has {most} true boxes and the box head {slots} slots, one box each: "
-                            f"train with head_slots={most} or more")
+        raise TrainingError(f"a phrase has {most} true boxes and the box head {slots} candidates, one box each: "
+                            f"train with head_slots={most} or more, or head_slots=0 (a candidate per image cell) "
+                            "on images of more cells")
     logits = logits.float()
     pairs = box_loss(predicted.float()[:, :, None], targets.float()[:, None], l1_weight)  # (samples, slots, boxes)
     is_object = F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits), reduction="none")

@@ -35,7 +35,7 @@ from groundtune.data.samples import SYNTH_PREFIX, FileSamples, SyntheticStream, 
 from groundtune.errors import ConfigError, DataError, MissingError, RankLostError, RunExistsError, TrainingError
 from groundtune.files import not_an_input
 from groundtune.infer import Decoding
-from groundtune.models import adapt
+from groundtune.models import adapt, head
 from groundtune.models.loading import GroundingModel, pick_device, resolve
 from groundtune.runs import RunFolder
 from groundtune.train import checkpoint as ckpt
@@ -360,10 +360,14 @@ class Loop:
         """Greedy eval on the fixed subset of eval_data; a new best (by ``evaluate.headline``:
         Acc@0.5, or F1@0.5 / set_acc@0.5 on an eval set where Acc@0.5 counts nothing) is saved as
         the run's model. With several ranks, each answers its share and rank 0 scores them all
-        (the others get {})."""
+        (the others get {}). A box head's threshold is chosen here: the one of best F1@0.5 on this
+        eval set (``evaluate.best_threshold``), which its answers are scored at and the head keeps."""
         from groundtune import evaluate, infer
 
         step, cfg, ranks = self.state["step"], self.cfg, self.ranks
+        box_head = head.head_of(self.gm.model)
+        if box_head is not None:  # every box any threshold could keep: the threshold is chosen below
+            box_head.threshold = evaluate.THRESHOLD_CHOICES[0]
         with self.parallel.gathered():  # sharded weights gathered once for the whole eval
             mine = infer.predict_records(self.gm, self.eval_samples[ranks.rank :: ranks.world], cfg.eval_data,
                                          cfg.eval_batch_size, cfg.eval_max_new_tokens)
@@ -372,6 +376,10 @@ class Loop:
         for rank, share in enumerate(shares or []):
             predictions[rank :: ranks.world] = share
         metrics, saved = {}, None
+        if box_head is not None:  # the threshold of best F1@0.5 here, saved with the head
+            chosen = evaluate.best_threshold(predictions, self.eval_samples) if ranks.main else None
+            box_head.threshold = distributed.share(chosen, ranks)
+            predictions = [pred.above(box_head.threshold) for pred in predictions] if ranks.main else predictions
         if ranks.main:
             report, rows = evaluate.evaluate(self.gm, self.eval_samples, cfg.eval_data,
                                              batch_size=cfg.eval_batch_size, progress=False,
@@ -379,7 +387,8 @@ class Loop:
             # None where the eval set has nothing to count (acc and mIoU on a set of no-target samples)
             metrics = {k: report[k] for k in EVAL_LOGGED}
             best_by, value = evaluate.headline(report)
-            self.log.log(step, {**{f"eval/{k}": v for k, v in metrics.items()}, "eval/best_by": best_by})
+            chosen = {"eval/head_threshold": box_head.threshold} if box_head is not None else {}
+            self.log.log(step, {**{f"eval/{k}": v for k, v in metrics.items()}, "eval/best_by": best_by, **chosen})
             self.log.report(step, report, rows)
             shown = " ".join(f"{label} {metrics[k]:.3f}" for k, label in EVAL_SHOWN.items() if metrics[k] is not None)
             why = "" if best_by == "acc@0.5" else f" (Acc@0.5 counts no sample here: the best is kept by {best_by})"
