@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from groundtune.runs import RunFolder
+
 sys.path.insert(0, str(Path(__file__).parent))
 from provenance import stamped  # noqa: E402
 
@@ -24,9 +26,9 @@ SETTINGS = ("model", "train_data", "eval_data", "method", "head", "head_slots", 
             "batch_size", "seed", "group_size", "temperature", "kl_coef")  # what one comparison's runs differ by
 
 
-def summary(run: Path) -> dict:
-    config = yaml.safe_load((run / "config.yaml").read_text())
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+def summary(run: RunFolder) -> dict:
+    config = yaml.safe_load(run.config.read_text())
+    rows = [json.loads(line) for line in run.metrics.read_text().splitlines() if line.strip()]
     evals = [{k: v for k, v in r.items() if k == "step" or (k.startswith("eval/") and k != "eval/decoding")}
              for r in rows if any(k.startswith("eval/") and k != "eval/decoding" for k in r)]
     timed = [r["time"] for r in rows if "time" in r]
@@ -40,7 +42,7 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", help="run folders")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    result = {run: summary(Path(run)) for run in args.runs}
+    result = {run: summary(RunFolder(run)) for run in args.runs}
     Path(args.out).write_text(json.dumps(stamped(result), indent=1) + "\n")
     for run, row in result.items():
         last = row["evals"][-1] if row["evals"] else {}

@@ -138,14 +138,20 @@ class Prediction:
                 "boxes": [rounded(box) for box in self.boxes], "no_target": self.no_target,
                 "label": self.label, "raw": self.raw, "error": self.error}
 
+    @classmethod
+    def scored(cls, found: list[list[float]], scores: list[float], label: str | None = None,
+               error: str | None = None) -> Prediction:
+        """A box head's answer: ``found`` boxes with their ``scores``; none (and no error) is a
+        no-target answer."""
+        return cls(bbox=found[0] if found else None, boxes=found, label=label,
+                   raw=json.dumps({"boxes": found, "scores": scores}), error=error,
+                   no_target=not found and error is None, scores=scores)
+
     def above(self, threshold: float) -> Prediction:
         """A box head's answer as it would be at a higher ``threshold``: the boxes scored at least
         it, in the same order; none left is a no-target answer."""
         kept = [(box, score) for box, score in zip(self.boxes, self.scores or ()) if score >= threshold]
-        found, found_scores = [box for box, _ in kept], [score for _, score in kept]
-        return Prediction(bbox=found[0] if found else None, boxes=found, label=self.label,
-                          raw=json.dumps({"boxes": found, "scores": found_scores}), error=self.error,
-                          no_target=not found and self.error is None, scores=found_scores)
+        return Prediction.scored([box for box, _ in kept], [score for _, score in kept], self.label, self.error)
 
 
 def read_answer(
@@ -547,10 +553,7 @@ def head_answer(units: list[list[float]], scores: list[float], threshold: float,
     kept = [[*boxes.clip_box(boxes.from_unit(unit, size), size), score]
             for unit, score in zip(units, scores) if score >= threshold]
     kept = boxes.reading_order(kept)  # by each box's centre: the score rides along as a fifth number
-    found, found_scores = [k[:4] for k in kept], [k[4] for k in kept]
-    return Prediction(bbox=found[0] if found else None, boxes=found, label=None,
-                      raw=json.dumps({"boxes": found, "scores": found_scores}), error=None,
-                      no_target=not found, scores=found_scores)
+    return Prediction.scored([k[:4] for k in kept], [k[4] for k in kept])
 
 
 def plain_generate(gm, encoded: list[dict], decoding: Decoding, num_samples: int = 1) -> list[list[int]]:

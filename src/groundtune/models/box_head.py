@@ -106,12 +106,13 @@ class BoxHead(torch.nn.Module):
         torch.nn.init.zeros_(self.out.weight)
         torch.nn.init.zeros_(self.out.bias)
         # Weight zero: the box features get no gradient from it before it has learned anything.
-        # Bias: every slot starts at the prior that it holds one of a phrase's ~1 true boxes,
-        # 1/slots (RetinaNet's prior), under any threshold of 0.5: at 0 (a score of 0.5) every slot
-        # of an untrained head answers, and the first steps go to pushing 7 of 8 slots down.
+        # Bias: every candidate starts at the prior that it holds one of a phrase's ~1 true boxes,
+        # 1/candidates (RetinaNet's prior), under any threshold of 0.5: at 0 (a score of 0.5) every
+        # slot of an untrained head answers, and the first steps go to pushing 7 of 8 slots down.
         self.objectness = torch.nn.Linear(width, 1)
         torch.nn.init.zeros_(self.objectness.weight)
-        torch.nn.init.constant_(self.objectness.bias, -math.log(max(slots - 1, 1)))
+        candidates = slots or TYPICAL_CELLS
+        torch.nn.init.constant_(self.objectness.bias, -math.log(max(candidates - 1, 1)))
         if self.per_cell:
             # where the cell lies, the product of query and token, and a second (residual) layer: what
             # the cells' MLP reads besides the slots' sum of query and attended states
@@ -119,7 +120,6 @@ class BoxHead(torch.nn.Module):
             self.product_query = torch.nn.Linear(hidden_size, width)
             self.product_image = torch.nn.Linear(hidden_size, width, bias=False)
             self.second = torch.nn.Linear(width, width)
-            torch.nn.init.constant_(self.objectness.bias, -math.log(TYPICAL_CELLS - 1))
 
     def forward(self, query: torch.Tensor, image: torch.Tensor,
                 tokens: ImageTokens) -> tuple[torch.Tensor, torch.Tensor]:
