@@ -42,6 +42,10 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", help="run folders")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    for run in args.runs:
+        folder = RunFolder(run)
+        if not folder.config.is_file() or not folder.metrics.is_file():
+            parser.error(f"{run}: not a run folder (no {folder.config.name} and {folder.metrics.name})")
     result = {run: summary(RunFolder(run)) for run in args.runs}
     Path(args.out).write_text(json.dumps(stamped(result), indent=1) + "\n")
     for run, row in result.items():
