@@ -97,9 +97,9 @@ async def load(url: str, bodies: list[dict], requests: int, concurrency: int, ap
         after = _metrics((await client.get(url + "/metrics", headers=headers)).text)
     delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
 
-    def mean(name: str, scale: float = 1.0) -> float | None:  # over this load alone
-        count = delta.get(f"groundtune_{name}_count", 0)
-        return round(delta[f"groundtune_{name}_sum"] / count * scale, 2) if count else None
+    def mean(name: str, scale: float = 1.0, labels: str = "") -> float | None:  # over this load alone
+        count = delta.get(f"groundtune_{name}_count{labels}", 0)
+        return round(delta[f"groundtune_{name}_sum{labels}"] / count * scale, 2) if count else None
 
     latencies.sort()
     return {"requests": requests, "concurrency": concurrency, "seconds": round(seconds, 2),
@@ -111,13 +111,16 @@ async def load(url: str, bodies: list[dict], requests: int, concurrency: int, ap
             # where a request's time went on the server (from its own metrics)
             "model_busy": round(delta.get("groundtune_batch_seconds_sum", 0) / seconds, 3),
             "mean_batch_ms": mean("batch_seconds", 1000), "mean_encode_ms": mean("encode_seconds", 1000),
-            "mean_queue_ms": mean("queue_seconds", 1000)}
+            "mean_queue_ms": mean("queue_seconds", 1000),
+            # the server's own time on a request (the rest of the client's latency: HTTP and the client)
+            "mean_server_ms": mean("request_seconds", 1000, '{endpoint="/v1/ground"}'),
+            "mean_latency_ms": round(statistics.mean(latencies) * 1000, 1)}
 
 
 def _metrics(text: str) -> dict[str, float]:
-    """The server's /metrics: the unlabelled samples (histogram sums and counts), by name."""
-    return {line.split()[0]: float(line.split()[-1]) for line in text.splitlines()
-            if line and not line.startswith("#") and "{" not in line}
+    """The server's /metrics: the samples by name (a labelled one by its name and labels, as written)."""
+    return {line.rsplit(" ", 1)[0]: float(line.split()[-1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
 
 
 def main() -> None:
@@ -176,14 +179,14 @@ def main() -> None:
                     process.terminate()
                     process.wait(timeout=30)
     print(f"\n{'variant':16s}{'in flight':>10s}{'req/s':>8s}{'p50 ms':>9s}{'p99 ms':>9s}{'errors':>8s}{'batch':>7s}"
-          f"{'busy':>6s}{'encode ms':>10s}{'queue ms':>9s}{'batch ms':>9s}")
+          f"{'busy':>6s}{'encode ms':>10s}{'queue ms':>9s}{'batch ms':>9s}{'server ms':>10s}")
     for r in results:
         if r["variant"] == "groundtune eval":
             print(f"{r['variant']:16s}{'':10s}{r['samples_per_s']:8.2f}   (samples/s, batch {r['batch_size']})")
             continue
         print(f"{r['variant']:16s}{r['concurrency']:10d}{r['requests_per_s']:8.2f}{r['p50_ms']:9.1f}{r['p99_ms']:9.1f}"
               f"{r['errors']:8d}{r['mean_batch'] or 0:7.2f}{r['model_busy']:6.2f}{r['mean_encode_ms'] or 0:10.1f}"
-              f"{r['mean_queue_ms'] or 0:9.1f}{r['mean_batch_ms'] or 0:9.1f}")
+              f"{r['mean_queue_ms'] or 0:9.1f}{r['mean_batch_ms'] or 0:9.1f}{r.get('mean_server_ms') or 0:10.1f}")
     batched = [r for r in results if r["variant"] == "batched"]
     alone = next((r for r in results if r["variant"] == "one at a time"), None)
     evaluated = next((r for r in results if r["variant"] == "groundtune eval"), None)

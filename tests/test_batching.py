@@ -9,6 +9,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from groundtune.deploy.batching import _batches, _to_wire
@@ -69,16 +70,28 @@ def test_a_full_batch_goes_at_once_and_the_inbox_end_ends_the_batches():
     assert next(batches, None) is None
 
 
-def test_a_request_s_pixels_cross_to_the_model_once_and_every_phrase_gets_them():
+@pytest.mark.parametrize("through", ["pipe", "shared memory"])
+def test_a_request_s_pixels_cross_to_the_model_once_and_every_phrase_gets_them(through, monkeypatch):
     """The encoding side sends an image's pixels with its first phrase only (a 3B image is ~20 MB,
     copied through the queue once per phrase before); the model's side puts them back in every
-    phrase's prompt and forgets them after the last."""
+    phrase's prompt and forgets them after the last. Large tensors (all, here) cross in a
+    shared-memory block, which the model's side removes as it takes them."""
     import io
     import pickle
+    from multiprocessing import shared_memory
 
     from groundtune import infer
     from groundtune.data import synth
-    from groundtune.deploy.batching import _encode_and_send, _from_wire, _with_pixels
+    from groundtune.deploy import batching
+    from groundtune.deploy.batching import (
+        _encode_and_send,
+        _from_wire,
+        _received,
+        _with_pixels,
+    )
+
+    if through == "shared memory":
+        monkeypatch.setattr(batching, "SHARED_FROM_BYTES", 0)
     from groundtune.deploy.limits import Limits
     from groundtune.deploy.reading import Encoder
 
@@ -92,13 +105,40 @@ def test_a_request_s_pixels_cross_to_the_model_once_and_every_phrase_gets_them()
     sent = [inbox.get_nowait() for _ in phrases]
     sizes = [len(pickle.dumps(item)) for item in sent]
     assert sent[0][1]["pixel_values"] is not None and all(item[1]["pixel_values"] is None for item in sent[1:])
-    assert max(sizes[1:]) < sizes[0] / 2  # the followers carry no pixels
+    if through == "pipe":
+        assert max(sizes[1:]) < sizes[0] / 2  # the followers carry no pixels
+
+    blocks = [v[1].name for item in sent for v in item[1].values() if v is not None and isinstance(v[1], batching._Shared)]
+    assert len(blocks) == (0 if through == "pipe" else len(sent[0][1]) + 2 * (len(sent[1][1]) - 1))
+    if through == "shared memory":
+        assert max(sizes) < 2000  # the pixels left the pipe
 
     kept: dict = {}
-    received = [_with_pixels(item, kept) for item in sent]
+    received = [_with_pixels(_received(item), kept) for item in sent]
     assert not kept  # the last phrase took them
+    for name in blocks:  # taken, and gone from the system
+        with pytest.raises(FileNotFoundError):
+            shared_memory.SharedMemory(name=name)
     alone = [infer.PromptEncoder(gm).many(image, [phrase], "the image")[0][0] for phrase in phrases]
     for item, expected in zip(received, alone):
         encoded = _from_wire(item[1])
         assert torch.equal(encoded["pixel_values"], expected["pixel_values"])
         assert torch.equal(encoded["input_ids"], expected["input_ids"])
+
+
+def test_with_no_room_in_shared_memory_the_pixels_take_the_pipe(monkeypatch):
+    """A write past a full /dev/shm (64 MB in many containers) would kill the encoding process with
+    SIGBUS: without room for twice the block and a margin, the array goes through the pipe."""
+    import os
+
+    import numpy as np
+
+    from groundtune.deploy import batching
+
+    array = np.arange(300_000, dtype=np.int16)
+    full = os.statvfs_result((4096, 4096, 1000, 10, 10, 100, 10, 10, 0, 255))
+    monkeypatch.setattr(batching.os, "statvfs", lambda path: full)
+    assert batching._Shared.put(array) is None
+    monkeypatch.undo()
+    shared = batching._Shared.put(array)
+    assert shared is not None and np.array_equal(shared.take(), array)

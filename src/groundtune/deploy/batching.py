@@ -24,11 +24,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Iterator
 from typing import NamedTuple
 
+import numpy as np
 from PIL import Image
 
 from groundtune.progress import quiet_libraries
@@ -59,16 +61,82 @@ def prepare_decoding() -> None:
 # The encoding workers: each request's prompts, made as it arrives, into the model's inbox
 
 
+# A tensor this large (an image's pixels) crosses to the model's process through a shared-memory
+# block; smaller ones (token ids, grids) go through the queue's pipe with the rest of the item.
+SHARED_FROM_BYTES = 1 << 20
+SHARED_MEMORY = "/dev/shm"  # where Linux keeps those blocks (a container's is often 64 MB)
+
+
+class _Shared(NamedTuple):
+    """An array the encoding side left in a shared-memory block, for the model's process to take.
+
+    Through the pipe, a 3B image's ~4 MB of pixels was read in 64 KB pieces by a thread of the
+    model's process, each piece waiting for the interpreter while the model's own thread held it:
+    served requests stalled there at ~40 a second with the GPU free for more (eval's loader hands
+    its tensors over in shared memory). A block is taken (copied out and removed) as soon as the
+    model's process reads the item; one left by a process that died goes with the server (the
+    blocks are registered with multiprocessing's resource tracker, which removes what is left)."""
+
+    name: str
+    shape: tuple
+    dtype: str
+
+    @classmethod
+    def put(cls, array: np.ndarray) -> _Shared | None:
+        """``array`` copied into a new block; None where the system has no room for it (the pipe
+        carries it then: a write past a full /dev/shm would kill the process with SIGBUS)."""
+        from multiprocessing import shared_memory
+
+        try:
+            free = os.statvfs(SHARED_MEMORY)
+            if free.f_bavail * free.f_frsize < 2 * array.nbytes + (64 << 20):
+                return None
+        except OSError:  # no such folder (macOS keeps them elsewhere): try
+            pass
+        try:
+            block = shared_memory.SharedMemory(create=True, size=array.nbytes)
+        except OSError:
+            return None
+        view = np.ndarray(array.shape, array.dtype, block.buf)
+        view[...] = array
+        del view  # the block cannot be closed while a view of it lives
+        block.close()
+        return cls(block.name, array.shape, array.dtype.str)
+
+    def take(self) -> np.ndarray:
+        from multiprocessing import shared_memory
+
+        block = shared_memory.SharedMemory(name=self.name)
+        try:
+            view = np.ndarray(self.shape, np.dtype(self.dtype), block.buf)
+            array = view.copy()
+            del view
+        finally:
+            block.close()
+            block.unlink()
+        return array
+
+
 def _to_wire(encoded: dict) -> dict:
-    """An encoded prompt's tensors as numpy arrays, which a queue carries in its own bytes: torch
-    would hand each tensor over as a shared-memory file descriptor, one per tensor in flight."""
+    """An encoded prompt's tensors as numpy arrays, the large ones in shared memory (``_Shared``).
+    Not torch's own sharing: it hands each tensor over as a file descriptor, one open per tensor
+    in flight."""
     import torch
 
     def wire(tensor: torch.Tensor):  # numpy has no bfloat16: its bits, as int16
         bf16 = tensor.dtype == torch.bfloat16
-        return bf16, (tensor.view(torch.int16) if bf16 else tensor).numpy()
+        array = (tensor.view(torch.int16) if bf16 else tensor).numpy()
+        shared = _Shared.put(array) if array.nbytes >= SHARED_FROM_BYTES else None
+        return bf16, shared if shared is not None else array
 
     return {k: wire(v) for k, v in encoded.items()}
+
+
+def _received(item: tuple) -> tuple:
+    """An inbox item with its shared-memory blocks taken, as soon as the model's process reads it."""
+    key, wire, *rest = item
+    taken = {k: v if v is None or not isinstance(v[1], _Shared) else (v[0], v[1].take()) for k, v in wire.items()}
+    return (key, taken, *rest)
 
 
 def _from_wire(encoded: dict) -> dict:
@@ -207,7 +275,7 @@ def _model_process(model: str, device: str, limits, max_new_tokens: int, compile
     def read_inbox() -> None:  # (its items unpickled) on a thread of its own, while the model works
         kept: dict = {}  # the pixels of requests some of whose phrases are still to come
         for item in iter(inbox.get, None):
-            waiting.put(_with_pixels(item, kept))
+            waiting.put(_with_pixels(_received(item), kept))
         waiting.put(None)
 
     threading.Thread(target=read_inbox, daemon=True).start()
