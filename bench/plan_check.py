@@ -146,6 +146,8 @@ def cuda_context_gib() -> float | None:
 def run_config(key: str, settings: dict, steps: int, data: Path, weights: dict, cap_gib: float | None = None) -> dict:
     """``steps`` steps of ``groundtune train`` with ``settings`` over BASE; a failure is a row too."""
     from groundtune.config import TrainConfig
+    from groundtune.models import kernels
+    from groundtune.models.adapt import base_model
     from groundtune.train.sft import train
 
     cuda = torch.cuda.is_available()
@@ -165,6 +167,8 @@ def run_config(key: str, settings: dict, steps: int, data: Path, weights: dict, 
                           min_lr_ratio=1.0, max_steps=steps + 1, log_every=1, save_every=0, report_to=[])
 
         def on_step(step, run, trained):
+            # whether the answers' loss went through the fused kernel (plan counts its memory apart)
+            row["fused_loss"] = bool(kernels.FUSED_LOSS and getattr(base_model(trained), "_groundtune_fused_loss", False))
             if step == steps:
                 raise _Done
 
