@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -238,7 +239,6 @@ def data_stats(data: Path, max_pixels: int, n: int = 256) -> dict:
     from groundtune.data.samples import open_samples
     from groundtune.train.batches import GroundingDataset
     from groundtune.boxes import ResizeSpec
-    import dataclasses
 
     gm = load_model("tiny", device="cpu")
     family = qwen.family(gm.family)
@@ -274,7 +274,7 @@ def measure(args) -> None:
 # ---------------------------------------------------------------------------------------------
 # fit: the planner's coefficients from measured rows
 
-FITTED_MEMORY = ("fixed", "boundaries", "layer", "logits", "vision")  # the rest are exact byte counts
+FITTED_MEMORY = ("fixed", "boundaries", "layer", "logits", "fused_logits", "vision")  # the rest are exact byte counts
 EXACT = {"weights": 1.0, "trained": 1.0}
 
 
@@ -304,9 +304,25 @@ def row_counts(row: dict, model_file: dict, sizes) -> tuple:
     shape = plan.shape_of(MODELS[row["model"]])
     cfg = TrainConfig(**{k: v for k, v in row["settings"].items() if k != "precision"}, train_data="synth:full")
     setting = plan.Setting.of(cfg, shape.family, device="cpu" if row["model"] == "tiny" else "cuda")
+    setting = dataclasses.replace(setting, fused_loss=had_fused_loss(row, setting))
     tokens = plan.data_tokens(sizes, [1] * len(sizes), shape.family, setting.min_pixels, setting.max_pixels,
                               model_file, "the bench's samples")
     return shape, setting, tokens, plan.counts(shape, setting, tokens)
+
+
+# The answers' loss went through liger-kernel's fused kernel from this commit on (c1b15a9): rows
+# measured before it say nothing of it and had the plain loss
+FUSED_LOSS_LANDED = "2026-12-03T12:01:39+00:00"
+
+
+def had_fused_loss(row: dict, setting) -> bool:
+    """Whether a measured row's loss was fused: as the row says (measure records it), else as plan
+    would say for its settings today, if it was measured after the fused loss landed."""
+    if "fused_loss" in row:
+        return bool(row["fused_loss"])
+    measured = row.get("provenance", {}).get("date", "")
+    return measured >= FUSED_LOSS_LANDED and row["model"] != "tiny" and setting.head == "text" \
+        and row["settings"].get("kernels", "none") != "none"
 
 
 def _nonnegative_least_squares(a, b):
@@ -350,8 +366,11 @@ def fit(measured: list[dict], with_time: bool = True) -> tuple[dict, list[dict]]
     a = np.array([[c[k] for k in FITTED_MEMORY] for _, c in adapters])
     y = np.array([r["peak_gib"] * plan.GIB - sum(c[k] * v for k, v in EXACT.items()) for r, c in adapters])
     w = 1 / np.array([r["peak_gib"] * plan.GIB for r, _ in adapters])  # relative error
-    x = _nonnegative_least_squares(a * w[:, None], y * w)
-    model_file["memory"].update({k: float(v) for k, v in zip(FITTED_MEMORY, x)})
+    fitted = [k for k in FITTED_MEMORY if a[:, FITTED_MEMORY.index(k)].any()]  # a term no row has stays 0
+    x = _nonnegative_least_squares((a * w[:, None])[:, [FITTED_MEMORY.index(k) for k in fitted]], y * w)
+    model_file["memory"].update({k: float(v) for k, v in zip(fitted, x)})
+    if "fused_logits" not in fitted:  # no fitted run had the fused loss: it holds no more than the plain one
+        model_file["memory"]["fused_logits"] = model_file["memory"]["logits"]
     # full fine-tuning: the optimizer step's own peak, the largest any full run showed
     for r, (_, s, _, c) in gpu_fitted:
         if s.method == "full":

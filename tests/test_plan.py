@@ -200,6 +200,30 @@ def test_the_box_heads_cells_are_counted_in_its_memory():
     counted = (cells.setting.batch_size * cells.tokens.image * plan.HEAD_WIDTH * 2 * plan.HEAD_CELL_TENSORS
                / plan.GIB)
     assert cells.peak_gib - slots.peak_gib == pytest.approx(counted, rel=1e-6) and counted > 0.05
+    assert "box head's cells" in plan.render(plan.plan_run(
+        _cfg("qwen2.5-vl-3b-lora-24gb", "head=box", "head_slots=0"), plan.card("rtx4090")))  # each part named
+
+
+def test_the_fused_loss_is_planned_where_training_uses_it():
+    """liger-kernel's fused loss (kernels=liger, or auto where it is installed; text answers, the
+    token mean, an LM head not sharded) holds the answers' logits a chunk at a time: its memory is
+    its own term, fitted from runs that had it, and the plain loss's elsewhere."""
+    import importlib.util
+
+    def setting(*overrides, device="cuda"):
+        return plan.Setting.of(_cfg("qwen2.5-vl-3b-lora-24gb", *overrides), "qwen2.5-vl", device=device)
+
+    assert setting("kernels=liger").fused_loss
+    assert not setting("kernels=none").fused_loss
+    assert not setting("kernels=liger", device="cpu").fused_loss
+    assert not setting("kernels=liger", "loss_per=sample").fused_loss
+    assert not setting("kernels=liger", "head=box").fused_loss
+    assert not setting("kernels=liger", "distributed=fsdp2").fused_loss
+    assert setting("kernels=auto").fused_loss == (importlib.util.find_spec("liger_kernel") is not None)
+    shape = plan.shape_of("random:qwen2.5-vl-3b")
+    tokens = plan.Tokens(mean=400.0, std=0.0, largest=400.0, image=300.0, answer=50.0, source="test")
+    fused, plain = (plan.counts(shape, setting(f"kernels={k}"), tokens) for k in ("liger", "none"))
+    assert fused["logits"] == 0 and fused["fused_logits"] == plain["logits"] > 0 and plain["fused_logits"] == 0
 
 
 def test_data_image_sizes_and_boxes_change_the_plan(tmp_path):

@@ -16,6 +16,8 @@ computes times a coefficient fitted from measured steps:
     layer        a decoder layer's full activations (tokens x (7 hidden + 3 intermediate)), for every layer
                  kept and the one being recomputed
     logits       the LM head's scores on the answer tokens (answer tokens x vocabulary)
+    fused_logits the same count where liger-kernel's fused loss makes them a chunk at a time
+                 (``fused_loss``): fitted apart, from runs that had it
     vision       the frozen vision tower's pass (patches x its width)
     optimizer    full fine-tuning: the optimizer step's own peak once activations are gone (the larger of
                  it and the activations counts)
@@ -32,6 +34,7 @@ dequantisation and the optimizer's sweep by the ratio of bandwidths, the per-ste
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import statistics
@@ -60,7 +63,8 @@ PLAN_TRAIN_DATA = "synth:full"
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 PEAK_BATCH_SIGMAS = 3.0  # a batch's tokens: its mean plus three standard deviations (the largest of ~1000 batches)
 STATIC = ("weights", "trained", "fixed", "fixed_cpu")  # held for the whole step
-ACTIVATIONS = ("boundaries", "layer", "logits", "vision", "attention", "attention_kept", "mask", "head_cells")
+ACTIVATIONS = ("boundaries", "layer", "logits", "fused_logits", "vision", "attention", "attention_kept", "mask",
+               "head_cells")
 COUNTED = {"head_cells": 1.0}  # activation terms in bytes as counted, with no fitted coefficient
 # the box head's cells layout keeps ~10 (samples x image tokens x width) tensors for its backward:
 # the gathered token projections, the product's two factors, the sums before and after each GELU
@@ -383,6 +387,7 @@ class Setting:
     gpus: int
     device: str = "cuda"  # cpu: fp32, attention through dense masks (models/attention.py's fallbacks)
     precision: str = "bf16"
+    fused_loss: bool = False  # the answers' loss through liger-kernel's fused kernel (``fused_loss``)
 
     @classmethod
     def of(cls, cfg: TrainConfig, family: str, gpus: int = 1, device: str = "cuda") -> "Setting":
@@ -395,10 +400,23 @@ class Setting:
                    max_pixels=cfg.max_pixels or facts.max_pixels, freeze_vision=cfg.freeze_vision,
                    freeze_merger=cfg.freeze_merger, freeze_llm=cfg.freeze_llm,
                    head_text_loss_weight=cfg.head_text_loss_weight, head_slots=cfg.head_slots,
-                   distributed=cfg.distributed, gpus=gpus, device=device, precision=precision)
+                   distributed=cfg.distributed, gpus=gpus, device=device, precision=precision,
+                   fused_loss=fused_loss(cfg, device))
 
     def recomputed(self, layers: int) -> int:
         return layers if self.gradient_checkpointing < 0 else min(self.gradient_checkpointing, layers)
+
+
+def fused_loss(cfg: TrainConfig, device: str) -> bool:
+    """Whether training scores the answers through liger-kernel's fused linear cross-entropy
+    (models/kernels.py ``fused_answer_nll``): text answers on a GPU with kernels=liger, or auto
+    where liger-kernel is installed; the token mean (weighted answers take the plain loss); an LM
+    head that FSDP2 or ZeRO-3 does not shard."""
+    if device != "cuda" or cfg.head != "text" or cfg.kernels == "none" or cfg.loss_per != "token":
+        return False
+    if cfg.distributed in ("fsdp2", "zero3"):
+        return False
+    return cfg.kernels == "liger" or importlib.util.find_spec("liger_kernel") is not None
 
 
 def counts(shape: Shape, s: Setting, tokens: Tokens) -> dict[str, float]:
@@ -442,7 +460,8 @@ def counts(shape: Shape, s: Setting, tokens: Tokens) -> dict[str, float]:
         # every layer kept, and the one being recomputed in the backward (when any is)
         "layer": batch_tokens * (7 * shape.hidden + 3 * shape.intermediate) * value
                  * (shape.layers - recomputed + (1 if recomputed else 0)),
-        "logits": answer_tokens * shape.vocab * 4,
+        "logits": 0.0 if s.fused_loss else answer_tokens * shape.vocab * 4,
+        "fused_logits": answer_tokens * shape.vocab * 4 if s.fused_loss else 0.0,
         "vision": patches * shape.vision_width * value,
         "attention": rows * shape.heads * row * row * value if cpu else 0.0,  # the layer being computed
         "mask": rows * row * row * (1 if s.packing else value) if cpu else 0.0,  # one for all layers: bool or additive
@@ -705,7 +724,8 @@ def render(r: RunPlan, explain: bool = False) -> str:
              "fixed_cpu": "buffers", "attention": "attention scores (dense, CPU)",
              "attention_kept": "attention scores kept (layers not recomputed)", "mask": "attention mask (CPU)",
              "boundaries": "recomputed layers' inputs", "layer": "layer activations", "logits": "answer logits",
-             "vision": "vision tower pass", "optimizer": "optimizer step (over activations)"}
+             "fused_logits": "answer loss (fused, liger-kernel)", "vision": "vision tower pass",
+             "head_cells": "box head's cells", "optimizer": "optimizer step (over activations)"}
     for key, gib in p.parts_gib.items():
         if gib >= 0.005:
             lines.append(f"  {names[key]:36s}{gib:8.2f}")
