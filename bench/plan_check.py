@@ -318,11 +318,26 @@ FUSED_LOSS_LANDED = "2026-12-03T12:01:39+00:00"
 def had_fused_loss(row: dict, setting) -> bool:
     """Whether a measured row's loss was fused: as the row says (measure records it), else as plan
     would say for its settings today, if it was measured after the fused loss landed."""
+    if setting.head != "text" or row["settings"].get("loss_per", "token") != "token":
+        return False  # the box head's loss, weighted answers: never the fused kernel
     if "fused_loss" in row:
         return bool(row["fused_loss"])
     measured = row.get("provenance", {}).get("date", "")
-    return measured >= FUSED_LOSS_LANDED and row["model"] != "tiny" and setting.head == "text" \
-        and row["settings"].get("kernels", "none") != "none"
+    return measured >= FUSED_LOSS_LANDED and row["model"] != "tiny" and row["settings"].get("kernels", "none") != "none"
+
+
+def latest_rows(measured: list[dict]) -> list[dict]:
+    """Every measure file's rows with its provenance, a configuration measured more than once by
+    its latest measurement only (the code it measured is the one the plan speaks for)."""
+    rows = [dict(r, provenance=m["provenance"]) for m in measured for r in m["rows"]]
+
+    def key(r: dict) -> tuple:
+        return r["model"], json.dumps(r["settings"], sort_keys=True), r.get("cap_gib"), r.get("role", "fit")
+
+    newest: dict = {}
+    for r in rows:
+        newest[key(r)] = max(newest.get(key(r), ""), r["provenance"]["date"]) if r["status"] == "ok" else newest.get(key(r), "")
+    return [r for r in rows if r["status"] != "ok" or r["provenance"]["date"] == newest[key(r)]]
 
 
 def _nonnegative_least_squares(a, b):
@@ -355,7 +370,7 @@ def fit(measured: list[dict], with_time: bool = True) -> tuple[dict, list[dict]]
                   "answer_tokens": round(stats["answer_tokens"], 2), "answer_tokens_per_box": answer_tokens_per_box(),
                   "memory": {**EXACT, **{k: 0.0 for k in FITTED_MEMORY}, "optimizer": 0.0},
                   "time": {k: 0.0 for k in plan.TIME_TERMS}, "margin": 0.0}
-    rows = [dict(r, provenance=m["provenance"]) for m in measured for r in m["rows"]]
+    rows = latest_rows(measured)
     ok = [r for r in rows if r["status"] == "ok" and r.get("peak_gib") and r["model"] != "tiny"]
     counted = [(r, row_counts(r, model_file, sizes)) for r in ok]
     gpu_fitted = [(r, c) for r, c in counted if r.get("role") != "check"]  # the held-out rows are predicted only
@@ -400,7 +415,7 @@ def fit(measured: list[dict], with_time: bool = True) -> tuple[dict, list[dict]]
     predicted = []
     for r, (shape, s, tokens, c) in counted:
         peak, _ = plan.peak_bytes(c, model_file["memory"])
-        step = plan.step_seconds(c, model_file["time"], s.grad_accum, plan.CardSpeed(1.0, 1.0))
+        step = plan.step_seconds(c, model_file["time"], s.grad_accum, measured_on(r))
         gpu = r["model"] != "tiny"  # (a CPU's speed is not predicted)
         predicted.append(dict(r, predicted_peak_gib=round(peak / plan.GIB, 4),
                               peak_error=round(peak / plan.GIB / r["peak_gib"] - 1, 4),
@@ -411,6 +426,17 @@ def fit(measured: list[dict], with_time: bool = True) -> tuple[dict, list[dict]]
                                               if p["model"] != "tiny" and p.get("role") != "check")), 4)
     model_file["default_images"] = [list(size) for size in sizes]
     return model_file, predicted
+
+
+def measured_on(row: dict):
+    """The speed of the card a row was measured on, relative to the reference card's (rows of a
+    CPU, whose speed is not predicted: the reference's)."""
+    from groundtune import plan
+
+    device = row.get("provenance", {}).get("device", "")
+    if not device.startswith("NVIDIA"):
+        return plan.CardSpeed(1.0, 1.0)
+    return plan.card_speed(plan.card_from_device(device.rsplit(" (", 1)[0], 0), {"reference_card": "h200"})
 
 
 def fit_time(counted) -> dict:
@@ -429,7 +455,7 @@ def fit_time(counted) -> dict:
 
     def residuals(x):
         coef = {k: float(np.exp(v)) * units[k] for k, v in zip(plan.TIME_TERMS, x)}
-        return [np.log(plan.step_seconds(c, coef, s.grad_accum, plan.CardSpeed(1.0, 1.0))
+        return [np.log(plan.step_seconds(c, coef, s.grad_accum, measured_on(r))
                        * r["samples_per_s"] / (s.batch_size * s.grad_accum)) for r, s, c in timed]
 
     solution = least_squares(residuals, np.zeros(len(plan.TIME_TERMS)), loss="soft_l1", f_scale=0.05)

@@ -93,7 +93,8 @@ def test_constants_are_the_fit_of_the_measured_file():
     constant typed in."""
     plan_check = _plan_check()
     check = json.loads(CHECK.read_text())
-    files = [REPO / "bench" / "results" / "plan" / f"measure_{k}.json" for k in ("3b", "7b", "extra", "tiny")]
+    files = [REPO / "bench" / "results" / "plan" / f"measure_{k}.json"
+             for k in ("3b", "3b_fused", "7b", "extra", "tiny", "3b_held_out")]
     fitted, predicted = plan_check.fit([json.loads(f.read_text()) for f in files])
     shipped = plan.load_model_file()
     assert fitted["memory"] == pytest.approx(shipped["memory"], rel=1e-6)
@@ -128,17 +129,20 @@ def test_the_measured_file_holds_the_targets():
     assert check["summary"]["largest_peak_error"] == max(abs(r["peak_error"]) for r in rows)
 
 
-def test_the_verified_batches_are_what_the_shipped_plan_says():
-    """The capped runs verified the batches the plan gave then: the shipped constants must give the
-    same ones, or the verification no longer speaks for them (re-run bench/plan_check.py verify)."""
+def test_the_shipped_plan_agrees_with_every_capped_run():
+    """Under caps of 12-40 GiB, the batch the plan gave when it was verified ran, and twice it ran
+    out of memory: the shipped constants must say the first fits and the second does not, for the
+    code those runs measured (their loss, fused or not), or re-run bench/plan_check.py verify."""
     plan_check = _plan_check()
     shipped, sizes = plan.load_model_file(), plan_check.bench_sizes()
-    verified = [v for v in json.loads(CHECK.read_text())["verified"] if v["role"] == "predicted largest"]
+    verified = json.loads(CHECK.read_text())["verified"]
+    assert {v["role"] for v in verified} == {"predicted largest", "twice that"}
     for v in verified:
         shape, setting, tokens, _ = plan_check.row_counts(v, shipped, sizes)
         capped = plan.Card("cap", "cap", v["cap_gib"], None, None, emulated=True)
-        assert plan.max_batch(shape, dataclasses.replace(setting, batch_size=1), capped, tokens, shipped) \
-            == v["predicted_largest"] == v["settings"]["batch_size"], v["settings"]
+        largest = plan.max_batch(shape, dataclasses.replace(setting, batch_size=1), capped, tokens, shipped)
+        ran = v["status"] == "ok"
+        assert (v["settings"]["batch_size"] <= largest) == ran, (v["settings"], v["status"], largest)
 
 
 def test_the_cpu_rows_are_predicted_from_a_fit_that_did_not_see_them():
