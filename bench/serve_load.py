@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import statistics
 import subprocess
@@ -76,7 +77,7 @@ async def load(url: str, bodies: list[dict], requests: int, concurrency: int, ap
     latencies, errors = [], {}
     queue = iter(range(requests))
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker(client: httpx.AsyncClient) -> None:  # one connection of its own
         for i in queue:
             start = time.perf_counter()
             try:
@@ -88,13 +89,18 @@ async def load(url: str, bodies: list[dict], requests: int, concurrency: int, ap
             if status != 200:
                 errors[str(status)] = errors.get(str(status), 0) + 1
 
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        before = _metrics((await client.get(url + "/metrics", headers=headers)).text)
+    # A client per request in flight, made before the clock starts: one client's pool of C
+    # connections does O(C) bookkeeping per request (httpcore's request assignment), which held
+    # this script to ~40 requests/s at 128 in flight (~140/s against a server that answers at
+    # once, ~950/s with a client each: docs/benchmarks-history.md, "Serving at eval's pace")
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=1)))
+                   for _ in range(concurrency)]
+        before = _metrics((await clients[0].get(url + "/metrics", headers=headers)).text)
         start = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        await asyncio.gather(*(worker(client) for client in clients))
         seconds = time.perf_counter() - start
-        after = _metrics((await client.get(url + "/metrics", headers=headers)).text)
+        after = _metrics((await clients[0].get(url + "/metrics", headers=headers)).text)
     delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
 
     def mean(name: str, scale: float = 1.0, labels: str = "") -> float | None:  # over this load alone
