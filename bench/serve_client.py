@@ -77,9 +77,9 @@ def main() -> None:
     args = parser.parse_args()
     two = len(os.sched_getaffinity(0)) >= 2
     with tempfile.TemporaryDirectory() as tmp:
-        data = make_refcoco_like(Path(tmp) / "data", 32)
+        data = make_refcoco_like(Path(tmp) / "data", 32)  # (its train.jsonl)
         bodies = [{"image": base64.b64encode(p.read_bytes()).decode(), "phrase": "the man"}
-                  for p in sorted((data / "images").glob("*.jpg"))]
+                  for p in sorted((data.parent / "images").glob("*.jpg"))]
         (Path(tmp) / "instant.py").write_text(APP)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
