@@ -91,8 +91,8 @@ async def load(url: str, bodies: list[dict], requests: int, concurrency: int, ap
 
     # A client per request in flight, made before the clock starts: one client's pool of C
     # connections does O(C) bookkeeping per request (httpcore's request assignment). At 128 in
-    # flight against a server that answers at once, one pool sent 147 requests/s, a client per
-    # connection 1,189 (bench/serve_client.py); the 3B server measured ~40/s through one pool
+    # flight against a server that answers at once, one pool sent 151 requests/s, a client per
+    # connection 1,119 (bench/serve_client.py); the 3B server measured ~40/s through one pool
     async with contextlib.AsyncExitStack() as stack:
         clients = [await stack.enter_async_context(httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=1)))
                    for _ in range(concurrency)]
