@@ -24,11 +24,14 @@ computes times a coefficient fitted from measured steps:
     on a CPU (fp32; attention through dense masks, models/attention.py): fixed_cpu, attention (the scores of
                  the layer being computed), attention_kept (those of layers not recomputed), mask (one for all)
 
-The coefficients come from ``bench/plan_check.py fit``: real steps of the 3B and 7B on an H200 (and
-of the tiny model on a CPU for the CPU's terms), fitted by least squares and written to assets/plan_model.json with the largest under-prediction seen
-(the margin added before saying "fits") and the CUDA context a card loses to the driver. Speed is
-the measured H200 step scaled to the card: matmul time by the ratio of bf16 rates, the 4-bit
-dequantisation and the optimizer's sweep by the ratio of bandwidths, the per-step overhead unchanged.
+The coefficients come from ``bench/plan_check.py fit``: real steps of the 3B and 7B on an H200 and
+an H100 (and of the tiny model on a CPU for the CPU's terms), fitted by least squares and written
+to assets/plan_model.json with the largest under-prediction seen (the margin added before saying
+"fits") and the CUDA context a card loses to the driver. Speed is the measured step, in H200
+terms, scaled to the card: matmul time by the ratio of bf16 rates, the 4-bit dequantisation,
+activation traffic and the optimizer's sweep by the ratio of bandwidths, the per-step overhead
+unchanged (the fit of 2026-12-05 gives traffic and the sweep next to no time: there, speed scales
+with the card's bf16 rate).
 """
 
 from __future__ import annotations

@@ -74,9 +74,10 @@ class _Shared(NamedTuple):
     model's process, each piece waiting for the interpreter while the model's own thread holds it
     (``bench/serve_transport.py``, 2 cores: ~4 MB items reached a process whose main thread was
     idle at 47 a second through the pipe and 739 in shared memory; with its main thread running
-    Python, 3 against 24). Eval's loader hands its tensors over in shared memory too. A block is taken (copied out and removed) as soon
-    as the model's process reads the item; one left by a process that died goes with the server
-    (the blocks are registered with multiprocessing's resource tracker, which removes what is left)."""
+    Python, 3 against 24). Eval's loader hands its tensors over in shared memory too. A block is
+    taken (copied out and removed) as soon as the model's process reads the item; one left by a
+    process that died goes with the server (the blocks are registered with multiprocessing's
+    resource tracker, which removes what is left)."""
 
     name: str
     shape: tuple
