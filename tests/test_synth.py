@@ -243,41 +243,6 @@ def test_the_unseen_palette_is_a_flag_and_shares_no_colour_or_shape_with_the_def
     assert words & {*unseen.colours, *unseen.shapes} and not words & {*default.colours, *default.shapes}
 
 
-def test_colour_jitter_moves_each_shape_s_colour_and_nothing_else():
-    """A jittered palette draws the same scenes (layout, phrase, boxes) with each shape in one
-    colour of its own, within the jitter of its name's RGB in every channel and still tight in its
-    box; without jitter the images are those of the plain palette."""
-    varied = synth.DEFAULT_PALETTE.varied(30)
-    moved = []
-    for i in range(40):
-        plain_image, plain = synth.make_sample(0, i, task="every")
-        image, record = synth.make_sample(0, i, task="every", palette=varied)
-        assert record == plain
-        assert np.array_equal(np.asarray(synth.make_sample(0, i, task="every", palette=synth.DEFAULT_PALETTE.varied(0))[0]),
-                              np.asarray(plain_image))
-        pixels = np.asarray(image)
-        for shape in synth.make_scene(0, i, task="every").shapes:
-            x1, y1, x2, y2 = shape.box
-            colours = {tuple(int(v) for v in c) for c in pixels[y1:y2, x1:x2].reshape(-1, 3)} - {
-                tuple(int(v) for v in c) for c in np.asarray(plain_image)[y1:y2, x1:x2].reshape(-1, 3)}
-            assert len(colours) == 1, shape  # one colour, where the plain image has the background
-            rgb = colours.pop()
-            assert max(abs(a - b) for a, b in zip(rgb, synth.DEFAULT_PALETTE.colours[shape.colour])) <= 30
-            _check_tight(pixels, shape, rgb)
-            moved.append(rgb != synth.DEFAULT_PALETTE.colours[shape.colour])
-    assert sum(moved) > 0.9 * len(moved)
-
-
-def test_a_jitter_that_would_blur_two_colours_is_refused(tmp_path):
-    from cli_in_process import groundtune
-
-    with pytest.raises(ValueError, match="'red' and 'yellow'"):
-        synth.DEFAULT_PALETTE.varied(60)
-    done = groundtune("data", "synth", "--out", str(tmp_path), "--n", "4", "--colour-jitter", "60")
-    assert done.returncode == 2 and "--colour-jitter 60" in done.stderr and len(done.stderr.splitlines()) == 1
-    assert not (tmp_path / "train.jsonl").exists()
-
-
 def test_varied_canvases_are_drawn_per_sample_and_reproducible(tmp_path):
     """canvas=(MIN, MAX): each sample's sides drawn from the range (non-square too), the same
     files whatever the workers, and a sample's layout on a drawn canvas is its layout on that

@@ -115,12 +115,7 @@ def _data_show(args: argparse.Namespace) -> int:
 
 def _data_synth(args: argparse.Namespace) -> int:
     from groundtune.data import synth
-    from groundtune.errors import UsageError
 
-    try:
-        palette = synth.PALETTES[args.palette].varied(args.colour_jitter)
-    except ValueError as e:
-        raise UsageError(f"--colour-jitter {args.colour_jitter}: {e}") from None
     path = synth.make_synthetic_set(
         args.out,
         n=args.n,
@@ -130,7 +125,7 @@ def _data_synth(args: argparse.Namespace) -> int:
         split=args.split,
         task=args.task,
         workers=args.workers,
-        palette=palette,
+        palette=synth.PALETTES[args.palette],
         canvas=args.canvas,
         overwrite=args.overwrite,
     )
@@ -344,9 +339,6 @@ def _add_data_synth(dsub: argparse._SubParsersAction) -> None:
     p.add_argument("--palette", default="default", choices=list(synth.PALETTES),
                    help="default: red, green, blue and yellow circles, squares and triangles; unseen: purple, orange, "
                         "pink and brown diamonds and crosses (colours and shapes no built-in model was pre-trained on)")
-    p.add_argument("--colour-jitter", type=count, default=0, metavar="N",
-                   help="move each shape's colour by up to N per RGB channel (0-255), so that a colour name stands "
-                        "for a range of colours (default 0: each colour exactly as the palette gives it)")
     p.add_argument("--workers", type=count, default=0, help="worker processes (0: one per CPU core this process may use)")
     p.add_argument("--overwrite", action="store_true", help="replace a synthetic set already at OUT/SPLIT.jsonl, "
                    "and remove its images the new set does not write (never a file synth did not write)")

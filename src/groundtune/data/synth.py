@@ -19,7 +19,6 @@ model, so it is made to be fast and reproducible:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import multiprocessing
@@ -65,9 +64,7 @@ SHAPE_KINDS = ("circle", "square", "triangle", "diamond", "cross")
 
 @dataclass(frozen=True)
 class Palette:
-    """What a scene is made of: colour name -> RGB, and shape names (from SHAPE_KINDS). ``jitter``:
-    each shape's colour moved by up to this much in each channel (uniform, its own draw), so that a
-    colour name stands for a range of colours rather than one RGB value (0: the RGB as given)."""
+    """What a scene is made of: colour name -> RGB, and shape names (from SHAPE_KINDS)."""
 
     colours: dict[str, tuple[int, int, int]] = field(
         default_factory=lambda: {
@@ -78,7 +75,6 @@ class Palette:
         }
     )
     shapes: tuple[str, ...] = ("circle", "square", "triangle")
-    jitter: int = 0
 
     def __post_init__(self) -> None:
         if not self.colours or not self.shapes:
@@ -95,22 +91,8 @@ class Palette:
                 raise ValueError(f"colour {name!r}: need three ints 0-255, got {rgb}")
             # The background is light grey (channels 200-240); a colour must differ clearly from
             # it in some channel, or the shape is invisible and its box a lie.
-            if min(rgb) + self.jitter > 170:
-                raise ValueError(f"colour {name!r} {rgb}" + (f" moved by up to {self.jitter}" if self.jitter else "")
-                                 + " is too close to the light background")
-        # two colours must stay apart however each is moved
-        rgbs = list(self.colours.items())
-        for i, (a, rgb_a) in enumerate(rgbs):
-            for b, rgb_b in rgbs[i + 1:]:
-                if max(abs(x - y) for x, y in zip(rgb_a, rgb_b)) <= 2 * self.jitter + 40:
-                    raise ValueError(f"colours {a!r} and {b!r} are too close to tell apart"
-                                     + (f" when each moves by up to {self.jitter}" if self.jitter else ""))
-        if self.jitter < 0:
-            raise ValueError(f"jitter must be >= 0, got {self.jitter}")
-
-    def varied(self, jitter: int) -> Palette:
-        """This palette with each shape's colour moved by up to ``jitter`` per channel."""
-        return dataclasses.replace(self, jitter=jitter)
+            if min(rgb) > 170:
+                raise ValueError(f"colour {name!r} {rgb} is too close to the light background")
 
 
 DEFAULT_PALETTE = Palette()
@@ -457,11 +439,7 @@ def _render(rng: np.random.Generator, scene: Scene, palette: Palette) -> Image.I
     image = Image.fromarray(pixels, "RGB")
     for shape, (x0, y0, size) in zip(scene.shapes, scene.placements):
         mask, _ = _shape_mask(shape.kind, size)
-        rgb = palette.colours[shape.colour]
-        if palette.jitter:  # (drawn only then: a palette without jitter draws the same scenes as before)
-            moved = np.asarray(rgb) + rng.integers(-palette.jitter, palette.jitter + 1, size=3)
-            rgb = tuple(int(v) for v in np.clip(moved, 0, 255))
-        image.paste(rgb, (x0, y0), mask)
+        image.paste(palette.colours[shape.colour], (x0, y0), mask)
     return image
 
 
