@@ -336,7 +336,8 @@ def latest_rows(measured: list[dict]) -> list[dict]:
 
     newest: dict = {}
     for r in rows:
-        newest[key(r)] = max(newest.get(key(r), ""), r["provenance"]["date"]) if r["status"] == "ok" else newest.get(key(r), "")
+        if r["status"] == "ok":
+            newest[key(r)] = max(newest.get(key(r), ""), r["provenance"]["date"])
     return [r for r in rows if r["status"] != "ok" or r["provenance"]["date"] == newest[key(r)]]
 
 

@@ -74,8 +74,8 @@ def test_a_full_batch_goes_at_once_and_the_inbox_end_ends_the_batches():
 def test_a_request_s_pixels_cross_to_the_model_once_and_every_phrase_gets_them(through, monkeypatch):
     """The encoding side sends an image's pixels with its first phrase only (a 3B image is ~20 MB,
     copied through the queue once per phrase before); the model's side puts them back in every
-    phrase's prompt and forgets them after the last. Large tensors (all, here) cross in a
-    shared-memory block, which the model's side removes as it takes them."""
+    phrase's prompt and forgets them after the last. Through shared memory (every tensor, with
+    SHARED_FROM_BYTES at 0), the model's side removes each block as it takes it."""
     import io
     import pickle
     from multiprocessing import shared_memory
@@ -89,11 +89,11 @@ def test_a_request_s_pixels_cross_to_the_model_once_and_every_phrase_gets_them(t
         _received,
         _with_pixels,
     )
+    from groundtune.deploy.limits import Limits
+    from groundtune.deploy.reading import Encoder
 
     if through == "shared memory":
         monkeypatch.setattr(batching, "SHARED_FROM_BYTES", 0)
-    from groundtune.deploy.limits import Limits
-    from groundtune.deploy.reading import Encoder
 
     gm = infer.load("tiny", device="cpu")
     image, _ = synth.make_sample(5, 0)
