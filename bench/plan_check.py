@@ -168,7 +168,8 @@ def run_config(key: str, settings: dict, steps: int, data: Path, weights: dict, 
                           min_lr_ratio=1.0, max_steps=steps + 1, log_every=1, save_every=0, report_to=[])
 
         def on_step(step, run, trained):
-            # whether the answers' loss went through the fused kernel (plan counts its memory apart)
+            # whether liger-kernel's kernels were installed on the model, fused loss with them (plan
+            # counts its memory apart where its rule says the loss takes it: had_fused_loss)
             row["fused_loss"] = bool(kernels.FUSED_LOSS and getattr(base_model(trained), "_groundtune_fused_loss", False))
             if step == steps:
                 raise _Done
@@ -303,8 +304,9 @@ def row_counts(row: dict, model_file: dict, sizes) -> tuple:
 
     shape = plan.shape_of(MODELS[row["model"]])
     cfg = TrainConfig(**{k: v for k, v in row["settings"].items() if k != "precision"}, train_data="synth:full")
-    setting = plan.Setting.of(cfg, shape.family, device="cpu" if row["model"] == "tiny" else "cuda")
-    setting = dataclasses.replace(setting, fused_loss=had_fused_loss(row, setting))
+    device = "cpu" if row["model"] == "tiny" else "cuda"
+    setting = dataclasses.replace(plan.Setting.of(cfg, shape.family, device=device),
+                                  fused_loss=had_fused_loss(row, cfg, device))
     tokens = plan.data_tokens(sizes, [1] * len(sizes), shape.family, setting.min_pixels, setting.max_pixels,
                               model_file, "the bench's samples")
     return shape, setting, tokens, plan.counts(shape, setting, tokens)
@@ -315,15 +317,18 @@ def row_counts(row: dict, model_file: dict, sizes) -> tuple:
 FUSED_LOSS_LANDED = "2026-12-03T12:01:39+00:00"
 
 
-def had_fused_loss(row: dict, setting) -> bool:
-    """Whether a measured row's loss was fused: as the row says (measure records it), else as plan
-    would say for its settings today, if it was measured after the fused loss landed."""
-    if setting.head != "text" or row["settings"].get("loss_per", "token") != "token":
-        return False  # the box head's loss, weighted answers: never the fused kernel
+def had_fused_loss(row: dict, cfg, device: str) -> bool:
+    """Whether a measured row's loss was fused: plan's rule for its settings, on the machine it ran
+    on, where the kernel was there: as the row says (measure records whether liger-kernel was
+    installed on the model), else if it was measured after the fused loss landed (every GPU row
+    ran with liger-kernel)."""
+    from groundtune import plan
+
     if "fused_loss" in row:
-        return bool(row["fused_loss"])
-    measured = row.get("provenance", {}).get("date", "")
-    return measured >= FUSED_LOSS_LANDED and row["model"] != "tiny" and row["settings"].get("kernels", "none") != "none"
+        installed = bool(row["fused_loss"])
+    else:
+        installed = row.get("provenance", {}).get("date", "") >= FUSED_LOSS_LANDED
+    return installed and plan.fused_loss(cfg, device, liger=True)
 
 
 def latest_rows(measured: list[dict]) -> list[dict]:

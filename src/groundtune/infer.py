@@ -540,7 +540,8 @@ def head_boxes(gm, encoded: list[dict], sizes: list[tuple], row: qwen.SharedRow 
         hidden = core.model(**batch, use_cache=False).last_hidden_state
         units, logits = head.read(box_head, hidden, query, tokens)
     scores = torch.sigmoid(logits.float()).cpu().tolist()
-    # the cells layout: a sample's candidates are its own image's cells, the first of the row's
+    # the cells layout: a sample's candidates are its own image's cells, the first of its row (a
+    # batch pads each row to its largest image's tokens); the slots layout: every slot
     candidates = tokens.mask.sum(dim=1).tolist() if box_head.per_cell else [logits.shape[1]] * len(scores)
     return [head_answer(unit[:n], score[:n], box_head.threshold, original)
             for unit, score, n, (original, _) in zip(units.float().cpu().tolist(), scores, candidates, sizes)]

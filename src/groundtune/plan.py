@@ -410,16 +410,19 @@ class Setting:
         return layers if self.gradient_checkpointing < 0 else min(self.gradient_checkpointing, layers)
 
 
-def fused_loss(cfg: TrainConfig, device: str) -> bool:
+def fused_loss(cfg: TrainConfig, device: str, liger: bool | None = None) -> bool:
     """Whether training scores the answers through liger-kernel's fused linear cross-entropy
     (models/kernels.py ``fused_answer_nll``): text answers on a GPU with kernels=liger, or auto
-    where liger-kernel is installed; the token mean (weighted answers take the plain loss); an LM
-    head that FSDP2 or ZeRO-3 does not shard."""
+    where liger-kernel is installed (``liger``: whether it is where the run trains; None: here);
+    the token mean (weighted answers take the plain loss); an LM head that FSDP2 or ZeRO-3 does
+    not shard."""
     if device != "cuda" or cfg.head != "text" or cfg.kernels == "none" or cfg.loss_per != "token":
         return False
     if cfg.distributed in ("fsdp2", "zero3"):
         return False
-    return cfg.kernels == "liger" or importlib.util.find_spec("liger_kernel") is not None
+    if liger is None:
+        liger = importlib.util.find_spec("liger_kernel") is not None
+    return cfg.kernels == "liger" or liger
 
 
 def counts(shape: Shape, s: Setting, tokens: Tokens) -> dict[str, float]:
