@@ -26,6 +26,8 @@ import httpx
 from provenance import stamped
 from sft_speed import make_refcoco_like
 
+from groundtune.cli.flags import positive_int
+
 APP = '''
 import base64
 from fastapi import FastAPI
@@ -43,6 +45,14 @@ class Body(BaseModel):
 async def ground(body: Body):
     return {"bytes": len(base64.b64decode(body.image)), "phrase": body.phrase}
 '''
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: positive integers, comma-separated."""
+    return [positive_int(part) for part in text.split(",")]
+
+
+positive_ints.__name__ = "comma-separated positive integers"
 
 
 async def load(url: str, bodies: list[dict], requests: int, concurrency: int, shared_pool: bool) -> dict:
@@ -71,10 +81,13 @@ async def load(url: str, bodies: list[dict], requests: int, concurrency: int, sh
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--concurrency", default="16,128")
+    parser.add_argument("--requests", type=positive_int, default=1000)
+    parser.add_argument("--concurrency", type=positive_ints, default="16,128",
+                        help="requests in flight, a comma-separated list: each is run")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        parser.error(f"--out {args.out}: its folder does not exist")
     two = len(os.sched_getaffinity(0)) >= 2
     with tempfile.TemporaryDirectory() as tmp:
         data = make_refcoco_like(Path(tmp) / "data", 32)  # (its train.jsonl)
@@ -96,7 +109,7 @@ def main() -> None:
             if two:
                 os.sched_setaffinity(0, {1})
             rows = []
-            for concurrency in (int(c) for c in args.concurrency.split(",")):
+            for concurrency in args.concurrency:
                 for shared_pool in (True, False):
                     rows.append(asyncio.run(load(url, bodies, args.requests, concurrency, shared_pool)))
                     print(json.dumps(rows[-1]), flush=True)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from provenance import stamped
 
+from groundtune.cli.flags import positive_int
+
 PATCHES, PATCH_VALUES = 1600, 1176  # a 640 x 480 photo at the 3B's budget: ~1,600 patches of 14 x 14 x 3 x 2
 
 
@@ -74,10 +76,14 @@ def measure(shared: bool, busy: bool, items: int, senders: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--items", type=int, default=60, help="prompts each encoding process sends")
-    parser.add_argument("--senders", type=int, default=2, help="encoding processes")
+    parser.add_argument("--items", type=positive_int, default=60, help="prompts each encoding process sends")
+    parser.add_argument("--senders", type=positive_int, default=2, help="encoding processes")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.items * args.senders < 2:
+        parser.error("--items x --senders: at least 2 (the rate is timed from the first item to the last)")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        parser.error(f"--out {args.out}: its folder does not exist")
     rows = []
     for busy in (False, True):
         for shared in (False, True):
