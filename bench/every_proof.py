@@ -13,6 +13,9 @@ is swept on the set scenes (its effect on F1 and N-acc).
     python bench/every_proof.py --out bench/results/every_proof_sizes.json   # ~15 min on 2 cores
     python bench/every_proof.py --score tiny RUN ... --out scores.json    # score models as they are
 
+A set's scores come with a breakdown per phrase form (colour and kind, colour, kind) and per number
+of named shapes, and the share of boxes answered to a colour phrase that have that colour.
+
 Targets (issue "groundtune-tiny 2"): text F1@0.5 >= 0.80 and N-acc >= 0.90 at 112 and 168 px in
 <= 5 min end to end; the box head within 5 F1 points of text in no more wall time.
 """
@@ -33,7 +36,7 @@ from PIL import Image, ImageDraw
 from groundtune import infer
 from groundtune.data.records import atomic_write, read_samples, write_samples
 from groundtune.data.synth import DEFAULT_PALETTE
-from groundtune.evaluate import evaluate
+from groundtune.evaluate import evaluate, summarise
 from groundtune.models import head
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -134,11 +137,52 @@ def score_models(models: list[str], work: Path, n: int) -> dict:
         gm = infer.load(model)
         result[model] = {}
         for name, path in data.items():
-            report, _ = evaluate(gm, read_samples(path), path, progress=False, max_new_tokens=128)
+            report, rows = evaluate(gm, read_samples(path), path, progress=False, max_new_tokens=128)
             result[model][name] = scores(report)
+            if name.startswith("sets-"):
+                result[model][name].update(breakdown(rows, path.parent))
             print(f"{model[-28:]:>28}  {name:<11}" + "  ".join(
                 f"{k} {report[k]:.3f}" for k in ("acc@0.5", "f1@0.5", "n_acc") if report.get(k) is not None), flush=True)
     return result
+
+
+def phrase_form(phrase: str) -> str:
+    """Which attributes a held-out set phrase names (TEMPLATES, COLOUR_ONLY, KIND_ONLY)."""
+    words = phrase.split()
+    colour = any(w in DEFAULT_PALETTE.colours for w in words)
+    return ("colour and kind" if words[-1] not in ("shape", "shapes") else "colour") if colour else "kind"
+
+
+def named_colour_share(rows: list[dict], folder: Path) -> float | None:
+    """Of the boxes answered to phrases that name a colour, the share whose centre pixel has that
+    colour (each shape is one flat colour of the palette; a box on the background counts as wrong).
+    ``folder``: where the rows' image paths start."""
+    right = answered = 0
+    for row in rows:
+        named = [w for w in row["phrase"].split() if w in DEFAULT_PALETTE.colours]
+        if not named or not row["pred_boxes"]:
+            continue
+        pixels = np.asarray(Image.open(folder / row["image"]).convert("RGB"), dtype=int)
+        for x1, y1, x2, y2 in row["pred_boxes"]:
+            x = min(max(int((x1 + x2) / 2), 0), pixels.shape[1] - 1)
+            y = min(max(int((y1 + y2) / 2), 0), pixels.shape[0] - 1)
+            right += int(np.abs(pixels[y, x] - np.array(DEFAULT_PALETTE.colours[named[0]])).sum() < 90)
+            answered += 1
+    return round(right / answered, 3) if answered else None
+
+
+def breakdown(rows: list[dict], folder: Path) -> dict:
+    """The set scenes' scores per phrase form and per number of named shapes, and how often a box
+    answered to a colour phrase has that colour."""
+    def grouped(key) -> dict:
+        groups: dict[str, list[dict]] = {}
+        for row in rows:
+            groups.setdefault(key(row), []).append(row)
+        return {name: {"n": len(group), **scores(summarise(group))} for name, group in sorted(groups.items())}
+
+    return {"by_phrase_form": grouped(lambda row: phrase_form(row["phrase"])),
+            "by_targets": grouped(lambda row: {0: "none", 1: "1"}.get(len(row["true_boxes"]), "2-6")),
+            "named_colour_share": named_colour_share(rows, folder)}
 
 
 def groundtune(*args: str) -> float:

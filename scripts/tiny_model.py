@@ -19,6 +19,7 @@ content (docs/benchmarks-history.md, "groundtune-tiny").
 
     python scripts/tiny_model.py --out DIR [--hidden 256 ...]    # another tiny architecture (config only)
     python scripts/tiny_model.py --install-weights RUN/model     # ship a pre-trained model as `tiny`
+    python scripts/tiny_model.py --fresh-merger RUN/model --out DIR   # RUN's model, its merger drawn anew
 """
 
 from __future__ import annotations
@@ -181,6 +182,28 @@ def install_weights(model_folder: str | Path, out_dir: str | Path = TINY_DIR) ->
     return Path(out_dir) / "model.safetensors"
 
 
+def fresh_merger(model_folder: str | Path, out_dir: str | Path) -> Path:
+    """``model_folder``'s model written to ``out_dir`` with its vision->LLM merger drawn anew, as a
+    new model of the architecture draws it, everything else as trained: to continue pre-training
+    with ``freeze_merger=true``. Pre-training teaches the merger's MLP to drop the shapes' colour
+    (a linear probe reads it from the tower's last block, 0.98, and from the merged tokens at
+    chance); a random merger passes it on (docs/benchmarks-history.md, "groundtune-tiny 2: a wider
+    vision tower, and where colour is lost")."""
+    import shutil
+
+    import torch
+
+    from groundtune.models.loading import load_model
+
+    gm = load_model(str(model_folder), device="cpu", dtype="fp32")
+    torch.manual_seed(0)
+    drawn = FAMILY.transformers_class("model_class")._from_config(gm.model.config)
+    gm.model.model.visual.merger.load_state_dict(drawn.model.visual.merger.state_dict())
+    shutil.copytree(model_folder, out_dir, dirs_exist_ok=True)  # tokenizer, processor, metadata
+    gm.model.save_pretrained(out_dir)
+    return Path(out_dir) / "model.safetensors"
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -196,7 +219,12 @@ if __name__ == "__main__":
     parser.add_argument("--vision-heads", type=int)
     parser.add_argument("--install-weights", metavar="MODEL_FOLDER",
                         help="write this trained model's weights (bf16) into --out as the tiny model's")
+    parser.add_argument("--fresh-merger", metavar="MODEL_FOLDER",
+                        help="write this trained model into --out with its merger drawn anew (random)")
     a = parser.parse_args()
+    if a.fresh_merger:
+        print(fresh_merger(a.fresh_merger, a.out))
+        raise SystemExit(0)
     if a.install_weights:
         print(install_weights(a.install_weights, a.out))
         raise SystemExit(0)

@@ -78,3 +78,25 @@ def test_lora_merge_keeps_predictions_identical(tmp_path):
     merged = predict(gm, images, phrases, batch_size=12)
     assert [a.raw for a in merged] == [a.raw for a in tuned]
     assert [a.bbox for a in merged] == [a.bbox for a in tuned]
+
+
+def test_a_fresh_merger_changes_the_merger_alone(tmp_path):
+    # scripts/tiny_model.py --fresh-merger starts the next pre-training cycle (bench/plans/tiny2_merger.txt):
+    # a slip that redrew more than the merger, or kept it, would go unseen there
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file
+
+    spec = importlib.util.spec_from_file_location("tiny_model", Path(__file__).parents[1] / "scripts" / "tiny_model.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    written = script.fresh_merger(TINY_DIR, tmp_path / "fresh")
+    before, after = load_file(TINY_DIR / "model.safetensors"), load_file(written)
+    assert before.keys() == after.keys()
+    redrawn = {k for k in before if not torch.equal(before[k].float(), after[k].float())}
+    assert redrawn == {k for k in before if k.startswith("visual.merger.")}
+    assert len(redrawn) == 5  # the norm and the MLP's two layers, weights and biases
+    answers = predict(load_model(str(tmp_path / "fresh"), device="cpu"), [synth.make_sample(1, 0)[0]], ["the red circle"])
+    assert len(answers) == 1  # the folder loads as a model and answers
