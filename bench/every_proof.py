@@ -36,6 +36,7 @@ from PIL import Image, ImageDraw
 from groundtune import infer
 from groundtune.data.records import atomic_write, read_samples, write_samples
 from groundtune.data.synth import DEFAULT_PALETTE
+from groundtune.errors import GroundtuneError
 from groundtune.evaluate import evaluate, summarise
 from groundtune.models import head
 
@@ -211,7 +212,10 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(args.work)
     if args.score:
-        result = score_models(args.score, work, args.n)
+        try:
+            result = score_models(args.score, work, args.n)
+        except GroundtuneError as e:  # a folder that is not a model: one line, exit 2
+            parser.error(str(e))
         with atomic_write(args.out) as f:
             f.write(json.dumps(stamped(result), indent=2) + "\n")
         return

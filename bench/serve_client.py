@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 from provenance import stamped
+from serve_load import connections, positive_ints
 from sft_speed import make_refcoco_like
 
 from groundtune.cli.flags import positive_int
@@ -47,14 +48,6 @@ async def ground(body: Body):
 '''
 
 
-def positive_ints(text: str) -> list[int]:
-    """An argparse type: positive integers, comma-separated."""
-    return [positive_int(part) for part in text.split(",")]
-
-
-positive_ints.__name__ = "comma-separated positive integers"
-
-
 async def load(url: str, bodies: list[dict], requests: int, concurrency: int, shared_pool: bool) -> dict:
     queue, latencies = iter(range(requests)), []
 
@@ -65,12 +58,7 @@ async def load(url: str, bodies: list[dict], requests: int, concurrency: int, sh
             latencies.append(time.perf_counter() - start)
 
     async with contextlib.AsyncExitStack() as stack:
-        if shared_pool:
-            limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-            clients = [await stack.enter_async_context(httpx.AsyncClient(timeout=300, limits=limits))] * concurrency
-        else:
-            clients = [await stack.enter_async_context(httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=1)))
-                       for _ in range(concurrency)]
+        clients = await connections(stack, concurrency, shared_pool)  # serve_load's own clients
         start = time.perf_counter()
         await asyncio.gather(*(worker(client) for client in clients))
         seconds = time.perf_counter() - start

@@ -36,6 +36,7 @@ from pathlib import Path
 import httpx
 from provenance import stamped
 
+from groundtune.cli.flags import positive_int
 from groundtune.data import synth
 from groundtune.data.records import image_path, read_samples
 from serving import launch
@@ -72,6 +73,28 @@ print(json.dumps({{"samples": len(records), "seconds": round(seconds, 2), "sampl
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: positive integers, comma-separated."""
+    return [positive_int(part) for part in text.split(",")]
+
+
+positive_ints.__name__ = "comma-separated positive integers"
+
+
+async def connections(stack: contextlib.AsyncExitStack, concurrency: int, shared_pool: bool = False) -> list:
+    """An httpx client for each of ``concurrency`` requests in flight, closed with ``stack``. One
+    client's pool of C connections does O(C) bookkeeping per request (httpcore's request
+    assignment): at 128 in flight against a server that answers at once, one pool sent 151
+    requests/s, a client per connection 1,119 (bench/serve_client.py), and the 3B server measured
+    ~40/s through one pool. ``shared_pool``: that one client, C times (how this bench loaded the
+    server until 2026-12-05; serve_client.py measures it)."""
+    if shared_pool:
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        return [await stack.enter_async_context(httpx.AsyncClient(timeout=300, limits=limits))] * concurrency
+    return [await stack.enter_async_context(httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=1)))
+            for _ in range(concurrency)]
+
+
 async def load(url: str, bodies: list[dict], requests: int, concurrency: int, api_key: str | None) -> dict:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     latencies, errors = [], {}
@@ -89,13 +112,8 @@ async def load(url: str, bodies: list[dict], requests: int, concurrency: int, ap
             if status != 200:
                 errors[str(status)] = errors.get(str(status), 0) + 1
 
-    # A client per request in flight, made before the clock starts: one client's pool of C
-    # connections does O(C) bookkeeping per request (httpcore's request assignment). At 128 in
-    # flight against a server that answers at once, one pool sent 151 requests/s, a client per
-    # connection 1,119 (bench/serve_client.py); the 3B server measured ~40/s through one pool
     async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=1)))
-                   for _ in range(concurrency)]
+        clients = await connections(stack, concurrency)  # made before the clock starts
         before = _metrics((await clients[0].get(url + "/metrics", headers=headers)).text)
         start = time.perf_counter()
         await asyncio.gather(*(worker(client) for client in clients))
@@ -136,7 +154,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--unbatched-requests", type=int, help="requests for the one-at-a-time run (default: --requests)")
-    parser.add_argument("--concurrency", default="64",
+    parser.add_argument("--concurrency", type=positive_ints, default="64",
                         help="requests in flight; a comma-separated list loads the batched server at each "
                              "(the one-at-a-time server at the first)")
     parser.add_argument("--batch-size", type=int, default=16, help="the server's batch (batching on)")
@@ -147,7 +165,7 @@ def main() -> None:
     parser.add_argument("--api-key")
     parser.add_argument("--out")
     args = parser.parse_args()
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    concurrencies = args.concurrency
     results = []
 
     def save(row: dict) -> None:

@@ -20,7 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from groundtune.cli.flags import positive_int
 from groundtune.data.synth import DEFAULT_PALETTE, make_sample, make_scene
+from groundtune.errors import GroundtuneError
 from groundtune.models.loading import load_model
 from groundtune.train.batches import encode_sample
 
@@ -72,13 +74,16 @@ def probe_accuracy(rows: list[np.ndarray], labels: list[int], classes: int) -> f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="+")
-    parser.add_argument("--n", type=int, default=600, help="scenes (1-3 shapes each)")
+    parser.add_argument("--n", type=positive_int, default=600, help="scenes (1-3 shapes each)")
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
     torch.manual_seed(0)
     results = {}
     for model in args.models:
-        results[model] = probe(model, args.n)
+        try:
+            results[model] = probe(model, args.n)
+        except GroundtuneError as e:  # a folder that is not a model: one line, exit 2
+            parser.error(str(e))
         print(model, results[model])
     if args.out:
         Path(args.out).write_text(json.dumps(stamped(results), indent=1) + "\n")

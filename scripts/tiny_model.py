@@ -197,7 +197,7 @@ def fresh_merger(model_folder: str | Path, out_dir: str | Path) -> Path:
 
     gm = load_model(str(model_folder), device="cpu", dtype="fp32")
     torch.manual_seed(0)
-    drawn = FAMILY.transformers_class("model_class")._from_config(gm.model.config)
+    drawn = FAMILY.transformers_class("model_class")(gm.model.config)  # initialised as a new model is
     gm.model.model.visual.merger.load_state_dict(drawn.model.visual.merger.state_dict())
     shutil.copytree(model_folder, out_dir, dirs_exist_ok=True)  # tokenizer, processor, metadata
     gm.model.save_pretrained(out_dir)
@@ -226,7 +226,12 @@ if __name__ == "__main__":
         parser.error("--fresh-merger writes a new model folder: give --out a folder other than the "
                      "shipped tiny model's and the model read")
     if a.fresh_merger:
-        print(fresh_merger(a.fresh_merger, a.out))
+        from groundtune.errors import GroundtuneError
+
+        try:
+            print(fresh_merger(a.fresh_merger, a.out))
+        except GroundtuneError as e:  # a folder that is not a model: one line, exit 2
+            parser.error(str(e))
         raise SystemExit(0)
     if a.install_weights:
         print(install_weights(a.install_weights, a.out))
