@@ -79,9 +79,16 @@ def prepare_for_training(model, cfg: TrainConfig):
 
 def keep_trainable_fp32(model) -> None:
     """Trainable weights (and so their optimizer state) in fp32, whatever the frozen base is in:
-    bf16 updates of small LoRA weights would round away."""
-    for p in model.parameters():
-        if p.requires_grad and p.dtype != torch.float32:
+    bf16 updates of small LoRA weights would round away.
+
+    A frozen merger after a trained vision tower is kept in fp32 too (it is small): nothing casts
+    between the two (only the language model's input is cast), so outside autocast, as in the
+    evals during training, the tower's fp32 output would meet the merger's bf16 weights."""
+    family = family_of(model)
+    parts = {family.part_of(name) for name, p in model.named_parameters() if p.requires_grad}
+    for name, p in model.named_parameters():
+        fp32 = p.requires_grad or ("vision" in parts and family.part_of(name) == "merger")
+        if fp32 and p.is_floating_point() and p.dtype != torch.float32:
             p.data = p.data.float()
 
 
