@@ -92,22 +92,26 @@ def test_param_groups_of_frozen_parts_and_of_lora(tiny):
 
 
 @pytest.mark.parametrize("trained", ["vision", "merger"])
-def test_one_of_vision_tower_and_merger_trained_on_a_bf16_base_answers(trained):
-    # The evals during training answer outside autocast. Nothing casts between the vision tower and
-    # the merger: a frozen bf16 merger after a trained fp32 tower would fail its first matmul, so it
-    # is kept fp32 too; a frozen tower before a trained merger stays bf16 (the large part: memory).
-    gm = load_model("tiny", dtype="bf16")
+def test_one_of_vision_tower_and_merger_trained_on_a_bf16_base_answers(any_family_model, trained):
+    # The evals during training answer outside autocast, and nothing casts between the vision tower
+    # and the merger: an fp32 tower (trained) before a bf16 merger (frozen), or the reverse, failed
+    # the merger's first matmul. Each merger now reads its input in its own dtype; no frozen part is
+    # copied to fp32.
+    gm = load_model(any_family_model, dtype="bf16")
     cfg = TrainConfig(train_data="x", method="full", freeze_vision=trained != "vision",
                       freeze_merger=trained != "merger", freeze_llm=True)
     model = adapt.prepare_for_training(gm.model, cfg)
     adapt.keep_trainable_fp32(model)
-    dtypes = {part: {p.dtype for n, p in model.named_parameters() if FAMILY.part_of(n) == part}
+    family = qwen.family_of(model)
+    dtypes = {part: {p.dtype for n, p in model.named_parameters() if family.part_of(n) == part}
               for part in ("vision", "merger", "llm")}
-    assert dtypes == {"vision": {torch.float32 if trained == "vision" else torch.bfloat16},
-                      "merger": {torch.float32}, "llm": {torch.bfloat16}}
+    assert dtypes == {part: {torch.float32 if part == trained else torch.bfloat16}
+                      for part in ("vision", "merger", "llm")}
     image, record = synth.make_sample(5, 0)
     [answer] = predict(gm, [image], [record["phrase"]], max_new_tokens=48)
-    assert answer.raw and answer.error is None, answer  # it answered, in the form the tiny model learnt
+    assert answer.raw  # it answered (random weights: what they say is not the point)
+    if any_family_model == "tiny":
+        assert answer.error is None, answer  # in the form the tiny model learnt
 
 
 def _adapted(model) -> set[str]:

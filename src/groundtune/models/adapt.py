@@ -81,15 +81,22 @@ def keep_trainable_fp32(model) -> None:
     """Trainable weights (and so their optimizer state) in fp32, whatever the frozen base is in:
     bf16 updates of small LoRA weights would round away.
 
-    A frozen merger after a trained vision tower is kept in fp32 too (it is small): nothing casts
-    between the two (only the language model's input is cast), so outside autocast, as in the
-    evals during training, the tower's fp32 output would meet the merger's bf16 weights."""
-    family = family_of(model)
-    parts = {family.part_of(name) for name, p in model.named_parameters() if p.requires_grad}
-    for name, p in model.named_parameters():
-        fp32 = p.requires_grad or ("vision" in parts and family.part_of(name) == "merger")
-        if fp32 and p.is_floating_point() and p.dtype != torch.float32:
+    With one of the vision tower and the merger trained in full and the other frozen, the two are
+    in different dtypes, and nothing casts between them (transformers casts only the language
+    model's input): outside autocast, as in the evals during training, a bf16 tower's output would
+    meet an fp32 merger's weights or the reverse. Each merger reads its input in its own dtype."""
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
+    for merger in family_of(model).mergers(model):
+        if not getattr(merger, "_groundtune_reads_own_dtype", False):
+            merger.register_forward_pre_hook(_input_in_own_dtype)
+            merger._groundtune_reads_own_dtype = True
+
+
+def _input_in_own_dtype(module, args):
+    dtype = next(module.parameters()).dtype
+    return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
 
 
 def lora_inputs_uncast(model):

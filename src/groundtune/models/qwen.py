@@ -105,6 +105,15 @@ class Family:
 
         return getattr(transformers, getattr(self, attribute))
 
+    def mergers(self, model) -> list:
+        """The merger modules a forward calls (Qwen3-VL's DeepStack mergers one by one) of a
+        transformers model (under a PEFT wrapper too)."""
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        tower = getattr(base.model, self.vision_tower)
+        found = [getattr(tower, name, None) for name in self.merger_modules]
+        return [m for module in found if module is not None
+                for m in (module if isinstance(module, torch.nn.ModuleList) else [module])]
+
     def part_of(self, name: str) -> str:
         """vision | merger | llm, from a parameter or module name (PEFT prefixes included)."""
         tower = rf"(^|\.){self.vision_tower}\."
