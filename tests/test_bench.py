@@ -36,6 +36,7 @@ SMOKE = {
                  {"impl", "rollouts_per_s"}),
     "memory_probe": (["--model", "tiny", "--batch", "2"], {"stages"}),
     "tiny_breakdown": (["tiny", "--n", "20"], {"tiny"}),
+    "tiny_swap": (["tiny", "--n", "4"], {"tiny"}),
     "tiny_step_profile": (["--batch", "4", "--workers", "1", "--loader-seconds", "0.5"],
                           {"ladder", "step_s", "full forward ms", "top_ops"}),
     "plan_check": (["measure", "--models", "tiny", "--samples", "16", "--limit", "1"], {"rows", "data"}),
