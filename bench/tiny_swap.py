@@ -21,7 +21,7 @@ from groundtune.evaluate import score_answer
 from groundtune.infer import load, predict
 
 sys.path.insert(0, str(Path(__file__).parent))
-from provenance import stamped  # noqa: E402
+from provenance import stamped
 
 SEED = 91  # scenes of synth's val split that no training stream draws
 
@@ -30,7 +30,7 @@ def pairs(word: str, n: int) -> list[tuple]:
     """n (image, phrase, its boxes, swapped phrase, its boxes) from every-task val scenes."""
     out, index = [], 0
     while len(out) < n:
-        image, record = make_sample(SEED, index, task="every", split="val")
+        image, _ = make_sample(SEED, index, task="every", split="val")
         scene = make_scene(SEED, index, task="every", split="val")
         index += 1
         query = scene.query
