@@ -50,6 +50,26 @@ def stamped(result, command: str | None = None) -> dict:
     return {"provenance": stamp, "results": result}
 
 
+def measure_models(parser, models: list[str], measure, out: str | None) -> dict:
+    """``measure(model)`` for each model named on the command line, each printed, all written
+    stamped to ``out`` where given. A folder that is not a model ends the script with argparse's
+    one line, exit 2."""
+    import json
+
+    from groundtune.errors import GroundtuneError
+
+    results = {}
+    for model in models:
+        try:
+            results[model] = measure(model)
+        except GroundtuneError as e:
+            parser.error(str(e))
+        print(model, results[model])
+    if out:
+        Path(out).write_text(json.dumps(stamped(results), indent=1) + "\n")
+    return results
+
+
 def unstamped(result):
     """What ``stamped`` was given: the rows (or dict) of a result file, without the stamp. For a
     bench that gathers the files its own child processes wrote."""

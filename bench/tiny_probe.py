@@ -13,7 +13,6 @@ is missing in the tower, lost in the merger, or there and unused by the language
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,12 +21,11 @@ import torch
 
 from groundtune.cli.flags import positive_int
 from groundtune.data.synth import DEFAULT_PALETTE, make_sample, make_scene
-from groundtune.errors import GroundtuneError
 from groundtune.models.loading import load_model
 from groundtune.train.batches import encode_sample
 
 sys.path.insert(0, str(Path(__file__).parent))
-from provenance import stamped
+from provenance import measure_models
 
 
 def probe(model: str, n: int) -> dict:
@@ -78,15 +76,7 @@ def main() -> None:
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
     torch.manual_seed(0)
-    results = {}
-    for model in args.models:
-        try:
-            results[model] = probe(model, args.n)
-        except GroundtuneError as e:  # a folder that is not a model: one line, exit 2
-            parser.error(str(e))
-        print(model, results[model])
-    if args.out:
-        Path(args.out).write_text(json.dumps(stamped(results), indent=1) + "\n")
+    measure_models(parser, args.models, lambda model: probe(model, args.n), args.out)
 
 
 if __name__ == "__main__":

@@ -10,18 +10,16 @@ changes; one that ignores it keeps its answer.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from groundtune.cli.flags import positive_int
 from groundtune.data.synth import make_sample, make_scene
-from groundtune.errors import GroundtuneError
 from groundtune.evaluate import score_answer
 from groundtune.infer import load, predict
 
 sys.path.insert(0, str(Path(__file__).parent))
-from provenance import stamped
+from provenance import measure_models
 
 SEED = 91  # scenes of synth's val split that no training stream draws
 
@@ -68,16 +66,8 @@ def main() -> None:
     parser.add_argument("--n", type=positive_int, default=300, help="phrase pairs per word")
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
-    results = {}
-    for model in args.models:
-        try:
-            results[model] = {word: swap_test(model, word, args.n) for word in ("colour", "kind")}
-        except GroundtuneError as e:  # a folder that is not a model: one line, exit 2
-            parser.error(str(e))
-        print(model, results[model])
-    if args.out:
-        Path(args.out).write_text(json.dumps(stamped(results), indent=1) + "\n")
-
+    measure_models(parser, args.models, lambda model: {word: swap_test(model, word, args.n) for word in ("colour", "kind")},
+                   args.out)
 
 if __name__ == "__main__":
     main()
