@@ -45,8 +45,7 @@ def pairs(word: str, n: int) -> list[tuple]:
     return out
 
 
-def swap_test(model: str, word: str, n: int) -> dict:
-    gm = load(model)
+def swap_test(gm, word: str, n: int) -> dict:
     rows = pairs(word, n)
     images = [r[0] for r in rows for _ in range(2)]
     phrases = [p for r in rows for p in (r[1], r[3])]
@@ -60,14 +59,18 @@ def swap_test(model: str, word: str, n: int) -> dict:
             "exactly_right_swapped": round(sum(right[1::2]) / n, 3)}
 
 
+def swap_tests(gm, n: int) -> dict:
+    return {word: swap_test(gm, word, n) for word in ("colour", "kind")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="+")
     parser.add_argument("--n", type=positive_int, default=300, help="phrase pairs per word")
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
-    measure_models(parser, args.models, lambda model: {word: swap_test(model, word, args.n) for word in ("colour", "kind")},
-                   args.out)
+    measure_models(parser, args.models, lambda model: swap_tests(load(model), args.n), args.out)
+
 
 if __name__ == "__main__":
     main()

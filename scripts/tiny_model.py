@@ -198,7 +198,8 @@ def fresh_merger(model_folder: str | Path, out_dir: str | Path) -> Path:
     gm = load_model(str(model_folder), device="cpu", dtype="fp32")
     torch.manual_seed(0)
     drawn = FAMILY.transformers_class("model_class")(gm.model.config)  # initialised as a new model is
-    gm.model.model.visual.merger.load_state_dict(drawn.model.visual.merger.state_dict())
+    for merger, new in zip(FAMILY.mergers(gm.model), FAMILY.mergers(drawn)):
+        merger.load_state_dict(new.state_dict())
     shutil.copytree(model_folder, out_dir, dirs_exist_ok=True)  # tokenizer, processor, metadata
     gm.model.save_pretrained(out_dir)
     return Path(out_dir) / "model.safetensors"
