@@ -45,6 +45,7 @@ from PIL import Image
 import groundtune as groundtune_package
 from cli_in_process import groundtune
 from groundtune.data.synth import make_synthetic_set
+from groundtune.models.loading import TINY_DIR
 
 REFGEN_INSTANCES = Path(__file__).parent / "fixtures" / "refgen" / "instances_val.json"
 
@@ -350,6 +351,10 @@ CASES = {
                               {}),
     "63-check-short-jpeg": (lambda c, out: ["data", "check", c.short_data], {}),
     "63-eval-short-jpeg": (lambda c, out: ["eval", "--model", "tiny", "--data", c.short_data], {}),
+    # 64: model folders transformers cannot read
+    "64-predict-corrupt-config": (lambda c, out: ["predict", "--model", c.corrupt_config, "--image",
+                                                  c.data / "images" / "train-0000000.png", "--phrase", "x"], {}),
+    "64-eval-truncated-weights": (lambda c, out: ["eval", "--model", c.truncated_weights, "--data", c.train], {}),
 }
 
 
@@ -377,6 +382,14 @@ def corpus(tmp_path_factory):
     c.broken_yaml.write_text(f"model: tiny\ntrain_data: {train}\nlr: 1e-3: 2\nout_dir: {base / 'runs' / '12-yaml'}\n")
     c.queries.write_text(json.dumps({"image": "data/images/train-0000000.png", "phrase": "the shape"}) + "\n"
                          + json.dumps({"image": "data/images/train-0000001.png"}) + "\n")
+    # 64: the tiny model's folder with its config.json broken, and with its weights cut short
+    c.corrupt_config, c.truncated_weights = base / "corrupt-config", base / "truncated-weights"
+    for folder in (c.corrupt_config, c.truncated_weights):
+        shutil.copytree(TINY_DIR, folder)
+    (c.corrupt_config / "config.json").write_text("{\n")
+    weights = c.truncated_weights / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+
     _files_that_are_not_what_they_seem(c, good_lines)
     _issue_48_files(c, good_lines)
 
@@ -1099,6 +1112,16 @@ def test_63_a_jpeg_too_short_for_its_frame_is_refused_unread(corpus):
     assert check.returncode == 1 and _table_row(check.stdout, "image_unreadable", 3), _show(check)
     assert re.fullmatch(rf"error: {re.escape(str(short))}: cannot decode image \({said}\)",
                         _quick_line(corpus.result("63-eval-short-jpeg")))
+
+
+def test_64_a_model_folder_transformers_cannot_read_is_one_line(corpus):
+    """Was: transformers' OSError (a config.json that is not JSON) or safetensors' header error (weights
+    cut short) as a traceback, exit 1, from every command that loads a model."""
+    folder = re.escape(str(corpus.corrupt_config))
+    assert re.fullmatch(rf"error: {folder}: cannot be loaded as a model: .*{folder}/config\.json.* not a valid JSON file\.",
+                        _quick_line(corpus.result("64-predict-corrupt-config")))
+    assert re.fullmatch(rf"error: {re.escape(str(corpus.truncated_weights))}: cannot be loaded as a model: .*header.*",
+                        _quick_line(corpus.result("64-eval-truncated-weights")))
 
 
 def test_99_every_case_done_and_the_finished_run_untouched(corpus):

@@ -238,12 +238,20 @@ def load_model(
         own_resize = (base.resize, base.resize_source)
         base_meta = base.metadata()
     else:
+        from safetensors import SafetensorError
+
         source = folder if folder is not None else name
-        processor = load_processor(source)
-        if kind == "random":
-            model = _random_architecture(name[len("random:"):], processor, torch_dtype)
-        else:
-            model = _load_weights(source, kind, torch_dtype, dev if quantize_4bit else None)
+        try:
+            processor = load_processor(source)
+            if kind == "random":
+                model = _random_architecture(name[len("random:"):], processor, torch_dtype)
+            else:
+                model = _load_weights(source, kind, torch_dtype, dev if quantize_4bit else None)
+        except (OSError, SafetensorError) as e:
+            if kind not in ("run", "folder"):
+                raise
+            # a folder of ours that transformers cannot read: a corrupt config.json, weights cut short
+            raise ModelError(f"{source}: cannot be loaded as a model: {str(e).splitlines()[0][:300]}") from None
         family = qwen.family_of(model.config)
         from_processor = processor_resize(source, family) if kind != "random" else None
         own_resize = ((from_processor, RESIZE_PROCESSOR) if from_processor is not None
