@@ -344,3 +344,26 @@ def test_every_task_files_are_canonical_sets_and_reproducible(tmp_path):
 
     report = check.check_file(a)
     assert report.trainable and report.no_target == sum(r["bboxes"] == [] for r in records)
+
+
+def test_contrast_task_asks_one_image_twice_by_its_colour_word():
+    """Samples 2j and 2j+1: the same pixels, phrases differing in the colour word alone, the first
+    naming shapes in the image and the second another colour's shapes (or none): only a model that
+    reads the colour word answers both."""
+    second_empty = 0
+    for j in range(150):
+        (image_a, a), (image_b, b) = (synth.make_sample(seed=4, index=2 * j + m, task="contrast", canvas=(112, 224))
+                                      for m in (0, 1))
+        assert image_a.tobytes() == image_b.tobytes() and (a["width"], a["height"]) == (b["width"], b["height"])
+        words_a, words_b = a["phrase"].split(), b["phrase"].split()
+        differ = [i for i, (x, y) in enumerate(zip(words_a, words_b)) if x != y]
+        assert len(words_a) == len(words_b) and len(differ) == 1, (a["phrase"], b["phrase"])
+        assert {words_a[differ[0]], words_b[differ[0]]} <= set(PAL.colours)
+        assert a["bboxes"] and a["bboxes"] != b["bboxes"], (a, b)
+        scene = synth.make_scene(seed=4, index=2 * j + 1, task="contrast", canvas=(112, 224))
+        assert independent_set(scene.phrase, scene.shapes) == scene.targets and scene.phrase == b["phrase"]
+        second_empty += not b["bboxes"]
+    assert 0.15 < second_empty / 150 < 0.85  # the other colour: sometimes in the image, sometimes not
+    # a sequence of its own: pair 0 is not the every task's scene 0
+    assert synth.make_sample(seed=4, index=0, task="every")[0].tobytes() != \
+        synth.make_sample(seed=4, index=0, task="contrast")[0].tobytes()

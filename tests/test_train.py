@@ -204,6 +204,13 @@ def test_synthetic_stream_is_the_synthetic_set_drawn_on_the_fly(synth_single):
     assert record == synth.make_sample(1, 3, task="every", canvas=(112, 224))[1]
     with pytest.raises(ValueError, match="'synth:single@big': canvas 'big': expected MIN-MAX"):
         open_samples("synth:single@big", 0)
+    # contrast pairs (one image, two colour words) are drawn in turn: a batch of 4 holds a whole pair
+    paired = open_samples("synth:every+contrast", 1)
+    batch = [paired[i] for i in range(8, 12)]
+    assert [r["task"] for _, r in batch] == ["every", "contrast", "every", "contrast"]
+    (image_a, a), (image_b, b) = batch[1], batch[3]
+    assert image_a.tobytes() == image_b.tobytes() and a["phrase"] != b["phrase"]
+    assert (a, b) == tuple(synth.make_sample(1, i, task="contrast")[1] for i in (4, 5))  # pair 2
 
 
 def test_training_on_the_stream_resumes_exactly(tmp_path):

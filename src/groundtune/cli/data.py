@@ -335,7 +335,9 @@ def _add_data_synth(dsub: argparse._SubParsersAction) -> None:
                         "every: sets, 1-6 shapes whose colour and kind may repeat and a phrase naming all of a "
                         "colour and/or kind ('every red circle', 'all the squares'), 0 to 6 boxes, "
                         # "25%%": argparse %-formats help text, and prints it as 25%
-                        f"{synth.NO_TARGET_SHARE:.0%}% of the samples naming nothing in the image (no target)")
+                        f"{synth.NO_TARGET_SHARE:.0%}% of the samples naming nothing in the image (no target); "
+                        "contrast: every's scenes in pairs, one image asked twice by phrases differing only in "
+                        "their colour word (samples 2j, 2j+1)")
     p.add_argument("--palette", default="default", choices=list(synth.PALETTES),
                    help="default: red, green, blue and yellow circles, squares and triangles; unseen: purple, orange, "
                         "pink and brown diamonds and crosses (colours and shapes no built-in model was pre-trained on)")

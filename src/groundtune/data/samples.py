@@ -58,7 +58,11 @@ class SyntheticStream:
     """``synth:TASK``: synthetic sample i of (seed, "train"), drawn when it is asked for.
     ``synth:TASK1+TASK2``: a mixture, sample i of task i mod 2 (a curriculum that keeps a harder
     task in every batch, e.g. ``synth:full+attribute``). ``synth:TASKS@MIN-MAX``: each sample on a
-    canvas whose sides are drawn from MIN..MAX px (``synth.canvas_size``), else 112 x 112."""
+    canvas whose sides are drawn from MIN..MAX px (``synth.canvas_size``), else 112 x 112.
+    ``contrast`` draws its pairs (one image, two phrases) from a sequence of its own, so that a pair
+    lands in one batch: in ``synth:every+contrast`` with batches of 4, a batch is every, contrast
+    pair j's first phrase, every, pair j's second phrase (batch sizes that are a multiple of twice the
+    number of tasks keep every pair together)."""
 
     shuffle = False  # fresh samples in index order: nothing to shuffle, nothing repeats
 
@@ -75,12 +79,17 @@ class SyntheticStream:
                                  f"{', '.join(SYNTH_PREFIX + t for t in synth.TASKS)}, or several joined by +, "
                                  "then optionally @MIN-MAX (canvas sides in px)")
         self.seed = seed
+        self.contrast_slots = [i for i, task in enumerate(self.tasks) if task == synth.CONTRAST_TASK]
 
     def __len__(self) -> int:
         return SYNTH_STREAM_LENGTH
 
     def __getitem__(self, index: int) -> tuple[Image.Image, dict]:
-        return synth.make_sample(self.seed, index, task=self.tasks[index % len(self.tasks)], canvas=self.canvas)
+        task = self.tasks[index % len(self.tasks)]
+        if task == synth.CONTRAST_TASK:  # the contrast task's own sample number: pairs come in turn
+            rounds, slot = divmod(index, len(self.tasks))
+            index = rounds * len(self.contrast_slots) + self.contrast_slots.index(slot)
+        return synth.make_sample(self.seed, index, task=task, canvas=self.canvas)
 
     def where(self, index: int) -> str:
         return f"synth:{self.spec} sample {index}"

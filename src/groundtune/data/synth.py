@@ -49,8 +49,12 @@ from groundtune.progress import progress_bar
 #   full       1-3 shapes, every phrase form
 #   every      1-6 shapes, colour and kind may repeat; the phrase names every shape of a colour and/or
 #              kind ("every red circle", "all the squares", "the blue shapes"), possibly none
+#   contrast   the every task's scenes in pairs: samples 2j and 2j+1 are one image asked about twice,
+#              by phrases differing only in their colour word ("every red circle", "every blue
+#              circle"), the first naming shapes in the image, the second another colour's (or none).
+#              A model that ignores the colour word answers one of the two wrongly, always.
 SHAPE_COUNTS = {"full": (1, 3), "single": (1, 1), "attribute": (2, 3), "multi": (2, 3),
-                "every": (1, 6)}  # task -> (fewest, most)
+                "every": (1, 6), "contrast": (1, 6)}  # task -> (fewest, most)
 TASKS = tuple(SHAPE_COUNTS)
 # A set's defaults (make_synthetic_set's and its helpers', and `groundtune data synth`'s flags): the
 # canvas the built-in tiny model was pre-trained on, and relational phrases about 1-3 shapes
@@ -104,6 +108,8 @@ UNSEEN_PALETTE = Palette(colours={"purple": (130, 50, 180), "orange": (240, 120,
 PALETTES = {"default": DEFAULT_PALETTE, "unseen": UNSEEN_PALETTE}
 
 SET_TASK = "every"
+CONTRAST_TASK = "contrast"
+SET_TASKS = (SET_TASK, CONTRAST_TASK)  # tasks whose answer is a set: "bboxes", any number
 # of the every task's samples: a phrase naming nothing in the image (measured: 24.7% to 25.1% of
 # 20,000 scenes, for each of seeds 0 and 1, split val, and canvases of 112-224 px)
 NO_TARGET_SHARE = 0.25
@@ -388,19 +394,39 @@ def _set_query(rng: np.random.Generator, shapes: list[Shape], palette: Palette) 
     return Query("set", template.format(one=one, many=many), colour, kind)
 
 
+def _contrast_queries(rng: np.random.Generator, shapes: list[Shape], palette: Palette) -> tuple[Query, Query]:
+    """Two phrases of one template differing only in their colour word: the first names a colour
+    present in the image (with a present shape's kind, or alone: "the red shapes"), the second any
+    other colour of the palette, present (another set) or not (none)."""
+    shape = shapes[int(rng.integers(len(shapes)))]
+    kind = shape.kind if rng.random() < 0.5 else None
+    others = [c for c in palette.colours if c != shape.colour]
+    other = others[int(rng.integers(len(others)))] if others else shape.colour
+    template = SET_TEMPLATES[int(rng.integers(len(SET_TEMPLATES)))]
+
+    def query(colour: str) -> Query:
+        many = f"{colour} {plural(kind)}" if kind else f"{colour} shapes"
+        return Query("set", template.format(one=_head_text(colour, kind), many=many), colour, kind)
+
+    return query(shape.colour), query(other)
+
+
 def _rng(seed: int, index: int, split: str) -> np.random.Generator:
     # The split is part of the key so that `--split val` with the default seed is not a copy of
     # the training set. crc32, not hash(): Python salts str hashes per process.
     return np.random.default_rng([seed, zlib.crc32(split.encode()), index])
 
 
-def _scene(rng: np.random.Generator, width: int, height: int, task: str, palette: Palette) -> Scene:
+def _scene(rng: np.random.Generator, width: int, height: int, task: str, palette: Palette,
+           member: int = 0) -> Scene:
+    """``member``: for the contrast task, which of the pair's two phrases (0 or 1); the scene and
+    the random draws after it are the same for both, so both are one image."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
     n_pairs = len(palette.colours) * len(palette.shapes)
     lo, hi = SHAPE_COUNTS[task]
     k = lo if lo == hi else int(rng.integers(lo, hi + 1))
-    if task == SET_TASK:  # pairs may repeat: a set of several red circles
+    if task in SET_TASKS:  # pairs may repeat: a set of several red circles
         pairs = rng.integers(n_pairs, size=k)
     else:  # distinct (colour, shape) pairs, so "the {colour} {shape}" always names one shape
         k = min(k, n_pairs)
@@ -420,8 +446,9 @@ def _scene(rng: np.random.Generator, width: int, height: int, task: str, palette
         shapes.append(Shape(colour, kind, (x0 + bx1, y0 + by1, x0 + bx2, y0 + by2)))
     if not shapes:
         raise ValueError(f"a {width}x{height} canvas is too small for a {_size_range(width, height)[0]} px shape")
-    if task == SET_TASK:
-        query = _set_query(rng, shapes, palette)
+    if task in SET_TASKS:
+        query = (_set_query(rng, shapes, palette) if task == SET_TASK
+                 else _contrast_queries(rng, shapes, palette)[member])
         targets = sorted(resolve(query, shapes, _margin(width, height))[0])
     else:
         target = int(rng.integers(len(shapes)))
@@ -477,9 +504,20 @@ def make_scene(
 ) -> Scene:
     """The layout and phrase of a sample (every shape, the target, the query), without drawing it.
     ``canvas``: (MIN, MAX) side range, drawn per sample (``canvas_size``) in place of width x height."""
+    return _drawn_scene(seed, index, width, height, task, palette, split, canvas)[0]
+
+
+def _drawn_scene(seed: int, index: int, width: int, height: int, task: str, palette: Palette, split: str,
+                 canvas: tuple[int, int] | None) -> tuple[Scene, np.random.Generator]:
+    """Sample ``index``'s scene and the generator its drawing goes on with."""
+    member = 0
+    if task == CONTRAST_TASK:  # samples 2j and 2j+1: scene j of the task's own sequence, asked twice
+        index, member = index // 2, index % 2
+        split = f"{split}/{CONTRAST_TASK}"  # not the every task's scene j
     if canvas is not None:
         width, height = canvas_size(seed, index, split, canvas)
-    return _scene(_rng(seed, index, split), width, height, task, palette)
+    rng = _rng(seed, index, split)
+    return _scene(rng, width, height, task, palette, member), rng
 
 
 def make_sample(
@@ -495,17 +533,14 @@ def make_sample(
     """Sample ``index`` of the set ``(seed, split)``: an RGB image and its record without the
     id/image/split fields (make_synthetic_set and iter_samples add those). ``canvas``: as
     make_scene's."""
-    if canvas is not None:
-        width, height = canvas_size(seed, index, split, canvas)
-    rng = _rng(seed, index, split)
-    scene = _scene(rng, width, height, task, palette)
+    scene, rng = _drawn_scene(seed, index, width, height, task, palette, split, canvas)
     image = _render(rng, scene, palette)
     record = {
-        "width": width,
-        "height": height,
+        "width": scene.width,
+        "height": scene.height,
         "phrase": scene.phrase,
-        # a set (possibly empty) for the every task, else the one box
-        **({"bboxes": scene.boxes} if task == SET_TASK else {"bbox": scene.boxes[0]}),
+        # a set (possibly empty) for the every and contrast tasks, else the one box
+        **({"bboxes": scene.boxes} if task in SET_TASKS else {"bbox": scene.boxes[0]}),
         "source": "synth",
         "task": task,
     }
