@@ -4,6 +4,11 @@ another colour (kind) in the scene: how often the answer stays the same where th
 changes. A model that reads the word changes its answer about as often as the right answer
 changes; one that ignores it keeps its answer.
 
+And, on synth's attribute-task scenes (2-3 shapes, one named by colour and/or kind), Acc@0.5 by the
+cue that tells the target from the others: its colour alone ("the red shape"; the chance of a
+random pick among the shapes, ``random_pick``, about 0.4), its colour where another shape has its kind ("the red
+circle" beside a blue circle), its kind where another has its colour, either, or its kind alone.
+
     python bench/tiny_swap.py MODEL [MODEL ...] --n 300 [--out swap.json]
 """
 
@@ -15,7 +20,7 @@ from pathlib import Path
 
 from groundtune.cli.flags import positive_int
 from groundtune.data.synth import make_sample, make_scene
-from groundtune.evaluate import score_answer
+from groundtune.evaluate import score, score_answer
 from groundtune.infer import load, predict
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -59,8 +64,33 @@ def swap_test(gm, word: str, n: int) -> dict:
             "exactly_right_swapped": round(sum(right[1::2]) / n, 3)}
 
 
+def cue(scene) -> str:
+    """What tells an attribute-task phrase's target from the other shapes."""
+    query, target = scene.query, scene.shapes[scene.targets[0]]
+    others = [s for i, s in enumerate(scene.shapes) if i != scene.targets[0]]
+    if not (query.colour and query.kind):
+        return "colour alone" if query.colour else "kind alone"
+    if any(s.kind == target.kind for s in others):
+        return "colour (another of its kind)"
+    return "kind (another of its colour)" if any(s.colour == target.colour for s in others) else "either"
+
+
+def cue_test(gm, n: int) -> dict:
+    images, phrases, truths, scenes = [], [], [], []
+    for index in range(n):
+        image, record = make_sample(SEED, index, task="attribute", split="val")
+        images.append(image), phrases.append(record["phrase"]), truths.append(record["bbox"])
+        scenes.append(make_scene(SEED, index, task="attribute", split="val"))
+    answers = predict(gm, images, phrases, batch_size=100, max_new_tokens=32)
+    hits: dict[str, list[tuple[bool, float]]] = {}  # cue -> (hit, chance of a random pick) per scene
+    for answer, truth, scene in zip(answers, truths, scenes):
+        hits.setdefault(cue(scene), []).append((score(answer.bbox, [truth])["hit@0.5"], 1 / len(scene.shapes)))
+    return {what: {"n": len(h), "acc@0.5": round(sum(hit for hit, _ in h) / len(h), 3),
+                   "random_pick": round(sum(chance for _, chance in h) / len(h), 3)} for what, h in sorted(hits.items())}
+
+
 def swap_tests(gm, n: int) -> dict:
-    return {word: swap_test(gm, word, n) for word in ("colour", "kind")}
+    return {**{word: swap_test(gm, word, n) for word in ("colour", "kind")}, "attribute_by_cue": cue_test(gm, n)}
 
 
 def main() -> None:
