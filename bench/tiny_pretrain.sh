@@ -20,7 +20,8 @@ PLAN=$1
 T=${SECONDS_PER_RUN:-470}
 W=/tmp/tp
 mkdir -p $W/arch $OUT
-python -m groundtune data synth --out $W/data --n 500 --seed 12 --split val ${VAL:---task full} | tail -1
+# --overwrite: a machine kept warm between calls still holds the last call's (the same seed: the same set)
+python -m groundtune data synth --out $W/data --n 500 --seed 12 --split val --overwrite ${VAL:---task full} | tail -1
 runs=()
 while read -r kind name rest; do
   case "$kind" in
