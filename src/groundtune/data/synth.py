@@ -401,7 +401,7 @@ def _contrast_queries(rng: np.random.Generator, shapes: list[Shape], palette: Pa
     shape = shapes[int(rng.integers(len(shapes)))]
     kind = shape.kind if rng.random() < 0.5 else None
     others = [c for c in palette.colours if c != shape.colour]
-    other = others[int(rng.integers(len(others)))] if others else shape.colour
+    other = others[int(rng.integers(len(others)))] if others else shape.colour  # one colour: asked twice alike
     template = SET_TEMPLATES[int(rng.integers(len(SET_TEMPLATES)))]
 
     def query(colour: str) -> Query:
