@@ -2,7 +2,7 @@
 it equals one never stopped; SIGTERM to the launcher's process group stops every rank at one step,
 rank 0 saves, and the run resumes; a sharded (FSDP2) run resumes on one process; a NaN on one rank
 skips the step on every rank. Real torchrun processes (a signal or a kill is sent to a process);
-the reference is one process, a module fixture (tests/ranks.py: the launches)."""
+the reference is an uninterrupted 2-rank run, a module fixture (tests/ranks.py: the launches)."""
 
 from __future__ import annotations
 
@@ -26,10 +26,13 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def whole(data, tmp_path_factory):
-    """6 steps of the global batch 4, never stopped: one process (two ranks of batch 2 train as
-    one process of batch 4, as test_distributed.py shows), the reference of the runs stopped on 2 ranks."""
+    """6 steps of the global batch 4 on 2 ranks, never stopped: the reference of the runs stopped on
+    2 ranks. (Two ranks of batch 2 train as one process of batch 4, test_distributed.py shows, but
+    not to the last bit: their gradients are summed in another order, and by step 6, where the loss
+    is ~3e-4, the two differ by 1.3e-5 of it on some CPUs. A stop and resume must change nothing, so
+    the reference is the same world size.)"""
     run = tmp_path_factory.mktemp("whole") / "run"
-    finish(train(data, run, 0, "max_steps=6", "batch_size=4", "save_every=1"))
+    finish(train(data, run, 2, "max_steps=6", "batch_size=2", "save_every=1"))
     return run
 
 
