@@ -218,6 +218,8 @@ if __name__ == "__main__":
     parser.add_argument("--vision-hidden", type=int)
     parser.add_argument("--vision-layers", type=int)
     parser.add_argument("--vision-heads", type=int)
+    parser.add_argument("--kv-heads", type=int, help="text key/value heads (default: 2 where the query heads are even, "
+                        "else 1); as many as the query heads: plain multi-head attention")
     parser.add_argument("--install-weights", metavar="MODEL_FOLDER",
                         help="write this trained model's weights (bf16) into --out as the tiny model's")
     parser.add_argument("--fresh-merger", metavar="MODEL_FOLDER",
@@ -244,6 +246,8 @@ if __name__ == "__main__":
                     num_key_value_heads=2 if heads % 2 == 0 else 1, head_dim=a.head_dim)
     if a.layers:
         text["num_hidden_layers"] = a.layers
+    if a.kv_heads:
+        text["num_key_value_heads"] = a.kv_heads
     if a.mrope or a.rope_theta:
         rope = dict(TEXT_CONFIG["rope_parameters"])
         if a.mrope:
