@@ -208,6 +208,8 @@ def fresh_merger(model_folder: str | Path, out_dir: str | Path) -> Path:
 if __name__ == "__main__":
     import argparse
 
+    from groundtune.cli.flags import positive_int
+
     parser = argparse.ArgumentParser(description="Write the tiny model's assets (or another tiny architecture's).")
     parser.add_argument("--out", default=str(TINY_DIR))
     parser.add_argument("--hidden", type=int, help="text hidden size")
@@ -218,7 +220,7 @@ if __name__ == "__main__":
     parser.add_argument("--vision-hidden", type=int)
     parser.add_argument("--vision-layers", type=int)
     parser.add_argument("--vision-heads", type=int)
-    parser.add_argument("--kv-heads", type=int, help="text key/value heads (default: 2 where the query heads are even, "
+    parser.add_argument("--kv-heads", type=positive_int, help="text key/value heads (default: 2 where the query heads are even, "
                         "else 1); as many as the query heads: plain multi-head attention")
     parser.add_argument("--install-weights", metavar="MODEL_FOLDER",
                         help="write this trained model's weights (bf16) into --out as the tiny model's")
@@ -247,6 +249,9 @@ if __name__ == "__main__":
     if a.layers:
         text["num_hidden_layers"] = a.layers
     if a.kv_heads:
+        heads = text.get("num_attention_heads", TEXT_CONFIG["num_attention_heads"])
+        if heads % a.kv_heads:  # grouped-query attention shares each key/value head among whole groups
+            parser.error(f"--kv-heads {a.kv_heads} does not divide the {heads} query heads")
         text["num_key_value_heads"] = a.kv_heads
     if a.mrope or a.rope_theta:
         rope = dict(TEXT_CONFIG["rope_parameters"])
