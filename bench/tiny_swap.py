@@ -5,9 +5,9 @@ changes. A model that reads the word changes its answer about as often as the ri
 changes; one that ignores it keeps its answer.
 
 And, on synth's attribute-task scenes (2-3 shapes, one named by colour and/or kind), Acc@0.5 by the
-cue that tells the target from the others: its colour alone ("the red shape"; the chance of a
-random pick among the shapes, ``random_pick``, about 0.4), its colour where another shape has its kind ("the red
-circle" beside a blue circle), its kind where another has its colour, either, or its kind alone.
+cue that tells the target from the others: its colour alone ("the red shape"; a random pick among
+the shapes, ``random_pick``, scores about 0.4), its colour where another shape has its kind ("the
+red circle" beside a blue circle), its kind where another has its colour, either, or its kind alone.
 
     python bench/tiny_swap.py MODEL [MODEL ...] --n 300 [--out swap.json]
 """
@@ -79,7 +79,9 @@ def cue_test(gm, n: int) -> dict:
     images, phrases, truths, scenes = [], [], [], []
     for index in range(n):
         image, record = make_sample(SEED, index, task="attribute", split="val")
-        images.append(image), phrases.append(record["phrase"]), truths.append(record["bbox"])
+        images.append(image)
+        phrases.append(record["phrase"])
+        truths.append(record["bbox"])
         scenes.append(make_scene(SEED, index, task="attribute", split="val"))
     answers = predict(gm, images, phrases, batch_size=100, max_new_tokens=32)
     hits: dict[str, list[tuple[bool, float]]] = {}  # cue -> (hit, chance of a random pick) per scene
