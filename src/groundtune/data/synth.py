@@ -45,6 +45,9 @@ from groundtune.progress import progress_bar
 #   single     one shape, "the {colour} {shape}"
 #   attribute  2-3 shapes, the target named by colour and/or kind only ("the red circle", "the circle",
 #              "the red shape"): position alone never tells which shape is meant
+#   colour     2-3 shapes of one kind in distinct colours ("the red circle", "the red shape"): the
+#              colour word is the only way to the target (in attribute scenes the kind word
+#              usually is one, and a model can learn to ignore colour)
 #   multi      2-3 shapes, every phrase form
 #   full       1-3 shapes, every phrase form
 #   every      1-6 shapes, colour and kind may repeat; the phrase names every shape of a colour and/or
@@ -53,7 +56,7 @@ from groundtune.progress import progress_bar
 #              by phrases differing only in their colour word ("every red circle", "every blue
 #              circle"), the first naming shapes in the image, the second another colour's (or none).
 #              A model that ignores the colour word answers one of the two wrongly, always.
-SHAPE_COUNTS = {"full": (1, 3), "single": (1, 1), "attribute": (2, 3), "multi": (2, 3),
+SHAPE_COUNTS = {"full": (1, 3), "single": (1, 1), "attribute": (2, 3), "colour": (2, 3), "multi": (2, 3),
                 "every": (1, 6), "contrast": (1, 6)}  # task -> (fewest, most)
 TASKS = tuple(SHAPE_COUNTS)
 # A set's defaults (make_synthetic_set's and its helpers', and `groundtune data synth`'s flags): the
@@ -109,6 +112,7 @@ PALETTES = {"default": DEFAULT_PALETTE, "unseen": UNSEEN_PALETTE}
 
 SET_TASK = "every"
 CONTRAST_TASK = "contrast"
+COLOUR_TASK = "colour"
 SET_TASKS = (SET_TASK, CONTRAST_TASK)  # tasks whose answer is a set: "bboxes", any number
 # of the every task's samples: a phrase naming nothing in the image (measured: 24.7% to 25.1% of
 # 20,000 scenes, for each of seeds 0 and 1, split val, and canvases of 112-224 px)
@@ -354,7 +358,7 @@ def _choose_query(rng: np.random.Generator, shapes: list[Shape], target: int, ta
     # The first form, in a random order, that can name the target: a form uniformly among those
     # that can, so relational forms get used even where "the red circle" would do and the model
     # has to read them. "attribute" always can, so the loop always returns.
-    forms = ("attribute",) if task == "attribute" else FORMS
+    forms = ("attribute",) if task in ("attribute", COLOUR_TASK) else FORMS
     for f in rng.permutation(len(forms)):
         valid = []
         for q in _candidates(forms[f], shapes, target):
@@ -428,6 +432,10 @@ def _scene(rng: np.random.Generator, width: int, height: int, task: str, palette
     k = lo if lo == hi else int(rng.integers(lo, hi + 1))
     if task in SET_TASKS:  # pairs may repeat: a set of several red circles
         pairs = rng.integers(n_pairs, size=k)
+    elif task == COLOUR_TASK:  # one kind, distinct colours: only the colour tells them apart
+        k = min(k, len(palette.colours))
+        kind = int(rng.integers(len(palette.shapes)))
+        pairs = rng.choice(len(palette.colours), size=k, replace=False) * len(palette.shapes) + kind
     else:  # distinct (colour, shape) pairs, so "the {colour} {shape}" always names one shape
         k = min(k, n_pairs)
         pairs = rng.choice(n_pairs, size=k, replace=False)
