@@ -221,6 +221,19 @@ def test_curriculum_tasks_always_leave_a_choice(task):
         assert forms == {"attribute", "relation", "extreme", "attribute+position"}
 
 
+def test_colour_task_leaves_the_colour_word_the_only_cue():
+    """2-3 shapes of one kind in distinct colours: the kind word (if any) fits them all, so a model
+    that ignores the colour word can only guess."""
+    for i in range(300):
+        scene = synth.make_scene(5, i, task="colour", canvas=(112, 224))
+        kinds, colours = {s.kind for s in scene.shapes}, [s.colour for s in scene.shapes]
+        assert len(scene.shapes) in (2, 3) and len(kinds) == 1 and len(set(colours)) == len(colours)
+        assert independent_resolve(scene.phrase, scene.shapes) == scene.targets, (i, scene.phrase)
+        # without its colour word the phrase ("the circle", "the shape") names every shape alike
+        without_colour = scene.phrase.replace(f" {colours[scene.targets[0]]} ", " ")
+        assert independent_resolve(without_colour, scene.shapes) == list(range(len(scene.shapes))), scene.phrase
+
+
 def test_palette_variant_is_one_argument():
     pal = synth.Palette(colours={"purple": (120, 30, 160), "orange": (240, 120, 0)}, shapes=("diamond", "cross"))
     for i in range(80):

@@ -331,7 +331,8 @@ def _add_data_synth(dsub: argparse._SubParsersAction) -> None:
     p.add_argument("--split", default=synth.SPLIT, help="split name: the file is OUT/SPLIT.jsonl")
     p.add_argument("--task", default=synth.TASK, choices=synth.TASKS,
                    help="full: 1-3 shapes and relational phrases; single: one shape, 'the {colour} {shape}'; "
-                        "attribute: 2-3 shapes named by colour and/or kind; multi: like full with 2-3 shapes; "
+                        "attribute: 2-3 shapes named by colour and/or kind; colour: 2-3 shapes of one kind in distinct colours, "
+                        "the colour word the only cue; multi: like full with 2-3 shapes; "
                         "every: sets, 1-6 shapes whose colour and kind may repeat and a phrase naming all of a "
                         "colour and/or kind ('every red circle', 'all the squares'), 0 to 6 boxes, "
                         # "25%%": argparse %-formats help text, and prints it as 25%
