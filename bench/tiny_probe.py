@@ -7,6 +7,14 @@ reads). If a model never picks the named shape among several, this tells whether
 is missing in the tower, lost in the merger, or there and unused by the language model. Chance is
 0.25 for colour (four) and 0.33 for kind (three).
 
+And how far each stage of the tower moves when only the shapes' colours change, against when only
+their kinds change (``moved_by``): synth's colour-task scenes (2-3 shapes of one kind) drawn three
+times, as they are, with every colour swapped for the next of the palette, and with every kind
+swapped for the next; at each stage (the pixels as the tower reads them, the patch embedding, each
+block, the merged tokens) the change summed over all tokens over the features' summed size. A probe
+reads a small change as well as a large one; a language model behind RMS norms sees what share of
+its input a colour moves.
+
     python bench/tiny_probe.py MODEL [MODEL ...] --n 600 [--out probe.json]
 """
 
@@ -20,7 +28,7 @@ import numpy as np
 import torch
 
 from groundtune.cli.flags import positive_int
-from groundtune.data.synth import DEFAULT_PALETTE, make_sample, make_scene
+from groundtune.data.synth import DEFAULT_PALETTE, Palette, make_sample, make_scene
 from groundtune.models.loading import load_model
 from groundtune.train.batches import encode_sample
 
@@ -61,6 +69,40 @@ def probe(model: str, n: int) -> dict:
     return result
 
 
+def moved_by(model: str, n: int) -> dict:
+    gm = load_model(model, device="cpu", dtype="fp32")
+    visual = gm.model.model.visual
+    stages = {"patch_embed": visual.patch_embed, **{f"block{i}": b for i, b in enumerate(visual.blocks)},
+              "merged": visual.merger}
+    seen = {}
+    for name, module in stages.items():
+        module.register_forward_hook(lambda _m, _args, out, name=name: seen.update({name: out}))
+    colours, kinds = DEFAULT_PALETTE.colours, DEFAULT_PALETTE.shapes
+    names = list(colours)
+    swapped = {"colour": Palette(colours={c: colours[names[(i + 1) % len(names)]] for i, c in enumerate(names)},
+                                 shapes=kinds),
+               "kind": Palette(colours=colours, shapes=kinds[1:] + kinds[:1])}
+
+    def features(index: int, palette: Palette) -> dict:
+        image, record = make_sample(5, index, task="colour", palette=palette)
+        enc = encode_sample(gm.processor, gm.family, gm.resize, gm.prompt, image, record)
+        with torch.no_grad():
+            visual(enc["pixel_values"], grid_thw=enc["image_grid_thw"])
+        return {"pixels": enc["pixel_values"], **{k: v[0] if isinstance(v, tuple) else v for k, v in seen.items()}}
+
+    moved = {name: dict.fromkeys(swapped, 0.0) for name in ["pixels", *stages]}
+    size = dict.fromkeys(moved, 0.0)
+    for index in range(n):
+        base = features(index, DEFAULT_PALETTE)
+        for name, x in base.items():
+            size[name] += float(x.norm(dim=-1).sum())
+        for cue, palette in swapped.items():
+            other = features(index, palette)
+            for name, x in base.items():
+                moved[name][cue] += float((x - other[name]).norm(dim=-1).sum())
+    return {name: {cue: round(v / size[name], 4) for cue, v in by_cue.items()} for name, by_cue in moved.items()}
+
+
 def probe_accuracy(rows: list[np.ndarray], labels: list[int], classes: int) -> float:
     """A least-squares linear probe fitted on the first 70% of the rows, scored on the rest."""
     x = np.c_[np.array(rows), np.ones(len(rows))]
@@ -76,7 +118,8 @@ def main() -> None:
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
     torch.manual_seed(0)
-    measure_models(parser, args.models, lambda model: probe(model, args.n), args.out)
+    measure_models(parser, args.models, lambda model: {**probe(model, args.n), "moved_by": moved_by(model, args.n)},
+                   args.out)
 
 
 if __name__ == "__main__":
