@@ -20,6 +20,7 @@ content (docs/benchmarks-history.md, "groundtune-tiny").
     python scripts/tiny_model.py --out DIR [--hidden 256 ...]    # another tiny architecture (config only)
     python scripts/tiny_model.py --install-weights RUN/model     # ship a pre-trained model as `tiny`
     python scripts/tiny_model.py --fresh-merger RUN/model --out DIR   # RUN's model, its merger drawn anew
+    python scripts/tiny_model.py --fresh-vision RUN/model --out DIR   # ... its whole vision tower drawn anew
 """
 
 from __future__ import annotations
@@ -182,13 +183,16 @@ def install_weights(model_folder: str | Path, out_dir: str | Path = TINY_DIR) ->
     return Path(out_dir) / "model.safetensors"
 
 
-def fresh_merger(model_folder: str | Path, out_dir: str | Path) -> Path:
-    """``model_folder``'s model written to ``out_dir`` with its vision->LLM merger drawn anew, as a
-    new model of the architecture draws it, everything else as trained: to continue pre-training
-    with ``freeze_merger=true``. Pre-training teaches the merger's MLP to drop the shapes' colour
-    (a linear probe reads it from the tower's last block at 0.94, from the merged tokens at
-    0.42-0.44, chance 0.25); a random merger passes it on (docs/benchmarks-history.md, "groundtune-tiny 2: a wider
-    vision tower, and where colour is lost")."""
+def fresh_vision(model_folder: str | Path, out_dir: str | Path, whole_tower: bool = False) -> Path:
+    """``model_folder``'s model written to ``out_dir`` with its vision->LLM merger (``whole_tower``:
+    the whole vision tower, merger included) drawn anew, as a new model of the architecture draws
+    it, everything else as trained: to continue pre-training with ``freeze_merger=true`` (and
+    ``freeze_vision=true``). Pre-training teaches the merger's MLP to drop the shapes' colour (a
+    linear probe reads it from the tower's last block at 0.94, from the merged tokens at 0.42-0.44,
+    chance 0.25); a random merger passes it on (docs/benchmarks-history.md, "groundtune-tiny 2: a
+    wider vision tower, and where colour is lost"). The trained tower turns colour down too: a
+    colour moves its last block's features a third as far as a kind does, a random tower's a
+    quarter further ("groundtune-tiny 2: the tower turns colour down")."""
     import shutil
 
     import torch
@@ -198,8 +202,12 @@ def fresh_merger(model_folder: str | Path, out_dir: str | Path) -> Path:
     gm = load_model(str(model_folder), device="cpu", dtype="fp32")
     torch.manual_seed(0)
     drawn = FAMILY.transformers_class("model_class")(gm.model.config)  # initialised as a new model is
-    for merger, new in zip(FAMILY.mergers(gm.model), FAMILY.mergers(drawn)):
-        merger.load_state_dict(new.state_dict())
+    if whole_tower:
+        parts = [(getattr(gm.model.model, FAMILY.vision_tower), getattr(drawn.model, FAMILY.vision_tower))]
+    else:
+        parts = zip(FAMILY.mergers(gm.model), FAMILY.mergers(drawn))
+    for trained, new in parts:
+        trained.load_state_dict(new.state_dict())
     shutil.copytree(model_folder, out_dir, dirs_exist_ok=True)  # tokenizer, processor, metadata
     gm.model.save_pretrained(out_dir)
     return Path(out_dir) / "model.safetensors"
@@ -224,17 +232,22 @@ if __name__ == "__main__":
                         "else 1); as many as the query heads: plain multi-head attention")
     parser.add_argument("--install-weights", metavar="MODEL_FOLDER",
                         help="write this trained model's weights (bf16) into --out as the tiny model's")
-    parser.add_argument("--fresh-merger", metavar="MODEL_FOLDER",
-                        help="write this trained model into --out with its merger drawn anew (random)")
+    fresh = parser.add_mutually_exclusive_group()
+    fresh.add_argument("--fresh-merger", metavar="MODEL_FOLDER",
+                       help="write this trained model into --out with its merger drawn anew (random)")
+    fresh.add_argument("--fresh-vision", metavar="MODEL_FOLDER",
+                       help="write this trained model into --out with its whole vision tower, merger included, "
+                            "drawn anew (random)")
     a = parser.parse_args()
-    if a.fresh_merger and Path(a.out).resolve() in (TINY_DIR.resolve(), Path(a.fresh_merger).resolve()):
-        parser.error("--fresh-merger writes a new model folder: give --out a folder other than the "
+    source, flag = (a.fresh_merger, "--fresh-merger") if a.fresh_merger else (a.fresh_vision, "--fresh-vision")
+    if source and Path(a.out).resolve() in (TINY_DIR.resolve(), Path(source).resolve()):
+        parser.error(f"{flag} writes a new model folder: give --out a folder other than the "
                      "shipped tiny model's and the model read")
-    if a.fresh_merger:
+    if source:
         from groundtune.errors import GroundtuneError
 
         try:
-            print(fresh_merger(a.fresh_merger, a.out))
+            print(fresh_vision(source, a.out, whole_tower=bool(a.fresh_vision)))
         except GroundtuneError as e:  # a folder that is not a model: one line, exit 2
             parser.error(str(e))
         raise SystemExit(0)

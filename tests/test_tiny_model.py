@@ -80,9 +80,10 @@ def test_lora_merge_keeps_predictions_identical(tmp_path):
     assert [a.bbox for a in merged] == [a.bbox for a in tuned]
 
 
-def test_a_fresh_merger_changes_the_merger_alone(tmp_path):
-    # scripts/tiny_model.py --fresh-merger starts the next pre-training cycle (bench/plans/tiny2_merger.txt):
-    # a slip that redrew more than the merger, or kept it, would go unseen there
+@pytest.mark.parametrize("whole_tower", [False, True])
+def test_a_fresh_merger_or_tower_changes_that_alone(tmp_path, whole_tower):
+    # scripts/tiny_model.py --fresh-merger / --fresh-vision start the next pre-training cycle
+    # (bench/plans/tiny2_merger.txt, tiny2_colour.txt): a slip that redrew more, or kept it, would go unseen there
     import importlib.util
     from pathlib import Path
 
@@ -92,11 +93,14 @@ def test_a_fresh_merger_changes_the_merger_alone(tmp_path):
     spec = importlib.util.spec_from_file_location("tiny_model", Path(__file__).parents[1] / "scripts" / "tiny_model.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    written = script.fresh_merger(TINY_DIR, tmp_path / "fresh")
+    written = script.fresh_vision(TINY_DIR, tmp_path / "fresh", whole_tower=whole_tower)
     before, after = load_file(TINY_DIR / "model.safetensors"), load_file(written)
     assert before.keys() == after.keys()
     redrawn = {k for k in before if not torch.equal(before[k].float(), after[k].float())}
-    assert redrawn == {k for k in before if k.startswith("visual.merger.")}
-    assert len(redrawn) == 5  # the norm and the MLP's two layers, weights and biases
+    if whole_tower:  # every tensor of the tower, and nothing of the language model
+        assert redrawn == {k for k in before if k.startswith("visual.")}
+    else:
+        assert redrawn == {k for k in before if k.startswith("visual.merger.")}
+        assert len(redrawn) == 5  # the norm and the MLP's two layers, weights and biases
     answers = predict(load_model(str(tmp_path / "fresh"), device="cpu"), [synth.make_sample(1, 0)[0]], ["the red circle"])
     assert len(answers) == 1  # the folder loads as a model and answers
