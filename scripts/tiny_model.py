@@ -191,8 +191,8 @@ def fresh_vision(model_folder: str | Path, out_dir: str | Path, whole_tower: boo
     linear probe reads it from the tower's last block at 0.94, from the merged tokens at 0.42-0.44,
     chance 0.25); a random merger passes it on (docs/benchmarks-history.md, "groundtune-tiny 2: a
     wider vision tower, and where colour is lost"). The trained tower turns colour down too: a
-    colour moves its last block's features a third as far as a kind does, a random tower's a
-    quarter further ("groundtune-tiny 2: the tower turns colour down")."""
+    colour moves its last block's features a fifth to a third as far as a kind does, a random
+    tower's a quarter further ("groundtune-tiny 2: the tower turns colour down")."""
     import shutil
 
     import torch
