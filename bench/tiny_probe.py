@@ -15,6 +15,11 @@ block, the merged tokens) the change summed over all tokens over the features' s
 reads a small change as well as a large one; a language model behind RMS norms sees what share of
 its input a colour moves.
 
+And whether the language model brings the phrase's colour word, and its kind word, to where the
+answer starts (``answer_start``): the same probe on each layer's hidden state at the prompt's last
+position, over colour-task phrases ("the red circle", "the red shape"; chance 0.25 for either). A
+model cannot pick a shape by a colour its answer never sees asked for.
+
     python bench/tiny_probe.py MODEL [MODEL ...] --n 600 [--out probe.json]
 """
 
@@ -30,6 +35,7 @@ import torch
 from groundtune.cli.flags import positive_int
 from groundtune.data.synth import DEFAULT_PALETTE, Palette, make_sample, make_scene
 from groundtune.models.loading import load_model
+from groundtune.models.qwen import IGNORE_INDEX
 from groundtune.train.batches import encode_sample
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -103,6 +109,27 @@ def moved_by(model: str, n: int) -> dict:
     return {name: {cue: round(v / size[name], 4) for cue, v in by_cue.items()} for name, by_cue in moved.items()}
 
 
+def answer_start(model: str, n: int) -> dict:
+    gm = load_model(model, device="cpu", dtype="fp32")
+    colours, kinds = list(DEFAULT_PALETTE.colours), [*DEFAULT_PALETTE.shapes, "shape"]
+    layers, colour_labels, kind_labels = {}, [], []
+    for index in range(n):
+        image, record = make_sample(7, index, task="colour")
+        enc = encode_sample(gm.processor, gm.family, gm.resize, gm.prompt, image, record)
+        end = int((enc["labels"] != IGNORE_INDEX).nonzero().min())  # the prompt: all before the answer
+        with torch.no_grad():
+            out = gm.model(input_ids=enc["input_ids"][None, :end], pixel_values=enc["pixel_values"],
+                           image_grid_thw=enc["image_grid_thw"], mm_token_type_ids=enc["mm_token_type_ids"][None, :end],
+                           output_hidden_states=True)
+        for layer, hidden in enumerate(out.hidden_states):  # 0: the embeddings
+            layers.setdefault(f"layer{layer}", []).append(hidden[0, -1].float().numpy())
+        _, colour, kind = record["phrase"].split()  # "the red circle", "the red shape"
+        colour_labels.append(colours.index(colour))
+        kind_labels.append(kinds.index(kind))
+    return {layer: {"colour": probe_accuracy(rows, colour_labels, len(colours)),
+                    "kind": probe_accuracy(rows, kind_labels, len(kinds))} for layer, rows in layers.items()}
+
+
 def probe_accuracy(rows: list[np.ndarray], labels: list[int], classes: int) -> float:
     """A least-squares linear probe fitted on the first 70% of the rows, scored on the rest."""
     x = np.c_[np.array(rows), np.ones(len(rows))]
@@ -118,8 +145,8 @@ def main() -> None:
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
     torch.manual_seed(0)
-    measure_models(parser, args.models, lambda model: {**probe(model, args.n), "moved_by": moved_by(model, args.n)},
-                   args.out)
+    measure_models(parser, args.models, lambda model: {**probe(model, args.n), "moved_by": moved_by(model, args.n),
+                                                       "answer_start": answer_start(model, args.n)}, args.out)
 
 
 if __name__ == "__main__":
