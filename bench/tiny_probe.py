@@ -17,8 +17,11 @@ its input a colour moves.
 
 And whether the language model brings the phrase's colour word, and its kind word, to where the
 answer starts (``answer_start``): the same probe on each layer's hidden state at the prompt's last
-position, over colour-task phrases ("the red circle", "the red shape"; chance 0.25 for either). A
-model cannot pick a shape by a colour its answer never sees asked for.
+position, over colour-task phrases ("the red circle", "the red shape"). Layer 0, the embedding of
+the prompt's last token (the same for every phrase), scores the most common class's share: the
+baseline (~0.25 for colour, ~0.5 for kind: half the phrases say "shape"). A random network mixes
+every token into every position, so high scores mean little there; a trained one keeps what it
+uses. A model cannot pick a shape by a colour its answer never sees asked for.
 
     python bench/tiny_probe.py MODEL [MODEL ...] --n 600 [--out probe.json]
 """
