@@ -45,12 +45,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from provenance import measure_models
 
 
-def probe(model: str, n: int) -> dict:
+def measure(model: str, n: int) -> dict:
+    """Every measure of this script on one model, loaded once."""
     gm = load_model(model, device="cpu", dtype="fp32")
+    return {**probe(gm, n), "moved_by": moved_by(gm, n), "answer_start": answer_start(gm, n)}
+
+
+def probe(gm, n: int) -> dict:
     colours, kinds = list(DEFAULT_PALETTE.colours), list(DEFAULT_PALETTE.shapes)
     merger = gm.model.model.visual.merger
     seen = {}  # the merger MLP's input and output, in the tower's window order
-    merger.mlp.register_forward_hook(lambda _m, args, out: seen.update(mlp_in=args[0], mlp_out=out))
+    hook = merger.mlp.register_forward_hook(lambda _m, args, out: seen.update(mlp_in=args[0], mlp_out=out))
     features = {"before_merger": [], "merged": []}
     colour_labels, kind_labels = [], []
     for i in range(n):
@@ -71,6 +76,7 @@ def probe(model: str, n: int) -> dict:
             features["before_merger"].append(seen["mlp_in"][window_row[token]].float().numpy())
             colour_labels.append(colours.index(shape.colour))
             kind_labels.append(kinds.index(shape.kind))
+    hook.remove()
     result = {"tokens": len(colour_labels)}
     for place, rows in features.items():
         result[place] = {"colour": probe_accuracy(rows, colour_labels, len(colours)),
@@ -78,14 +84,13 @@ def probe(model: str, n: int) -> dict:
     return result
 
 
-def moved_by(model: str, n: int) -> dict:
-    gm = load_model(model, device="cpu", dtype="fp32")
+def moved_by(gm, n: int) -> dict:
     visual = gm.model.model.visual
     stages = {"patch_embed": visual.patch_embed, **{f"block{i}": b for i, b in enumerate(visual.blocks)},
               "merged": visual.merger}
     seen = {}
-    for name, module in stages.items():
-        module.register_forward_hook(lambda _m, _args, out, name=name: seen.update({name: out}))
+    hooks = [module.register_forward_hook(lambda _m, _args, out, name=name: seen.update({name: out}))
+             for name, module in stages.items()]
     colours, kinds = DEFAULT_PALETTE.colours, DEFAULT_PALETTE.shapes
     names = list(colours)
     swapped = {"colour": Palette(colours={c: colours[names[(i + 1) % len(names)]] for i, c in enumerate(names)},
@@ -109,11 +114,12 @@ def moved_by(model: str, n: int) -> dict:
             other = features(index, palette)
             for name, x in base.items():
                 moved[name][cue] += float((x - other[name]).norm(dim=-1).sum())
+    for hook in hooks:
+        hook.remove()
     return {name: {cue: round(v / size[name], 4) for cue, v in by_cue.items()} for name, by_cue in moved.items()}
 
 
-def answer_start(model: str, n: int) -> dict:
-    gm = load_model(model, device="cpu", dtype="fp32")
+def answer_start(gm, n: int) -> dict:
     colours, kinds = list(DEFAULT_PALETTE.colours), [*DEFAULT_PALETTE.shapes, "shape"]
     layers, colour_labels, kind_labels = {}, [], []
     for index in range(n):
@@ -144,12 +150,11 @@ def probe_accuracy(rows: list[np.ndarray], labels: list[int], classes: int) -> f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="+")
-    parser.add_argument("--n", type=positive_int, default=600, help="scenes (1-3 shapes each)")
+    parser.add_argument("--n", type=positive_int, default=600, help="scenes for each measure (2-3 shapes each)")
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
     torch.manual_seed(0)
-    measure_models(parser, args.models, lambda model: {**probe(model, args.n), "moved_by": moved_by(model, args.n),
-                                                       "answer_start": answer_start(model, args.n)}, args.out)
+    measure_models(parser, args.models, lambda model: measure(model, args.n), args.out)
 
 
 if __name__ == "__main__":
