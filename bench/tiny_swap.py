@@ -7,7 +7,10 @@ changes; one that ignores it keeps its answer.
 And, on synth's attribute-task scenes (2-3 shapes, one named by colour and/or kind), Acc@0.5 by the
 cue that tells the target from the others: its colour alone ("the red shape"; a random pick among
 the shapes, ``random_pick``, scores about 0.4), its colour where another shape has its kind ("the
-red circle" beside a blue circle), its kind where another has its colour, either, or its kind alone.
+red circle" beside a blue circle), its kind where another has its colour, either, or its kind alone;
+with how often the answer boxes some shape (``on_a_shape``) and the named one's share of those
+(``named_of_on_a_shape``: the figure to set against ``random_pick`` for a model that often boxes
+nothing).
 
     python bench/tiny_swap.py MODEL [MODEL ...] --n 300 [--out swap.json]
 """
@@ -84,11 +87,19 @@ def cue_test(gm, n: int) -> dict:
         truths.append(record["bbox"])
         scenes.append(make_scene(SEED, index, task="attribute", split="val"))
     answers = predict(gm, images, phrases, batch_size=100, max_new_tokens=32)
-    hits: dict[str, list[tuple[bool, float]]] = {}  # cue -> (hit, chance of a random pick) per scene
+    # cue -> (hit, on some shape, chance of a random pick) per scene. A young model often boxes no
+    # shape at all: the named shape's share of the answers that land on some shape is what compares
+    # with a random pick.
+    hits: dict[str, list[tuple[bool, bool, float]]] = {}
     for answer, truth, scene in zip(answers, truths, scenes):
-        hits.setdefault(cue(scene), []).append((score(answer.bbox, [truth])["hit@0.5"], 1 / len(scene.shapes)))
-    return {what: {"n": len(h), "acc@0.5": round(sum(hit for hit, _ in h) / len(h), 3),
-                   "random_pick": round(sum(chance for _, chance in h) / len(h), 3)} for what, h in sorted(hits.items())}
+        on_shape = any(score(answer.bbox, [s.box])["hit@0.5"] for s in scene.shapes)
+        hits.setdefault(cue(scene), []).append(
+            (score(answer.bbox, [truth])["hit@0.5"], on_shape, 1 / len(scene.shapes)))
+    return {what: {"n": len(h), "acc@0.5": round(sum(hit for hit, _, _ in h) / len(h), 3),
+                   "on_a_shape": round(sum(on for _, on, _ in h) / len(h), 3),
+                   "named_of_on_a_shape": round(sum(hit for hit, _, _ in h) / max(1, sum(on for _, on, _ in h)), 3),
+                   "random_pick": round(sum(chance for _, _, chance in h) / len(h), 3)}
+            for what, h in sorted(hits.items())}
 
 
 def swap_tests(gm, n: int) -> dict:
