@@ -10,7 +10,8 @@ the shapes, ``random_pick``, scores about 0.4), its colour where another shape h
 red circle" beside a blue circle), its kind where another has its colour, either, or its kind alone;
 with how often the answer boxes some shape (``on_a_shape``) and the named one's share of those
 (``named_of_on_a_shape``: the figure to set against ``random_pick`` for a model that often boxes
-nothing).
+nothing). And the same on synth's colour task (2-3 shapes of one kind, the colour word the only
+cue; ``colour_task``, 2 x n scenes).
 
     python bench/tiny_swap.py MODEL [MODEL ...] --n 300 [--out swap.json]
 """
@@ -78,32 +79,48 @@ def cue(scene) -> str:
     return "kind (another of its colour)" if any(s.colour == target.colour for s in others) else "either"
 
 
-def cue_test(gm, n: int) -> dict:
+def attribute_scenes(task: str, n: int) -> tuple[list, list, list, list]:
+    """n (image, phrase, target box, scene) of a one-target synth task's val split."""
     images, phrases, truths, scenes = [], [], [], []
     for index in range(n):
-        image, record = make_sample(SEED, index, task="attribute", split="val")
+        image, record = make_sample(SEED, index, task=task, split="val")
         images.append(image)
         phrases.append(record["phrase"])
         truths.append(record["bbox"])
-        scenes.append(make_scene(SEED, index, task="attribute", split="val"))
+        scenes.append(make_scene(SEED, index, task=task, split="val"))
+    return images, phrases, truths, scenes
+
+
+def picks(rows: list[tuple[bool, bool, float]]) -> dict:
+    """Acc@0.5 over (hit, on some shape, chance of a random pick) per scene. A young model often
+    boxes no shape at all: the named shape's share of the answers that land on some shape is what
+    compares with a random pick."""
+    on = sum(on for _, on, _ in rows)
+    return {"n": len(rows), "acc@0.5": round(sum(hit for hit, _, _ in rows) / len(rows), 3),
+            "on_a_shape": round(on / len(rows), 3),
+            "named_of_on_a_shape": round(sum(hit for hit, _, _ in rows) / max(1, on), 3),
+            "random_pick": round(sum(chance for _, _, chance in rows) / len(rows), 3)}
+
+
+def pick_rows(gm, task: str, n: int) -> list[tuple[object, tuple[bool, bool, float]]]:
+    """(scene, (hit, on some shape, chance of a random pick)) for n scenes of a one-target task."""
+    images, phrases, truths, scenes = attribute_scenes(task, n)
     answers = predict(gm, images, phrases, batch_size=100, max_new_tokens=32)
-    # cue -> (hit, on some shape, chance of a random pick) per scene. A young model often boxes no
-    # shape at all: the named shape's share of the answers that land on some shape is what compares
-    # with a random pick.
-    hits: dict[str, list[tuple[bool, bool, float]]] = {}
-    for answer, truth, scene in zip(answers, truths, scenes):
-        on_shape = any(score(answer.bbox, [s.box])["hit@0.5"] for s in scene.shapes)
-        hits.setdefault(cue(scene), []).append(
-            (score(answer.bbox, [truth])["hit@0.5"], on_shape, 1 / len(scene.shapes)))
-    return {what: {"n": len(h), "acc@0.5": round(sum(hit for hit, _, _ in h) / len(h), 3),
-                   "on_a_shape": round(sum(on for _, on, _ in h) / len(h), 3),
-                   "named_of_on_a_shape": round(sum(hit for hit, _, _ in h) / max(1, sum(on for _, on, _ in h)), 3),
-                   "random_pick": round(sum(chance for _, _, chance in h) / len(h), 3)}
-            for what, h in sorted(hits.items())}
+    return [(scene, (score(answer.bbox, [truth])["hit@0.5"],
+                     any(score(answer.bbox, [s.box])["hit@0.5"] for s in scene.shapes), 1 / len(scene.shapes)))
+            for answer, truth, scene in zip(answers, truths, scenes)]
+
+
+def cue_test(gm, n: int) -> dict:
+    by_cue: dict[str, list[tuple[bool, bool, float]]] = {}
+    for scene, row in pick_rows(gm, "attribute", n):
+        by_cue.setdefault(cue(scene), []).append(row)
+    return {what: picks(rows) for what, rows in sorted(by_cue.items())}
 
 
 def swap_tests(gm, n: int) -> dict:
-    return {**{word: swap_test(gm, word, n) for word in ("colour", "kind")}, "attribute_by_cue": cue_test(gm, n)}
+    return {**{word: swap_test(gm, word, n) for word in ("colour", "kind")}, "attribute_by_cue": cue_test(gm, n),
+            "colour_task": picks([row for _, row in pick_rows(gm, "colour", 2 * n)])}
 
 
 def main() -> None:
