@@ -184,7 +184,7 @@ def install_weights(model_folder: str | Path, out_dir: str | Path = TINY_DIR) ->
 
 
 def fresh_vision(model_folder: str | Path, out_dir: str | Path, whole_tower: bool = False) -> Path:
-    """``model_folder``'s model written to ``out_dir`` with its vision->LLM merger (``whole_tower``:
+    """``model_folder``'s model (``tiny``, a run or a model folder) written to ``out_dir`` with its vision->LLM merger (``whole_tower``:
     the whole vision tower, merger included) drawn anew, as a new model of the architecture draws
     it, everything else as trained: to continue pre-training with ``freeze_merger=true`` (and
     ``freeze_vision=true``). Pre-training teaches the merger's MLP to drop the shapes' colour (a
@@ -197,8 +197,11 @@ def fresh_vision(model_folder: str | Path, out_dir: str | Path, whole_tower: boo
 
     import torch
 
-    from groundtune.models.loading import load_model
+    from groundtune.models.loading import load_model, resolve
+    from groundtune.runs import RunFolder
 
+    kind, folder = resolve(str(model_folder))  # `tiny`, a run or a model folder: what is copied is its model
+    folder = RunFolder(folder).model if kind == "run" else folder
     gm = load_model(str(model_folder), device="cpu", dtype="fp32")
     torch.manual_seed(0)
     drawn = FAMILY.transformers_class("model_class")(gm.model.config)  # initialised as a new model is
@@ -208,7 +211,7 @@ def fresh_vision(model_folder: str | Path, out_dir: str | Path, whole_tower: boo
         parts = zip(FAMILY.mergers(gm.model), FAMILY.mergers(drawn))
     for trained, new in parts:
         trained.load_state_dict(new.state_dict())
-    shutil.copytree(model_folder, out_dir, dirs_exist_ok=True)  # tokenizer, processor, metadata
+    shutil.copytree(folder, out_dir, dirs_exist_ok=True)  # tokenizer, processor, metadata
     gm.model.save_pretrained(out_dir)
     return Path(out_dir) / "model.safetensors"
 
