@@ -15,7 +15,10 @@ dimension stays nearly unrotated across the image, and a phrase's colour or kind
 its shape by content (the model stalled at 0.83, picking at chance among shapes named by colour).
 The shipped setting, head_dim 64, theta 300 and mrope_section [2, 10, 20], keeps width frequencies
 from 0.12 down to 0.004 radians per position: the high ones read position, the low ones match
-content (docs/benchmarks-history.md, "groundtune-tiny").
+content (docs/benchmarks-history.md, "groundtune-tiny"). Colour, though, no model of that layout has
+learnt to match; mrope_section [10, 10, 12] at theta 20 (head_dim 64) has, from random weights,
+likely because ten temporal pairs, on which every image token shares one position, let a word meet
+every image token at one phase ("groundtune-tiny 2: positions that let colour match").
 
     python scripts/tiny_model.py --out DIR [--hidden 256 ...]    # another tiny architecture (config only)
     python scripts/tiny_model.py --install-weights RUN/model     # ship a pre-trained model as `tiny`
