@@ -187,8 +187,8 @@ def install_weights(model_folder: str | Path, out_dir: str | Path = TINY_DIR) ->
 
 
 def fresh_vision(model_folder: str | Path, out_dir: str | Path, whole_tower: bool = False) -> Path:
-    """``model_folder``'s model (``tiny``, a run or a model folder) written to ``out_dir`` with its vision->LLM merger (``whole_tower``:
-    the whole vision tower, merger included) drawn anew, as a new model of the architecture draws
+    """``model_folder``'s model (``tiny``, a run or a model folder) written to ``out_dir`` with its
+    vision->LLM merger (``whole_tower``: the whole vision tower, merger included) drawn anew, as a new model of the architecture draws
     it, everything else as trained: to continue pre-training with ``freeze_merger=true`` (and
     ``freeze_vision=true``). Pre-training teaches the merger's MLP to drop the shapes' colour (a
     linear probe reads it from the tower's last block at 0.94, from the merged tokens at 0.42-0.44,
@@ -200,10 +200,14 @@ def fresh_vision(model_folder: str | Path, out_dir: str | Path, whole_tower: boo
 
     import torch
 
+    from groundtune.errors import ModelError
     from groundtune.models.loading import load_model, resolve
     from groundtune.runs import RunFolder
 
     kind, folder = resolve(str(model_folder))  # `tiny`, a run or a model folder: what is copied is its model
+    if kind not in ("tiny", "run", "folder"):
+        raise ModelError(f"{model_folder}: give the built-in `tiny`, a run or a model folder (its tokenizer and "
+                         "processor are copied with the weights)")
     folder = RunFolder(folder).model if kind == "run" else folder
     gm = load_model(str(model_folder), device="cpu", dtype="fp32")
     torch.manual_seed(0)
