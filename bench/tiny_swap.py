@@ -79,7 +79,7 @@ def cue(scene) -> str:
     return "kind (another of its colour)" if any(s.colour == target.colour for s in others) else "either"
 
 
-def attribute_scenes(task: str, n: int) -> tuple[list, list, list, list]:
+def one_target_scenes(task: str, n: int) -> tuple[list, list, list, list]:
     """n (image, phrase, target box, scene) of a one-target synth task's val split."""
     images, phrases, truths, scenes = [], [], [], []
     for index in range(n):
@@ -104,7 +104,7 @@ def picks(rows: list[tuple[bool, bool, float]]) -> dict:
 
 def pick_rows(gm, task: str, n: int) -> list[tuple[object, tuple[bool, bool, float]]]:
     """(scene, (hit, on some shape, chance of a random pick)) for n scenes of a one-target task."""
-    images, phrases, truths, scenes = attribute_scenes(task, n)
+    images, phrases, truths, scenes = one_target_scenes(task, n)
     answers = predict(gm, images, phrases, batch_size=100, max_new_tokens=32)
     return [(scene, (score(answer.bbox, [truth])["hit@0.5"],
                      any(score(answer.bbox, [s.box])["hit@0.5"] for s in scene.shapes), 1 / len(scene.shapes)))
