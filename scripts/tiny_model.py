@@ -190,12 +190,13 @@ def fresh_vision(model_folder: str | Path, out_dir: str | Path, whole_tower: boo
     """``model_folder``'s model (``tiny``, a run or a model folder) written to ``out_dir`` with its
     vision->LLM merger (``whole_tower``: the whole vision tower, merger included) drawn anew, as a
     new model of the architecture draws it, everything else as trained: to continue pre-training
-    with ``freeze_merger=true`` (and ``freeze_vision=true``). Pre-training teaches the merger's MLP to drop the shapes' colour (a
-    linear probe reads it from the tower's last block at 0.94, from the merged tokens at 0.42-0.44,
-    chance 0.25); a random merger passes it on (docs/benchmarks-history.md, "groundtune-tiny 2: a
-    wider vision tower, and where colour is lost"). The trained tower turns colour down too: a
-    colour moves its last block's features a fifth to a third as far as a kind does, a random
-    tower's a quarter further ("groundtune-tiny 2: the tower turns colour down")."""
+    with ``freeze_merger=true`` (and ``freeze_vision=true``). Pre-training teaches the merger's
+    MLP to drop the shapes' colour (a linear probe reads it from the tower's last block at 0.94,
+    from the merged tokens at 0.42-0.44, chance 0.25); a random merger passes it on
+    (docs/benchmarks-history.md, "groundtune-tiny 2: a wider vision tower, and where colour is
+    lost"). The trained tower turns colour down too: a colour moves its last block's features a
+    fifth to a third as far as a kind does, a random tower's a quarter further ("groundtune-tiny 2:
+    the tower turns colour down")."""
     import shutil
 
     import torch
