@@ -8,7 +8,8 @@
 #   arch NAME ARGS...        build a tiny architecture (python scripts/tiny_model.py ARGS)
 #   run NAME KEY=VALUE...    a training run; model=arch:NAME uses an architecture built above
 #   resume NAME DIR          continue run NAME from DIR/NAME.tgz.* (a previous call's output,
-#                            carried back to the machine): `groundtune train --resume`
+#                            carried back to the machine): `groundtune train --resume`; on a machine
+#                            kept warm since that call, from its run folder where it still is
 # Every run folder comes back as OUT/NAME.tgz.aa, .ab, ... (15 MB pieces: checkpoint, model, log);
 # KEEP=N brings back only the N best by the breakdown's overall Acc@0.5 (a run folder is ~40 MB);
 # PACK=model brings back each run's model, log and settings only (no checkpoint: ~11 MB a run).
@@ -32,7 +33,7 @@ while read -r kind name rest; do
         > $W/$name.log 2>&1 &
       runs+=("$name") ;;
     resume)
-      cat $rest/$name.tgz.* | tar xzf - -C $W
+      [ -d $W/$name ] || cat $rest/$name.tgz.* | tar xzf - -C $W
       python -m groundtune train --resume $W/$name > $W/$name.log 2>&1 &
       runs+=("$name") ;;
   esac
