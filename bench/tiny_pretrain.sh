@@ -12,7 +12,8 @@
 #                            kept warm since that call, from its run folder where it still is
 # Every run folder comes back as OUT/NAME.tgz.aa, .ab, ... (15 MB pieces: checkpoint, model, log);
 # KEEP=N brings back only the N best by the breakdown's overall Acc@0.5 (a run folder is ~40 MB);
-# PACK=model brings back each run's model, log and settings only (no checkpoint: ~11 MB a run).
+# PACK=model brings back each run's model, log and settings only (no checkpoint: ~11 MB a run at
+# hidden 192), as OUT/NAME.model.tgz.aa, .ab, ...
 # VAL="synth args" sets the held-out set runs are evaluated and selected on (default: the full task
 # at 112 px).
 set -uo pipefail
@@ -53,7 +54,7 @@ best=sorted(b, key=lambda m: -b[m]['all']['acc@0.5'])[:int(sys.argv[1])]
 print(' '.join(m.split('/')[-2] for m in best))" "${KEEP:-${#runs[@]}}")
 for r in $keep; do
   if [ "${PACK:-}" = model ]; then
-    tar czf $OUT/$r.model.tgz -C $W $r/model $r/config.yaml $r/metrics.jsonl
+    tar czf - -C $W $r/model $r/config.yaml $r/metrics.jsonl | split -b 15M - $OUT/$r.model.tgz.
   else
     tar czf - -C $W --exclude=tb $r | split -b 15M - $OUT/$r.tgz.
   fi
