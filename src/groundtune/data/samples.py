@@ -144,11 +144,35 @@ def ignore_stop_signals(worker_id: int) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return
     # Python's handlers do not see who sent a signal; a thread waiting for SIGTERM, blocked
-    # everywhere else, does (the worker's other threads start after this and inherit the mask).
+    # everywhere else, does (threads the worker starts from here on inherit the mask; a loader's
+    # worker started through ``worker_context`` has it from its first thread on).
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     starter = multiprocessing.parent_process()
     threading.Thread(target=_obey_sigterm_from, args=(starter.pid if starter else os.getppid(),),
                      daemon=True, name="sigterm-from-parent").start()
+
+
+def worker_context() -> multiprocessing.context.BaseContext | None:
+    """The default start method's context for a DataLoader whose workers run ``ignore_stop_signals``:
+    each worker process starts with SIGTERM blocked (the starting thread blocks it around the start,
+    and a new process inherits its mask), so the threads a worker makes before its init function
+    runs block it too. torch makes one (a thread pool's, from the worker's ``set_num_threads(1)``
+    where the parent had set a thread count, as every groundtune command does); a group's
+    SIGTERM delivered to that thread would end the worker.
+    None where signal masks are not (Windows)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        return None
+    base = multiprocessing.get_context()
+
+    class Process(base.Process):
+        def start(self):
+            before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            try:
+                super().start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+    return type(f"StopSignalsBlocked{type(base).__name__}", (type(base),), {"Process": Process})()
 
 
 def _obey_sigterm_from(parent: int) -> None:
