@@ -165,12 +165,12 @@ def test_loader_workers_leave_the_groups_sigterm_but_not_their_own_processes():
     the main process, and a program that still holds a loader when it ends exits."""
     program = """
 import signal, time, torch
-from groundtune.data.samples import ignore_stop_signals, worker_context
+from groundtune.data.samples import stop_signal_workers
 torch.set_num_threads(2)  # as groundtune's commands do: each worker then makes a thread before its init function
 signalled = []
 signal.signal(signal.SIGTERM, lambda *_: signalled.append(1))
 loader = iter(torch.utils.data.DataLoader(range(1000), batch_size=None, num_workers=2,
-                                          worker_init_fn=ignore_stop_signals, multiprocessing_context=worker_context()))
+                                          **stop_signal_workers(2)))
 print("served", next(loader), next(loader), flush=True)  # one item from each worker: both have started
 while not signalled:
     time.sleep(0.02)

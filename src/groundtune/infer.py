@@ -39,7 +39,7 @@ from groundtune.cores import cores
 from groundtune.data.images import load_image, to_rgb
 from groundtune.data.records import (MAX_LINE_CHARS, atomic_write, image_path, iter_jsonl, missing_fields,
                                      record_problem, record_size)
-from groundtune.data.samples import ignore_stop_signals, worker_context
+from groundtune.data.samples import stop_signal_workers
 from groundtune.errors import DataError
 from groundtune.models import head, qwen
 from groundtune.models.adapt import base_model
@@ -270,8 +270,7 @@ def predict_records(gm, records: list[dict], data_path, batch_size: int = InferS
         sampler=[run for runs in batches for run in runs],
         num_workers=workers,
         prefetch_factor=-(-2 * runs_per_batch // workers) if workers else None,
-        worker_init_fn=ignore_stop_signals if workers else None,
-        multiprocessing_context=worker_context() if workers else None,
+        **stop_signal_workers(workers),
     ))
     arriving = (_gathered(list(itertools.islice(items, len(runs)))) for runs in batches)
     answered = answer_batches(gm, arriving, Decoding.greedy(max_new_tokens), read_ahead=bool(workers))

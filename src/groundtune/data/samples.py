@@ -175,6 +175,12 @@ def worker_context() -> multiprocessing.context.BaseContext | None:
     return type(f"StopSignalsBlocked{type(base).__name__}", (type(base),), {"Process": Process})()
 
 
+def stop_signal_workers(workers: int) -> dict:
+    """A DataLoader's worker settings for ``workers`` processes that leave a group's Ctrl-C and
+    SIGTERM to the main process (``ignore_stop_signals``, ``worker_context``); none for none."""
+    return {"worker_init_fn": ignore_stop_signals, "multiprocessing_context": worker_context()} if workers else {}
+
+
 def _obey_sigterm_from(parent: int) -> None:
     while True:
         if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:

@@ -18,7 +18,7 @@ import torch
 from groundtune import boxes
 from groundtune.data import augment
 from groundtune.data.records import sample_boxes
-from groundtune.data.samples import FileSamples, ResumableBatches, SyntheticStream, ignore_stop_signals, worker_context
+from groundtune.data.samples import FileSamples, ResumableBatches, SyntheticStream, stop_signal_workers
 from groundtune.errors import DataError
 from groundtune.models import head, qwen
 
@@ -123,8 +123,7 @@ def make_loader(dataset: GroundingDataset, batch_size: int, seed: int, start: in
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
         prefetch_factor=4 if num_workers > 0 else None,
-        worker_init_fn=ignore_stop_signals if num_workers > 0 else None,
-        multiprocessing_context=worker_context() if num_workers > 0 else None,
+        **stop_signal_workers(num_workers),
     )
 
 
