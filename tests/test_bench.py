@@ -37,6 +37,7 @@ SMOKE = {
     "memory_probe": (["--model", "tiny", "--batch", "2"], {"stages"}),
     "tiny_breakdown": (["tiny", "--n", "20"], {"tiny"}),
     "tiny_swap": (["tiny", "--n", "4"], {"tiny"}),
+    "tiny_offset": (["tiny", "--n", "2", "--answer-label"], {"tiny"}),
     "tiny_step_profile": (["--batch", "4", "--workers", "1", "--loader-seconds", "0.5"],
                           {"ladder", "step_s", "full forward ms", "top_ops"}),
     "plan_check": (["measure", "--models", "tiny", "--samples", "16", "--limit", "1"], {"rows", "data"}),
