@@ -20,6 +20,7 @@ import torch
 from groundtune.cli.flags import positive_int
 from groundtune.data.synth import make_sample
 from groundtune.infer import load
+from groundtune.models import qwen
 from groundtune.train.batches import encode_sample
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -36,18 +37,18 @@ def answer_scores(gm, side: int, n: int, moved: bool, answer_label: bool) -> dic
         image, sample = make_sample(SEED, index, side, side, task="full", split="val")
         encoded = encode_sample(gm.processor, gm.family, gm.resize, gm.prompt, image, sample, answer_label)
         positions = encoded["position_ids"].clone()
-        if moved:
+        if moved:  # the text after the image resumes past its merged grid's larger side (qwen.mrope_positions)
             image_tokens = encoded["input_ids"] == gm.processor.image_token_id
-            start, count = int(image_tokens.nonzero()[0]), int(image_tokens.sum())
-            side_tokens = int(count**0.5)  # synth's canvases here are square
-            positions[:, start + count:] -= side_tokens - PLACED_AS
+            end = int(image_tokens.nonzero()[-1]) + 1
+            rows, cols = (int(n) // gm.processor.merge_size for n in encoded["image_grid_thw"][0][1:])
+            positions[:, end:] -= max(rows, cols) - PLACED_AS
         inputs = {k: v.unsqueeze(0) for k, v in encoded.items() if k in ("input_ids", "mm_token_type_ids")}
         inputs |= {"pixel_values": encoded["pixel_values"], "image_grid_thw": encoded["image_grid_thw"],
                    "position_ids": positions.unsqueeze(1)}
         with torch.no_grad():
             logits = gm.model(**inputs).logits[0, :-1].float()
         labels = encoded["labels"][1:]
-        answer = labels != -100
+        answer = labels != qwen.IGNORE_INDEX
         right += int((logits[answer].argmax(-1) == labels[answer]).sum())
         total += int(answer.sum())
         loss += float(torch.nn.functional.cross_entropy(logits[answer], labels[answer]))
