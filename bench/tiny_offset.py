@@ -40,7 +40,7 @@ def answer_scores(gm, side: int, n: int, moved: bool, answer_label: bool) -> dic
         if moved:  # the text after the image resumes past its merged grid's larger side (qwen.mrope_positions)
             image_tokens = encoded["input_ids"] == gm.processor.image_token_id
             end = int(image_tokens.nonzero()[-1]) + 1
-            rows, cols = (int(n) // gm.processor.merge_size for n in encoded["image_grid_thw"][0][1:])
+            rows, cols = (int(patches) // gm.processor.merge_size for patches in encoded["image_grid_thw"][0][1:])
             positions[:, end:] -= max(rows, cols) - PLACED_AS
         inputs = {k: v.unsqueeze(0) for k, v in encoded.items() if k in ("input_ids", "mm_token_type_ids")}
         inputs |= {"pixel_values": encoded["pixel_values"], "image_grid_thw": encoded["image_grid_thw"],
