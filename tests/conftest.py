@@ -18,7 +18,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
                           str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 import pytest  # noqa: E402
-from family_models import FAMILIES, build_family_folder  # noqa: E402
+from family_models import FAMILIES, build_family_folder, build_small_model  # noqa: E402
 
 from groundtune.data import synth  # noqa: E402
 
@@ -41,6 +41,14 @@ def synth_single(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory) -> str:
+    """The folder of a small random Qwen2.5-VL that speaks and sees as the built-in tiny model does:
+    for every test whose assertions hold whatever the weights (plumbing, refusals, files, equal
+    answers of two code paths). Tests of what a trained model answers load ``tiny``."""
+    return str(build_small_model(tmp_path_factory.mktemp("small_model")))
+
+
 @pytest.fixture(scope="session", params=FAMILIES)
 def family_folder(request, tmp_path_factory):
     """(family, folder) of a tiny random Qwen2-VL / Qwen3-VL model."""
@@ -49,10 +57,10 @@ def family_folder(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="session", params=("qwen2.5-vl",) + FAMILIES)
-def any_family_model(request, tmp_path_factory):
-    """A model name for each family: the shipped tiny Qwen2.5-VL, tiny random Qwen2-VL / Qwen3-VL."""
+def any_family_model(request, small_model, tmp_path_factory):
+    """A model folder for each family: small random Qwen2.5-VL, Qwen2-VL and Qwen3-VL models."""
     if request.param == "qwen2.5-vl":
-        return "tiny"
+        return small_model
     return str(build_family_folder(request.param, tmp_path_factory.mktemp(request.param)))
 
 

@@ -1,15 +1,20 @@
-"""Tiny randomly initialised Qwen2-VL and Qwen3-VL models saved as local Hugging Face folders:
-only Qwen2.5-VL ships as a tiny model, and the other families must go through the same paths.
+"""Small randomly initialised Qwen-VL models saved as local Hugging Face folders. Qwen2-VL and
+Qwen3-VL: only Qwen2.5-VL ships as a tiny model, and the other families must go through the same
+paths. Qwen2.5-VL: ``build_small_model``, the built-in tiny model's tokenizer, image processor and
+prompt around far fewer weights, for every test whose assertions do not depend on what the model
+learnt (the built-in model is pre-trained to show the task and costs a CPU more per step).
 Each speaks the tiny model's tokenizer, is built by its family record's config builder, and has
 its family's own image processor settings (patch 14 -> resize factor 28 for Qwen2-VL, patch 16 ->
 factor 32 for Qwen3-VL) with a small pixel budget of its own in preprocessor_config.json."""
 
 from __future__ import annotations
 
+import shutil
+
 import torch
 
 from groundtune.models import qwen
-from groundtune.models.loading import TINY_DIR, load_processor
+from groundtune.models.loading import TINY_DIR, load_processor, read_metadata, write_metadata
 
 FAMILIES = ("qwen2-vl", "qwen3-vl")
 PATCH = {"qwen2-vl": 14, "qwen3-vl": 16}
@@ -43,4 +48,28 @@ def build_family_folder(family: str, out):
     processor.tokenizer.save_pretrained(out)
     Qwen2VLImageProcessorPil(patch_size=PATCH[family], merge_size=2, temporal_patch_size=2,
                              min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(out)
+    return out
+
+
+def build_small_model(out):
+    """A small randomly initialised Qwen2.5-VL saved as a local HF folder that speaks and sees as the
+    built-in tiny model does (its tokenizer, chat template, image processor and groundtune.json: the
+    same prompt, pixel budget and box convention), with a 64-wide, 2-layer language model and a
+    2-layer vision tower."""
+    record = qwen.family("qwen2.5-vl")
+    processor = load_processor(TINY_DIR)
+    # head_dim 32: mrope_section sums to head_dim / 2
+    text = dict(vocab_size=max(len(processor.tokenizer), 512), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                rope_parameters={"rope_type": "default", "rope_theta": 300.0, "mrope_section": [4, 6, 6]})
+    # layer 0 attends within windows, layer 1 across the image: both of Qwen2.5-VL's attentions
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  fullatt_block_indexes=[1], window_size=112, temporal_patch_size=2)
+    config = record.build_config(processor.config_token_ids(), text, vision, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    record.transformers_class()._from_config(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json"):
+        shutil.copy(TINY_DIR / name, out)
+    # the tiny model's prompt and pixel budget; it is no fine-tune of the tiny model, so no base_model
+    write_metadata(out, {key: value for key, value in read_metadata(TINY_DIR).items() if key != "base_model"})
     return out

@@ -45,11 +45,16 @@ def launch(command: str, ranks: int, args: list[str]) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
-def train(data: Path, out: Path, ranks: int, *settings: str, resume: bool = False) -> subprocess.Popen:
-    """``ranks`` processes under torchrun (0: one plain process, no launcher)."""
-    args = ["--resume", str(out)] if resume else ["quickstart", f"train_data={data}", f"out_dir={out}", *SETTINGS,
-                                                   *settings]  # (a later eval_data= wins over SETTINGS')
-    return launch("train", ranks, args)
+def train(data: Path, out: Path, ranks: int, *settings: str, model: str | None = None,
+          resume: bool = False) -> subprocess.Popen:
+    """``ranks`` processes under torchrun (0: one plain process, no launcher). ``model``: named by
+    every new run (the preset's default, the built-in model, costs more per step than the tests'
+    small random one); a resumed run reads its own."""
+    if not resume and model is None:
+        raise ValueError("a new run names its model")
+    args = ["--resume", str(out)] if resume else ["quickstart", f"model={model}", f"train_data={data}",
+                                                   f"out_dir={out}", *SETTINGS, *settings]
+    return launch("train", ranks, args)  # (a later eval_data= wins over SETTINGS')
 
 
 def finish(process: subprocess.Popen) -> str:

@@ -1,5 +1,6 @@
-"""What to train (models/adapt.py) on the tiny model: the optimizer's parameter groups (weight
-decay, per-part learning rates) and where LoRA adapters go."""
+"""What to train (models/adapt.py) on a small random Qwen2.5-VL (2 LM layers, 2 vision layers):
+the optimizer's parameter groups (weight decay, per-part learning rates) and where LoRA adapters
+go."""
 
 import copy
 import re
@@ -15,13 +16,13 @@ from groundtune.infer import predict
 from groundtune.models import adapt, qwen
 from groundtune.models.loading import load_model
 
-FAMILY = qwen.family("qwen2.5-vl")  # the tiny model's
+FAMILY = qwen.family("qwen2.5-vl")  # the small model's
 LLM_LAYER = re.compile(r"language_model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny").model
+def small(small_model):
+    return load_model(small_model).model
 
 
 def _groups_by_name(model, groups):
@@ -29,8 +30,8 @@ def _groups_by_name(model, groups):
     return [(names[id(p)], p, g) for g in groups for p in g["params"]]
 
 
-def test_param_groups_of_full_fine_tuning(tiny):
-    model = copy.deepcopy(tiny)
+def test_param_groups_of_full_fine_tuning(small):
+    model = copy.deepcopy(small)
     # untie the LM head (as in the large models) so that it is a parameter of its own
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
     cfg = TrainConfig(train_data="x", method="full", freeze_vision=False, freeze_merger=False, lr=1e-3,
@@ -58,7 +59,7 @@ def test_param_groups_of_full_fine_tuning(tiny):
                  "model.visual.merger.ln_q.weight", "model.visual.blocks.0.attn.qkv.bias",
                  "model.language_model.layers.0.input_layernorm.weight"):
         assert must in seen["no_decay"]
-    for must in ("model.language_model.layers.3.mlp.down_proj.weight", "model.visual.merger.mlp.0.weight",
+    for must in ("model.language_model.layers.1.mlp.down_proj.weight", "model.visual.merger.mlp.0.weight",
                  "model.visual.patch_embed.proj.weight",  # a convolution kernel, not an embedding table
                  "model.visual.blocks.1.attn.qkv.weight", "model.language_model.layers.0.self_attn.q_proj.weight"):
         assert must in seen["decay"]
@@ -67,10 +68,10 @@ def test_param_groups_of_full_fine_tuning(tiny):
         (part, wd) for part in ("llm", "merger", "vision") for wd in (0.0, 0.1)]
 
 
-def test_param_groups_of_frozen_parts_and_of_lora(tiny):
+def test_param_groups_of_frozen_parts_and_of_lora(small):
     # method=full with the defaults: vision tower and merger frozen, so not in any group
     cfg = TrainConfig(train_data="x", method="full", lr=2e-3, weight_decay=0.05)
-    model = adapt.prepare_for_training(copy.deepcopy(tiny), cfg)
+    model = adapt.prepare_for_training(copy.deepcopy(small), cfg)
     entries = _groups_by_name(model, adapt.param_groups(model, cfg))
     assert {FAMILY.part_of(n) for n, _, _ in entries} == {"llm"}
     assert sorted(n for n, _, _ in entries) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
@@ -78,7 +79,7 @@ def test_param_groups_of_frozen_parts_and_of_lora(tiny):
     # LoRA on every part: only the adapters, each once, all decayed (matrices), each part its own lr
     cfg = TrainConfig(train_data="x", method="lora", lora_r=2, lora_targets=["llm_attn", "merger", "vision"],
                       lr=1e-3, lr_vision=2e-5, lr_merger=5e-4, weight_decay=0.01)
-    model = adapt.prepare_for_training(copy.deepcopy(tiny), cfg)
+    model = adapt.prepare_for_training(copy.deepcopy(small), cfg)
     entries = _groups_by_name(model, adapt.param_groups(model, cfg))
     names = [n for n, _, _ in entries]
     assert len(names) == len(set(names))
@@ -110,8 +111,6 @@ def test_one_of_vision_tower_and_merger_trained_on_a_bf16_base_answers(any_famil
     image, record = synth.make_sample(5, 0)
     [answer] = predict(gm, [image], [record["phrase"]], max_new_tokens=48)
     assert answer.raw  # it answered (random weights: what they say is not the point)
-    if any_family_model == "tiny":
-        assert answer.error is None, answer  # in the form the tiny model learnt
 
 
 def _adapted(model) -> set[str]:
@@ -124,35 +123,36 @@ def _linears(model) -> list[str]:
 
 
 @pytest.mark.parametrize("targets, last_n, layers", [
-    (["llm_attn"], 2, {2, 3}),
-    (["llm_mlp"], 2, {2, 3}),
-    (["llm_attn", "llm_mlp"], 1, {3}),
-    (["llm_attn", "llm_mlp"], 0, {0, 1, 2, 3}),
+    (["llm_attn"], 1, {1}),
+    (["llm_mlp"], 1, {1}),
+    (["llm_attn", "llm_mlp"], 1, {1}),
+    (["llm_attn", "llm_mlp"], 2, {0, 1}),
+    (["llm_attn", "llm_mlp"], 0, {0, 1}),
 ])
-def test_lora_on_the_last_llm_layers(tiny, targets, last_n, layers):
-    assert len(adapt.decoder_layers(tiny)) == 4
+def test_lora_on_the_last_llm_layers(small, targets, last_n, layers):
+    assert len(adapt.decoder_layers(small)) == 2
     kinds = {"llm_attn": "self_attn", "llm_mlp": "mlp"}
     expected = set()
-    for name in _linears(tiny):
+    for name in _linears(small):
         match = LLM_LAYER.search(name)
         if match and int(match.group(1)) in layers and match.group(2) in {kinds[t] for t in targets}:
             expected.add(name)
     per_layer = (4 if "llm_attn" in targets else 0) + (3 if "llm_mlp" in targets else 0)  # q k v o / gate up down
     assert len(expected) == per_layer * len(layers)
     cfg = TrainConfig(train_data="x", method="lora", lora_r=2, lora_targets=targets, lora_last_n_layers=last_n)
-    model = adapt.prepare_for_training(copy.deepcopy(tiny), cfg)
+    model = adapt.prepare_for_training(copy.deepcopy(small), cfg)
     assert _adapted(model) == expected  # nothing in the vision tower, the merger or the LM head
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert {n.removeprefix("base_model.model.").split(".lora_")[0] for n in trainable} == expected
 
 
 @pytest.mark.parametrize("target", ["merger", "vision"])
-def test_lora_on_the_vision_side(tiny, target):
-    expected = {n for n in _linears(tiny) if FAMILY.part_of(n) == target}
+def test_lora_on_the_vision_side(small, target):
+    expected = {n for n in _linears(small) if FAMILY.part_of(n) == target}
     assert expected and all(n.startswith("model.visual.") for n in expected)
     cfg = TrainConfig(train_data="x", method="lora", lora_r=2, lora_targets=[target],
-                      lora_last_n_layers=2)  # counts LLM layers only: the vision side is adapted whole
-    model = adapt.prepare_for_training(copy.deepcopy(tiny), cfg)
+                      lora_last_n_layers=1)  # counts LLM layers only: the vision side is adapted whole
+    model = adapt.prepare_for_training(copy.deepcopy(small), cfg)
     adapted = _adapted(model)
     assert adapted == expected
     other = {"merger": "vision", "vision": "merger"}[target]

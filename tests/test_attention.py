@@ -72,12 +72,12 @@ def test_block_causal_mask_keeps_attention_within_each_sample():
     assert torch.equal(mask, expected)
 
 
-def test_language_model_attention_is_ours_and_falls_back_to_sdpa():
-    gm = load_model("tiny", device="cpu", dtype="fp32")
+def test_language_model_attention_is_ours_and_falls_back_to_sdpa(small_model):
+    gm = load_model(small_model, device="cpu", dtype="fp32")
     assert gm.model.config.get_text_config()._attn_implementation == "sdpa"  # transformers' own until installed
     speedups.install(gm.model)
     assert gm.model.config.get_text_config()._attn_implementation == attention.TEXT_ATTENTION
-    q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8)
+    q, k, v = torch.randn(2, 2, 5, 8), torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8)
     layer = next(m for n, m in gm.model.named_modules() if n.endswith("self_attn"))
     ours, _ = attention.text_attention(layer, q, k, v, None, scaling=0.3, is_causal=True)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -91,7 +91,7 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available() or attention._varle
 
 
 @cuda_only
-def test_varlen_kernel_equals_the_fallbacks_on_the_gpu():
+def test_varlen_kernel_equals_the_fallbacks_on_the_gpu(small_model):
     """The GPU path (one variable-length flash call per layer) against the exact CPU-side paths,
     in bf16: vision windows of several lengths, and packed causal text with grouped key/value heads."""
     torch.manual_seed(0)
@@ -104,8 +104,8 @@ def test_varlen_kernel_equals_the_fallbacks_on_the_gpu():
         want[index] = torch.nn.functional.scaled_dot_product_attention(q_g, k_g, v_g, scale=0.125).transpose(1, 2)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
-    layer = next(m for n, m in load_model("tiny", device="cuda").model.named_modules() if n.endswith("self_attn"))
-    query = torch.randn(1, 3, 288, 64, device="cuda", dtype=torch.bfloat16)  # 3 query heads share 1 key/value head
+    layer = next(m for n, m in load_model(small_model, device="cuda").model.named_modules() if n.endswith("self_attn"))
+    query = torch.randn(1, 2, 288, 64, device="cuda", dtype=torch.bfloat16)  # 2 query heads share 1 key/value head
     key, value = (torch.randn(1, 1, 288, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     got, _ = attention.text_attention(layer, query, key, value, None, scaling=0.088, cu_seq_lens_q=cu, max_length_q=64)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -71,7 +71,7 @@ def test_a_full_batch_goes_at_once_and_the_inbox_end_ends_the_batches():
 
 
 @pytest.mark.parametrize("through", ["pipe", "shared memory"])
-def test_a_request_s_pixels_cross_to_the_model_once_and_every_phrase_gets_them(through, monkeypatch):
+def test_a_request_s_pixels_cross_to_the_model_once_and_every_phrase_gets_them(through, small_model, monkeypatch):
     """The encoding side sends an image's pixels with its first phrase only (a 3B image is ~20 MB,
     copied through the queue once per phrase before); the model's side puts them back in every
     phrase's prompt and forgets them after the last. Through shared memory (every tensor, with
@@ -95,7 +95,7 @@ def test_a_request_s_pixels_cross_to_the_model_once_and_every_phrase_gets_them(t
     if through == "shared memory":
         monkeypatch.setattr(batching, "SHARED_FROM_BYTES", 0)
 
-    gm = infer.load("tiny", device="cpu")
+    gm = infer.load(small_model, device="cpu")
     image, _ = synth.make_sample(5, 0)
     png = io.BytesIO()
     image.save(png, format="PNG")

@@ -2,7 +2,9 @@
 settings (generation_config.json: Qwen2.5-VL ships top_k=1 and repetition_penalty 1.05) are set
 aside, and its pixel budget (preprocessor_config.json) is the one a base model is resized with.
 
-The checkpoints here are copies of the tiny model's folder with the files as Qwen ships them."""
+The checkpoints here are copies of a small random Qwen2.5-VL's folder (the ``small_model`` fixture,
+which speaks as the tiny model does) with the files as Qwen ships them: nothing here depends on
+what the weights learnt."""
 
 from __future__ import annotations
 
@@ -16,16 +18,16 @@ import torch
 from groundtune import boxes, infer
 from groundtune.data import synth
 from groundtune.models import qwen
-from groundtune.models.loading import RESIZE_FAMILY, RESIZE_PROCESSOR, RESIZE_SAVED, TINY_DIR, load_model
+from groundtune.models.loading import RESIZE_FAMILY, RESIZE_PROCESSOR, RESIZE_SAVED, load_model
 
 # Qwen2.5-VL-*-Instruct's generation_config.json (QwenLM/Qwen2.5-VL issues 722, 884), with a
-# repetition penalty strong enough to change the tiny model's greedy answers
+# repetition penalty strong enough to change a model's greedy answers
 SHIPPED_DECODING = {"do_sample": True, "top_k": 1, "top_p": 0.001, "temperature": 0.1, "repetition_penalty": 5.0}
 
 
-def _copy_of_tiny(tmp_path, name: str, generation: dict | None = None, keep_metadata: bool = True):
+def _copy(model: str, tmp_path, name: str, generation: dict | None = None, keep_metadata: bool = True):
     folder = tmp_path / name
-    shutil.copytree(TINY_DIR, folder)
+    shutil.copytree(model, folder)
     if not keep_metadata:
         (folder / "groundtune.json").unlink()
     if generation is not None:
@@ -39,8 +41,8 @@ def _prompts(gm, n: int = 2):
     return infer.encode_prompts(gm, [(image, sample["phrase"]) for image, sample in pairs])
 
 
-def test_sampled_answers_differ_although_the_checkpoint_ships_top_k_1(tmp_path):
-    gm = load_model(str(_copy_of_tiny(tmp_path, "shipped", SHIPPED_DECODING)))
+def test_sampled_answers_differ_although_the_checkpoint_ships_top_k_1(small_model, tmp_path):
+    gm = load_model(str(_copy(small_model, tmp_path, "shipped", SHIPPED_DECODING)))
     encoded, sizes = _prompts(gm)
     group = 6
     torch.manual_seed(0)
@@ -63,14 +65,14 @@ def test_sampled_answers_differ_although_the_checkpoint_ships_top_k_1(tmp_path):
     assert len({tuple(row) for row in out[:group].tolist()}) == 1
 
 
-def test_greedy_answers_ignore_the_checkpoints_repetition_penalty(tmp_path):
-    clean = load_model("tiny")
-    shipped = load_model(str(_copy_of_tiny(tmp_path, "shipped", SHIPPED_DECODING)))
+def test_greedy_answers_ignore_the_checkpoints_repetition_penalty(small_model, tmp_path):
+    clean = load_model(small_model)
+    shipped = load_model(str(_copy(small_model, tmp_path, "shipped", SHIPPED_DECODING)))
     pairs = [synth.make_sample(6, i, task="full") for i in range(4)]
     images, phrases = [image for image, _ in pairs], [sample["phrase"] for _, sample in pairs]
     ours = [p.raw for p in infer.predict(shipped, images, phrases, max_new_tokens=40)]
     assert ours == [p.raw for p in infer.predict(clean, images, phrases, max_new_tokens=40)]
-    # with the checkpoint's own settings the answers would differ (the penalty bites on repeated digits)
+    # with the checkpoint's own settings the answers would differ (the penalty bites on repeated tokens)
     from transformers import GenerationConfig
 
     shipped.model.generation_config = GenerationConfig.from_pretrained(tmp_path / "shipped")
@@ -86,7 +88,7 @@ def test_greedy_answers_ignore_the_checkpoints_repetition_penalty(tmp_path):
     assert theirs != ours
 
 
-def test_decoding_is_complete_and_recorded():
+def test_decoding_is_complete_and_recorded(small_model):
     greedy = infer.Decoding.greedy(32)
     assert greedy.to_dict() == {"max_new_tokens": 32, "do_sample": False, "repetition_penalty": 1.0}
     kwargs = infer.Decoding.sampled(48, temperature=0.7, top_p=0.9).generate_kwargs()
@@ -96,7 +98,7 @@ def test_decoding_is_complete_and_recorded():
     with pytest.raises(ValueError, match="temperature > 0"):
         infer.Decoding.sampled(8, temperature=0.0)
     with pytest.raises(ValueError, match="need sampling"):
-        infer.generate(load_model("tiny"), [], [], greedy, num_samples=2)
+        infer.generate(load_model(small_model), [], [], greedy, num_samples=2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,25 +113,25 @@ def _rewrite_preprocessor(folder, **fields):
     path.write_text(json.dumps({**config, **fields}))
 
 
-def test_a_base_checkpoint_is_resized_with_its_own_preprocessor_budget(tmp_path):
-    qwen25_style = _copy_of_tiny(tmp_path, "min-max", keep_metadata=False)
+def test_a_base_checkpoint_is_resized_with_its_own_preprocessor_budget(small_model, tmp_path):
+    qwen25_style = _copy(small_model, tmp_path, "min-max", keep_metadata=False)
     _rewrite_preprocessor(qwen25_style, min_pixels=3136, max_pixels=12845056)
     gm = load_model(str(qwen25_style))
     assert gm.resize == boxes.ResizeSpec(28, 3136, 12845056) and gm.resize_source == RESIZE_PROCESSOR
 
-    newer_style = _copy_of_tiny(tmp_path, "size", keep_metadata=False)
+    newer_style = _copy(small_model, tmp_path, "size", keep_metadata=False)
     _rewrite_preprocessor(newer_style, size={"shortest_edge": 4 * 28 * 28, "longest_edge": 256 * 28 * 28})
     assert load_model(str(newer_style)).resize == boxes.ResizeSpec(28, 4 * 28 * 28, 256 * 28 * 28)
 
     # none at all: the family's shipped budget, not transformers' class default (1,003,520)
-    bare = _copy_of_tiny(tmp_path, "bare", keep_metadata=False)
+    bare = _copy(small_model, tmp_path, "bare", keep_metadata=False)
     _rewrite_preprocessor(bare)
     gm = load_model(str(bare))
     assert gm.resize == qwen.family("qwen2.5-vl").default_resize() and gm.resize_source == RESIZE_FAMILY
     assert gm.resize.max_pixels == 12845056
 
     # groundtune.json, when there, wins: a trained model runs at its training budget
-    assert load_model("tiny").resize_source == RESIZE_SAVED
+    assert load_model(small_model).resize_source == RESIZE_SAVED
 
 
 def test_qwen3_defaults_are_qwen3s(family_folder, tmp_path):
@@ -142,20 +144,21 @@ def test_qwen3_defaults_are_qwen3s(family_folder, tmp_path):
     assert gm.resize == boxes.ResizeSpec(*expected) and gm.resize_source == RESIZE_FAMILY
 
 
-def test_training_over_a_saved_budget_warns_and_saves_what_it_used(tmp_path):
+def test_training_over_a_saved_budget_warns_and_saves_what_it_used(small_model, tmp_path):
     from groundtune.config import TrainConfig
     from groundtune.train.sft import train
 
     synth.make_synthetic_set(tmp_path / "data", n=4, seed=1, task="single", workers=1)
-    cfg = TrainConfig(model="tiny", train_data=str(tmp_path / "data" / "train.jsonl"), out_dir=str(tmp_path / "run"),
-                      max_pixels=28 * 28 * 9, max_steps=1, batch_size=2, save_every=0)
-    with pytest.warns(UserWarning, match="train: tiny has its pixel budget in groundtune.json .* runs with"):
+    cfg = TrainConfig(model=small_model, train_data=str(tmp_path / "data" / "train.jsonl"),
+                      out_dir=str(tmp_path / "run"), max_pixels=28 * 28 * 9, max_steps=1, batch_size=2, save_every=0)
+    with pytest.warns(UserWarning, match=f"train: {re.escape(small_model)} has its pixel budget in groundtune.json .* "
+                                         "runs with"):
         run = train(cfg)
     saved = json.loads((run / "model" / "groundtune.json").read_text())["resize"]
     assert saved == {"factor": 28, "min_pixels": 3136, "max_pixels": 28 * 28 * 9}
 
 
-def test_an_image_the_resize_cannot_take_is_named(tmp_path):
+def test_an_image_the_resize_cannot_take_is_named(small_model, tmp_path):
     from PIL import Image
 
     from groundtune import evaluate
@@ -168,7 +171,7 @@ def test_an_image_the_resize_cannot_take_is_named(tmp_path):
               "bbox": [10.0, 0.0, 500.0, 4.0]}
     data = tmp_path / "sliver.jsonl"
     data.write_text(json.dumps(record) + "\n")
-    gm = load_model("tiny")
+    gm = load_model(small_model)
     with pytest.raises(DataError, match=r"sliver\.png .*aspect ratio 250.0 is above 200"):
         evaluate.evaluate(gm, [record], data, progress=False)
     # in a training batch it is left out and said why (the run counts it: test_reliability.py)

@@ -25,20 +25,21 @@ def data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def whole(data, tmp_path_factory):
+def whole(data, small_model, tmp_path_factory):
     """6 steps of the global batch 4 on 2 ranks, never stopped: the reference of the runs stopped on
     2 ranks. (Two ranks of batch 2 train as one process of batch 4, test_distributed.py shows, but
-    not to the last bit: their gradients are summed in another order, and by step 6, where the loss
-    is ~3e-4, the two differ by 1.3e-5 of it on some CPUs. A stop and resume must change nothing, so
-    the reference is the same world size.)"""
+    not to the last bit: their gradients are summed in another order, and by step 6 of the built-in
+    model, where the loss is ~3e-4, the two differed by 1.3e-5 of it on some CPUs. A stop and resume
+    must change nothing, so the reference is the same world size.)"""
     run = tmp_path_factory.mktemp("whole") / "run"
-    finish(train(data, run, 2, "max_steps=6", "batch_size=2", "save_every=1"))
+    finish(train(data, run, 2, "max_steps=6", "batch_size=2", "save_every=1", model=small_model))
     return run
 
 
-def test_a_killed_rank_ends_the_run_clearly_and_the_resumed_run_equals_an_uninterrupted_one(data, whole, tmp_path):
+def test_a_killed_rank_ends_the_run_clearly_and_the_resumed_run_equals_an_uninterrupted_one(data, small_model, whole,
+                                                                                             tmp_path):
     killed = tmp_path / "killed"
-    process = train(data, killed, 2, "max_steps=6", "batch_size=2", "save_every=1")
+    process = train(data, killed, 2, "max_steps=6", "batch_size=2", "save_every=1", model=small_model)
 
     def kill_rank_1() -> None:
         os.kill(ranks_of(process.pid)[1], signal.SIGKILL)
@@ -55,13 +56,14 @@ def test_a_killed_rank_ends_the_run_clearly_and_the_resumed_run_equals_an_uninte
     assert logged(killed, "loss") == pytest.approx(logged(whole, "loss"), rel=1e-5)
 
 
-def test_sigterm_to_the_process_group_stops_every_rank_at_one_step_and_the_run_resumes(data, whole, tmp_path):
+def test_sigterm_to_the_process_group_stops_every_rank_at_one_step_and_the_run_resumes(data, small_model, whole,
+                                                                                        tmp_path):
     """As a cluster scheduler preempts a job: SIGTERM to the launcher and its ranks at once. Every
     rank finishes its step, rank 0 saves, the ranks exit 0 (torchrun itself reports the signal)."""
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = ["quickstart", f"train_data={data}", f"out_dir={run}", *SETTINGS, "max_steps=6", "batch_size=2",
-            "save_every=0"]
+    args = ["quickstart", f"model={small_model}", f"train_data={data}", f"out_dir={run}", *SETTINGS, "max_steps=6",
+            "batch_size=2", "save_every=0"]
     process = subprocess.Popen([TORCHRUN, "--nproc-per-node", "2", "-m", "groundtune", "train", *args], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     watcher = stop_after(run, 2, process, lambda: os.killpg(process.pid, signal.SIGTERM))
@@ -75,9 +77,10 @@ def test_sigterm_to_the_process_group_stops_every_rank_at_one_step_and_the_run_r
     assert logged(run, "loss") == pytest.approx(logged(whole, "loss"), rel=1e-5)
 
 
-def test_a_sharded_run_resumes_on_one_process(data, tmp_path):
+def test_a_sharded_run_resumes_on_one_process(data, small_model, tmp_path):
     run = tmp_path / "fsdp2"
-    process = train(data, run, 2, "max_steps=4", "batch_size=2", "save_every=1", "distributed=fsdp2")
+    process = train(data, run, 2, "max_steps=4", "batch_size=2", "save_every=1", "distributed=fsdp2",
+                    model=small_model)
     watcher = stop_after(run, 2, process, lambda: (run / "STOP").touch())
     output = finish(process)
     watcher.join()
@@ -105,13 +108,14 @@ train(load_config(TrainConfig, preset_path("quickstart"), sys.argv[1:]), on_step
 """
 
 
-def test_a_nan_on_one_rank_skips_the_step_on_every_rank(data, tmp_path):
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank(data, small_model, tmp_path):
     driver = tmp_path / "poison.py"
     driver.write_text(POISON)
     run = tmp_path / "run"
-    done = subprocess.run([TORCHRUN, "--nproc-per-node", "2", str(driver), f"train_data={data}", f"out_dir={run}",
-                           *SETTINGS, "max_steps=6", "batch_size=2", "save_every=0", "max_bad_steps=2"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run([TORCHRUN, "--nproc-per-node", "2", str(driver), f"model={small_model}",
+                           f"train_data={data}", f"out_dir={run}", *SETTINGS, "max_steps=6", "batch_size=2",
+                           "save_every=0", "max_bad_steps=2"], check=False, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     output = done.stdout + done.stderr
     assert done.returncode != 0
     # both ranks gave up together, after the same two skipped steps (rank 0's own losses were finite)

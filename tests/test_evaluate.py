@@ -1,12 +1,14 @@
 """Scoring on hand-made predictions with known IoUs, the set metrics against a brute-force count,
-AP against pycocotools' COCOeval run directly, the gallery, and `groundtune eval` end to end on the
-real tiny model."""
+AP against pycocotools' COCOeval run directly, the gallery, and `groundtune eval` end to end on a
+small random model (the report, the files, the refusals: whatever the weights) and on the trained
+tiny model (an answer cut short)."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import random
+import re
 
 import pytest
 from PIL import Image
@@ -380,7 +382,7 @@ def test_an_answer_with_no_area_is_drawn_and_listed_as_invalid(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# The eval command on the real tiny model
+# The eval command on a model
 
 
 @pytest.fixture
@@ -408,15 +410,15 @@ REPORT_KEYS = {"model", "data", "family", "resize", "prompt", "decoding", "n", "
                "recall@0.5", "f1@0.5", "set_acc@0.5", "n_acc", "t_acc", "definitions"}
 
 
-def test_eval_cli_writes_report_and_gallery(dataset, tmp_path, capsys, monkeypatch):
+def test_eval_cli_writes_report_and_gallery(small_model, dataset, tmp_path, capsys, monkeypatch):
     out, gallery = tmp_path / "report.json", tmp_path / "gallery"
     monkeypatch.setenv("GROUNDTUNE_PROGRESS_EVERY", "1e-9")  # a plain progress line every batch
-    assert main(["eval", "--model", "tiny", "--data", str(dataset), "--out", str(out), "--gallery", str(gallery),
+    assert main(["eval", "--model", small_model, "--data", str(dataset), "--out", str(out), "--gallery", str(gallery),
                  "--batch-size", "2", "--device", "cpu"]) == 0
     report = json.loads(out.read_text())
     assert REPORT_KEYS <= set(report)
-    assert report["model"] == "tiny" and report["family"] == "qwen2.5-vl" and report["n"] == 3
-    assert report["resize"] == {"factor": 28, "min_pixels": 3136, "max_pixels": 50176}  # the tiny run's own
+    assert report["model"] == small_model and report["family"] == "qwen2.5-vl" and report["n"] == 3
+    assert report["resize"] == {"factor": 28, "min_pixels": 3136, "max_pixels": 50176}  # its groundtune.json's
     assert report["decoding"] == {"max_new_tokens": 64, "do_sample": False, "repetition_penalty": 1.0}
     assert set(report["by_split"]) == {"val", "test"} and report["by_split"]["val"]["n"] == 2
     assert set(report["by_source"]) == {"synth"}
@@ -434,31 +436,34 @@ def test_eval_cli_writes_report_and_gallery(dataset, tmp_path, capsys, monkeypat
     assert all(h in printed for h in ("F1@.5", "set acc", "missed", "extra", "no target"))
     assert "ap@0.5" not in report and set(report["definitions"]) == set(evaluate.METRICS + evaluate.SET_METRICS)
     # again into the same report and gallery: each is this command's, replaced without --overwrite
-    assert main(["eval", "--model", "tiny", "--data", str(dataset), "--out", str(out), "--gallery", str(gallery),
+    assert main(["eval", "--model", small_model, "--data", str(dataset), "--out", str(out), "--gallery", str(gallery),
                  "--batch-size", "2", "--device", "cpu", "--limit", "1"]) == 0
     assert json.loads(out.read_text())["n"] == 1
 
 
-def test_eval_compare_and_pixel_override(dataset, tmp_path):
-    with pytest.warns(UserWarning, match="eval: tiny has its pixel budget in groundtune.json .* but runs with"):
-        result = evaluate.run_eval("tiny", dataset, limit=2, compare="tiny", max_pixels=28 * 28 * 16,
+def test_eval_compare_and_pixel_override(small_model, dataset, tmp_path):
+    with pytest.warns(UserWarning, match=f"eval: {re.escape(small_model)} has its pixel budget in groundtune.json .* "
+                                         "but runs with"):
+        result = evaluate.run_eval(small_model, dataset, limit=2, compare=small_model, max_pixels=28 * 28 * 16,
                                    device="cpu", out=tmp_path / "both.json")
     assert json.loads((tmp_path / "both.json").read_text()) == result
     first, second = result["models"]
     assert first["n"] == second["n"] == 2
     assert first["resize"]["max_pixels"] == 28 * 28 * 16 and first["resize"]["min_pixels"] == 3136
+    assert second["resize"] == first["resize"]  # the override holds for both (random weights: equal scores say little)
     assert {k: first[k] for k in evaluate.METRICS} == {k: second[k] for k in evaluate.METRICS}
 
 
-def test_eval_cli_names_a_bad_image(dataset, tmp_path, capsys):
+def test_eval_cli_names_a_bad_image(small_model, dataset, tmp_path, capsys):
     (tmp_path / "images" / "1.png").write_bytes(b"not a png")
-    assert main(["eval", "--model", "tiny", "--data", str(dataset), "--device", "cpu"]) == 2
+    assert main(["eval", "--model", small_model, "--data", str(dataset), "--device", "cpu"]) == 2
     assert "1.png: cannot decode image" in capsys.readouterr().err
 
 
 def test_max_new_tokens_cuts_answers_and_is_reported(dataset, tmp_path, capsys):
     """Three tokens cannot hold a box (`[{"` alone is three): every answer is cut and reported as a
-    parse failure, never read as a guessed box; predict takes the same flag."""
+    parse failure, never read as a guessed box; predict takes the same flag. Trained weights: the
+    tiny model answers a box when not cut (a random model's answers never parse, cut or not)."""
     out = tmp_path / "short.json"
     assert main(["eval", "--model", "tiny", "--data", str(dataset), "--out", str(out), "--max-new-tokens", "3",
                  "--device", "cpu"]) == 0

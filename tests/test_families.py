@@ -19,9 +19,9 @@ from PIL import Image
 from groundtune import boxes, families, infer
 from groundtune.config import TrainConfig
 from groundtune.data import synth
-from groundtune.train.batches import encode_sample
 from groundtune.models import qwen
 from groundtune.models.loading import load_model
+from groundtune.train.batches import encode_sample
 from groundtune.train.sft import train
 
 FACTOR = {"qwen2-vl": 28, "qwen3-vl": 32}
@@ -105,7 +105,7 @@ def test_training_target_is_the_family_convention(family_folder):
 def test_positions_from_the_workers_equal_the_models_own(family_folder):
     """Training passes the M-RoPE positions computed per sample (qwen.mrope_positions) so the
     model skips its per-batch Python loop: they must be exactly what the model computes itself."""
-    family, folder = family_folder
+    _, folder = family_folder
     gm = load_model(str(folder), device="cpu")
     encoded = []
     for i, size in enumerate([(200, 100), (90, 180), (64, 64)]):

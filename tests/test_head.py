@@ -1,7 +1,8 @@
 """Box-head mode (models/head.py): the query position, the set loss and its Hungarian matching,
-K slots answering 0..K boxes, the single-box head of before sets, training the tiny model with it
-(one box per phrase, and sets with none or several), saving and loading it back, and eval/predict
-answering through it in one forward pass."""
+K slots answering 0..K boxes, the single-box head of before sets, training a model with it (one box
+per phrase, and sets with none or several), saving and loading it back, and eval/predict answering
+through it in one forward pass. On a small random model (tests/conftest.py's ``small_model``): what
+is checked holds whatever the weights."""
 
 import itertools
 import json
@@ -122,10 +123,11 @@ def test_a_map_spread_over_a_block_of_cells_points_at_that_block():
 
 
 @pytest.mark.parametrize("slots", [0, 8])
-def test_the_head_gives_each_sample_its_own_images_box_however_the_batch_is_laid_out(synth_single, slots):
+def test_the_head_gives_each_sample_its_own_images_box_however_the_batch_is_laid_out(synth_single, slots,
+                                                                                     small_model):
     """Padded (training's default), packed, and in a row where an image's phrases share its tokens:
     the same boxes, each from its own image's tokens; in both layouts (a candidate per cell, K slots)."""
-    gm = infer.load("tiny", device="cpu")
+    gm = infer.load(small_model, device="cpu")
     core = adapt.base_model(gm.model)
     torch.manual_seed(0)
     box_head = head.attach(gm.model, adapt.hidden_size(core), slots=slots)
@@ -226,11 +228,11 @@ def test_a_head_file_of_the_former_design_is_refused_by_name(tmp_path):
         head.load(torch.nn.Linear(2, 2), tmp_path, 64)
 
 
-def test_k_slots_answer_none_to_k_boxes_in_reading_order_with_their_scores():
+def test_k_slots_answer_none_to_k_boxes_in_reading_order_with_their_scores(small_model):
     """A head of K slots answers each phrase with the boxes of the slots whose objectness reaches
     the threshold: every count from 0 to K as the threshold falls, in reading order, each box with
     its own slot's score; none is a no-target answer."""
-    gm = infer.load("tiny", device="cpu")
+    gm = infer.load(small_model, device="cpu")
     torch.manual_seed(0)
     slots = 4
     box_head = head.attach(gm.model, adapt.hidden_size(adapt.base_model(gm.model)), slots=slots)
@@ -248,7 +250,7 @@ def test_k_slots_answer_none_to_k_boxes_in_reading_order_with_their_scores():
         fractions, logits = head.read(box_head, hidden, head.query_positions(batch), head.image_tokens(batch, core.config))
     scores = sorted(torch.sigmoid(logits[0]).tolist(), reverse=True)
     assert scores[0] - scores[-1] > 0.1  # scores spread out: each threshold below keeps another slot
-    thresholds = [1.0] + [(a + b) / 2 for a, b in zip(scores, scores[1:])] + [0.0]
+    thresholds = [1.0] + [(a + b) / 2 for a, b in itertools.pairwise(scores)] + [0.0]
     for kept, threshold in enumerate(thresholds):
         box_head.threshold = threshold
         (answer,) = infer.head_boxes(gm, encoded, sizes)
@@ -287,8 +289,8 @@ def test_the_runners_keep_order_and_map_slots_as_groundtune_does():
     assert seen == {0, 1, 2, 3, 4, 5}  # every count of kept slots came up
 
 
-def test_the_head_reads_the_answer_opening_padded_packed_with_and_without_answers(synth_single):
-    gm = load_model("tiny")
+def test_the_head_reads_the_answer_opening_padded_packed_with_and_without_answers(synth_single, small_model):
+    gm = load_model(small_model)
     from groundtune.data.records import read_samples
     from groundtune.data.samples import FileSamples
 
@@ -322,11 +324,11 @@ def test_the_head_reads_the_answer_opening_padded_packed_with_and_without_answer
         assert (alone["input_ids"][rows_alone, columns_alone] == last).all()
 
 
-def test_a_box_head_trains_saves_loads_and_answers_in_one_pass(synth_single, tmp_path):
-    cfg = TrainConfig(model="tiny", train_data=str(synth_single / "train.jsonl"), eval_data=str(synth_single / "val.jsonl"),
-                      out_dir=str(tmp_path / "run"), head="box", lr=3e-3, batch_size=8, max_steps=30,
-                      log_every=1, save_every=0, eval_samples=16, warmup_steps=0, packing=True, head_slots=3,
-                      head_threshold=0.3)
+def test_a_box_head_trains_saves_loads_and_answers_in_one_pass(synth_single, tmp_path, small_model):
+    cfg = TrainConfig(model=small_model, train_data=str(synth_single / "train.jsonl"),
+                      eval_data=str(synth_single / "val.jsonl"), out_dir=str(tmp_path / "run"), head="box", lr=3e-3,
+                      batch_size=8, max_steps=30, log_every=1, save_every=0, eval_samples=16, warmup_steps=0,
+                      packing=True, head_slots=3, head_threshold=0.3)
     run = train(cfg)
     losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert sum(losses[-5:]) < sum(losses[:5])  # it learns
@@ -348,7 +350,7 @@ def test_a_box_head_trains_saves_loads_and_answers_in_one_pass(synth_single, tmp
     assert evaluate.best_threshold(infer.predict_records(gm, records, synth_single / "val.jsonl"), records) == chosen
     loaded.threshold = chosen
     # the loaded head answers as the trained one did: the eval it was saved with, again
-    report, rows = evaluate.evaluate(gm, records, synth_single / "val.jsonl", batch_size=5)
+    report, _ = evaluate.evaluate(gm, records, synth_single / "val.jsonl", batch_size=5)
     assert report["acc@0.5"] == pytest.approx(saved["eval"]["acc@0.5"]) and report["parse_fail_rate"] == 0
     assert report["head"] == "box"
     # every answer is 0..3 boxes inside its image, in original pixels, each with its score; batches of any size agree
@@ -402,7 +404,7 @@ def _set_task(folder, n: int, seed: int) -> list[dict]:
     return records
 
 
-def test_a_box_head_learns_a_set_task_of_several_boxes_and_none(tmp_path):
+def test_a_box_head_learns_a_set_task_of_several_boxes_and_none(tmp_path, small_model):
     """Trained on phrases with 0-3 boxes, the set loss on a fixed batch of them falls (the layout of
     a candidate per image cell, quickstart-every's)."""
     from groundtune.data.records import read_samples
@@ -412,7 +414,7 @@ def test_a_box_head_learns_a_set_task_of_several_boxes_and_none(tmp_path):
     records = _set_task(tmp_path / "sets", 48, seed=3)
     counts = [len(r["bboxes"]) for r in records]
     assert 0 in counts and max(counts) >= 2  # no-target and multi-box phrases both
-    gm = load_model("tiny")
+    gm = load_model(small_model)
     data = tmp_path / "sets" / "train.jsonl"
     dataset = GroundingDataset(FileSamples(read_samples(data), str(data)), gm.processor, gm.family, gm.resize,
                                gm.prompt, box_target=True)
@@ -425,14 +427,14 @@ def test_a_box_head_learns_a_set_task_of_several_boxes_and_none(tmp_path):
             with torch.no_grad():
                 measured[step] = float(box_head_loss(BoxObjective(model), fixed, 24, 1, 2.0, 0.0))
 
-    cfg = TrainConfig(model="tiny", train_data=str(data), eval_data="", out_dir=str(tmp_path / "run"), head="box",
-                      head_slots=0, lr=3e-3, batch_size=8, max_steps=30, log_every=1, save_every=0, warmup_steps=0)
+    cfg = TrainConfig(model=small_model, train_data=str(data), eval_data="", out_dir=str(tmp_path / "run"),
+                      head="box", head_slots=0, lr=3e-3, batch_size=8, max_steps=30, log_every=1, save_every=0, warmup_steps=0)
     run = train(cfg, on_step=measure)
     assert measured[30] < 0.8 * measured[1]  # it learns the sets
     gm = infer.load(str(run))
     assert head.head_of(gm.model).per_cell  # saved and loaded in its layout
     image = Image.open(tmp_path / "sets" / "0.png")
-    cells = (image.width // 28) * (image.height // 28)  # the tiny model's merged cells: 28 px
+    cells = (image.width // 28) * (image.height // 28)  # the model's merged cells (tiny's processor): 28 px
     answers = infer.predict(gm, [image] * 2, ["all the shapes", "every purple shape"])
     assert all(a.error is None and len(a.boxes) <= cells and len(a.scores) == len(a.boxes) for a in answers)
 
@@ -456,8 +458,8 @@ def test_the_threshold_chosen_is_the_one_of_best_f1_on_the_eval_set():
     assert evaluate.best_threshold(predictions, samples) == 0.15
 
 
-def test_a_batch_holds_every_true_box_of_each_phrase_and_none_for_a_no_target_one(synth_single):
-    gm = load_model("tiny")
+def test_a_batch_holds_every_true_box_of_each_phrase_and_none_for_a_no_target_one(synth_single, small_model):
+    gm = load_model(small_model)
     from groundtune.data.records import read_samples
     from groundtune.data.samples import FileSamples
 
@@ -488,8 +490,8 @@ def test_head_settings_are_checked():
         TrainConfig(train_data="x", method="full", freeze_vision=True, freeze_merger=True, freeze_llm=True)
 
 
-def test_phrases_asked_of_one_image_share_its_vision_pass_and_get_the_same_boxes():
-    gm = infer.load("tiny", device="cpu")  # as eval, predict and serve load it: our attention installed
+def test_phrases_asked_of_one_image_share_its_vision_pass_and_get_the_same_boxes(small_model):
+    gm = infer.load(small_model, device="cpu")  # as eval, predict and serve load it: our attention installed
     core = adapt.base_model(gm.model)
     torch.manual_seed(0)
     head.attach(gm.model, adapt.hidden_size(core))

@@ -126,11 +126,11 @@ def run(home: dict, code_or_args: list[str] | str, block_datasets: bool = False)
     if isinstance(code_or_args, str):
         cmd = [sys.executable, "-c", code_or_args]
     elif block_datasets:
-        cmd = [sys.executable, "-c", "import sys; sys.modules['datasets'] = None; from groundtune.cli import main; "
-               f"sys.exit(main({code_or_args!r}))"]
+        cmd = [sys.executable, "-c", ("import sys; sys.modules['datasets'] = None; from groundtune.cli import main; "
+                                      f"sys.exit(main({code_or_args!r}))")]
     else:
         cmd = [sys.executable, "-m", "groundtune", *code_or_args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, env=env, check=False, capture_output=True, text=True, timeout=300)
 
 
 def resolve(home: dict, spec: str = SPEC) -> Path:

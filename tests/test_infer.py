@@ -1,5 +1,6 @@
-"""Batched greedy generation on the real tiny model: batches equal one-at-a-time, the KV cache
-equals a full forward per token, and answers come back in ORIGINAL pixels."""
+"""Batched greedy generation on a small Qwen2.5-VL that speaks as the tiny model does: batches equal
+one-at-a-time, the KV cache equals a full forward per token, and answers come back in ORIGINAL
+pixels."""
 
 from __future__ import annotations
 
@@ -29,12 +30,12 @@ def _image(size: tuple[int, int], colour: str) -> Image.Image:
 
 
 @pytest.fixture(scope="module")
-def gm():
-    """The tiny model's architecture with large random weights: answers that differ wildly from one
-    input to the next, so any mix-up between the rows of a batch shows. (The trained tiny model
-    answers these plain pictures with near-identical boxes; tests/test_tiny_model.py checks its
-    answers against the truth.)"""
-    gm = load_model("tiny", device="cpu")
+def gm(small_model):
+    """The small model with large random weights: answers that differ wildly from one input to the
+    next, so any mix-up between the rows of a batch shows. (Its own small random weights write the
+    same newlines whatever they see; the trained tiny model answers these plain pictures with
+    near-identical boxes; tests/test_tiny_model.py checks its answers against the truth.)"""
+    gm = load_model(small_model, device="cpu")
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in gm.model.parameters():
@@ -169,12 +170,13 @@ def test_unparseable_answer_is_an_error_not_a_box(gm):
 # The predict command
 
 
-def test_predict_cli_prints_one_json_line(tmp_path, capsys):
+def test_predict_cli_prints_one_json_line(small_model, tmp_path, capsys):
     path = tmp_path / "wide.png"
     _image((200, 100), "red").save(path)
     drawn = tmp_path / "drawn.png"
-    assert main(["predict", "--model", "tiny", "--image", str(path), "--phrase", "the red square",
-                 "--draw", str(drawn), "--device", "cpu"]) == 0
+    # random weights write junk up to --max-new-tokens: a few are enough
+    assert main(["predict", "--model", small_model, "--image", str(path), "--phrase", "the red square",
+                 "--draw", str(drawn), "--device", "cpu", "--max-new-tokens", "8"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1
     out = json.loads(lines[0])
@@ -186,7 +188,7 @@ def test_predict_cli_prints_one_json_line(tmp_path, capsys):
     assert Image.open(drawn).size[0] >= 200
 
 
-def test_predict_cli_jsonl_writes_one_line_per_input(tmp_path):
+def test_predict_cli_jsonl_writes_one_line_per_input(small_model, tmp_path):
     for name, size in [("a.png", (112, 112)), ("b.png", (140, 84))]:
         _image(size, "blue").save(tmp_path / name)
     records = [
@@ -198,8 +200,8 @@ def test_predict_cli_jsonl_writes_one_line_per_input(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in records))
     dst = tmp_path / "out" / "pred.jsonl"
-    assert main(["predict", "--model", "tiny", "--jsonl", str(src), "--out", str(dst),
-                 "--batch-size", "2", "--device", "cpu"]) == 0
+    assert main(["predict", "--model", small_model, "--jsonl", str(src), "--out", str(dst),
+                 "--batch-size", "2", "--device", "cpu", "--max-new-tokens", "8"]) == 0
     lines = [json.loads(x) for x in dst.read_text().splitlines()]
     assert len(lines) == 3
     for record, line in zip(records, lines):

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from groundtune.config import ConfigError, TrainConfig
-from groundtune.errors import GroundtuneError
 from groundtune.data import synth
-from groundtune.train.batches import encode_sample
+from groundtune.errors import GroundtuneError
 from groundtune.models import adapt, kernels, qwen, speedups
 from groundtune.models.adapt import base_model
 from groundtune.models.loading import load_model
+from groundtune.train.batches import encode_sample
 from groundtune.train.objective import answer_loss
 
 
@@ -60,8 +60,8 @@ def test_compiled_vision_blocks_give_the_same_answers_and_features(any_family_mo
     assert [p.raw for p in infer.predict(gm, images, phrases, max_new_tokens=8)] == eager_answers
 
 
-def test_fused_kernels_fall_back_where_liger_cannot_run():
-    gm = load_model("tiny", device="cpu", dtype="fp32")
+def test_fused_kernels_fall_back_where_liger_cannot_run(small_model):
+    gm = load_model(small_model, device="cpu", dtype="fp32")
     model = adapt.prepare_for_training(gm.model, TrainConfig(train_data="x", method="lora"))
     batch = _batch(gm)
     with torch.no_grad():
@@ -77,10 +77,10 @@ def test_fused_kernels_fall_back_where_liger_cannot_run():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointed", [0, -1])
-def test_compiled_decoder_layers_give_the_same_loss_and_gradients(checkpointed):
+def test_compiled_decoder_layers_give_the_same_loss_and_gradients(checkpointed, small_model):
     """Traced by TorchDynamo and AOTAutograd (the ``aot_eager`` backend: what inductor compiles,
     without needing a C++ compiler here), with and without recomputed layers."""
-    gm = load_model("tiny", device="cpu", dtype="fp32")
+    gm = load_model(small_model, device="cpu", dtype="fp32")
     cfg = TrainConfig(train_data="x", method="lora", gradient_checkpointing=checkpointed)
     model = adapt.prepare_for_training(gm.model, cfg)
     model.train()
@@ -104,8 +104,8 @@ def test_compiled_decoder_layers_give_the_same_loss_and_gradients(checkpointed):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_fused_lora_layers_give_peft_loss_and_gradients(dtype):
-    gm = load_model("tiny", device="cpu", dtype=dtype)
+def test_fused_lora_layers_give_peft_loss_and_gradients(dtype, small_model):
+    gm = load_model(small_model, device="cpu", dtype=dtype)
     model = adapt.prepare_for_training(gm.model, TrainConfig(train_data="x", method="lora"))
     adapt.keep_trainable_fp32(model)  # fp32 adapters on a bf16 base, as training runs them
     torch.manual_seed(0)
@@ -125,13 +125,13 @@ def test_fused_lora_layers_give_peft_loss_and_gradients(dtype):
     peft_loss, peft_grads = loss_and_grads()
     assert kernels.fuse_lora_layers(model) == 7 * len(adapt.decoder_layers(model))  # q k v o gate up down
     fused_loss, fused_grads = loss_and_grads()
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == "fp32" else dict(rtol=3e-2, atol=3e-3)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == "fp32" else {"rtol": 3e-2, "atol": 3e-3}
     torch.testing.assert_close(fused_loss, peft_loss, **tol)
     assert fused_grads.keys() == peft_grads.keys() and all("lora_" in n for n in fused_grads)
     for name in peft_grads:
         assert fused_grads[name].dtype == torch.float32
         torch.testing.assert_close(fused_grads[name], peft_grads[name], **(tol if dtype == "fp32" else
-                                                                           dict(rtol=1e-1, atol=2e-3)))
+                                                                           {"rtol": 1e-1, "atol": 2e-3}))
     with torch.no_grad(), model.disable_adapter():  # peft's own paths still switch the adapters off
         off = answer_loss(model, batch)
     assert not torch.allclose(off, fused_loss.to(off.dtype))
@@ -141,7 +141,8 @@ def test_padded_vision_mlp_computes_the_same():
     from transformers import Qwen2_5_VLConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP
 
-    config = Qwen2_5_VLConfig(vision_config=dict(hidden_size=16, intermediate_size=30, hidden_act="silu")).vision_config
+    vision = {"hidden_size": 16, "intermediate_size": 30, "hidden_act": "silu"}
+    config = Qwen2_5_VLConfig(vision_config=vision).vision_config
     torch.manual_seed(0)
     mlp = Qwen2_5_VLMLP(config, bias=True).requires_grad_(False)
     x = torch.randn(5, 16)
@@ -256,18 +257,19 @@ def test_liger_rotations_on_the_gpu_round_as_the_rotations_they_replace(monkeypa
     assert (fused - exact).abs().mean() <= 1.25 * (unfused - exact).abs().mean()
 
 
-def test_fp8_is_refused_where_it_cannot_run(tmp_path):
+def test_fp8_is_refused_where_it_cannot_run(tmp_path, small_model):
     from groundtune.train.sft import train
 
     if not torch.cuda.is_available():  # on a CPU, before any weights load
         with pytest.raises(GroundtuneError, match="fp8=true needs a GPU with FP8 matmuls"):
-            train(TrainConfig(train_data="synth:full", fp8=True, max_steps=1, out_dir=str(tmp_path / "run")))
+            train(TrainConfig(model=small_model, train_data="synth:full", fp8=True, max_steps=1,
+                              out_dir=str(tmp_path / "run")))
         assert not (tmp_path / "run" / "metrics.jsonl").exists()
     with pytest.raises(ConfigError, match="fp8=true with method=qlora"):
         TrainConfig(train_data="synth:full", method="qlora", fp8=True)
     with pytest.raises(ConfigError, match="fp8=true with distributed=fsdp2"):
         TrainConfig(train_data="synth:full", fp8=True, distributed="fsdp2")
-    gm = load_model("tiny", device="cpu", dtype="fp32")
+    gm = load_model(small_model, device="cpu", dtype="fp32")
     model = adapt.prepare_for_training(gm.model, TrainConfig(train_data="x", method="lora"))
     with pytest.raises(GroundtuneError, match="fp8=true needs a GPU with FP8 matmuls"):
         speedups.install(model, fp8=True)

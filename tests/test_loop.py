@@ -2,6 +2,7 @@
 the learning-rate schedule, keeping the best evaluated model, pruning and atomic checkpoints, and
 the thermal pause."""
 
+import functools
 import json
 import math
 import random
@@ -21,12 +22,19 @@ from groundtune.train.monitor import MetricsLog, thermal_pause
 from groundtune.train.sft import train
 
 
-def _cfg(data, out, **kw):
-    base = dict(model="tiny", train_data=str(data / "train.jsonl"), out_dir=str(out), method="full",
-                freeze_vision=False, freeze_merger=False, lr=1e-3, batch_size=2, max_steps=4, log_every=1,
-                save_every=0, warmup_steps=0, device="cpu")  # fp32: weights compare exactly on any machine
+def _cfg(data, out, model, **kw):
+    base = {"model": model, "train_data": str(data / "train.jsonl"), "out_dir": str(out), "method": "full",
+            "freeze_vision": False, "freeze_merger": False, "lr": 1e-3, "batch_size": 2, "max_steps": 4,
+            "log_every": 1, "save_every": 0, "warmup_steps": 0,
+            "device": "cpu"}  # fp32: weights compare exactly on any machine
     base.update(kw)
     return TrainConfig(**base)
+
+
+@pytest.fixture
+def cfg(small_model):
+    """_cfg on the small random model."""
+    return functools.partial(_cfg, model=small_model)
 
 
 def _records(run):
@@ -66,12 +74,12 @@ def test_lr_with_min_ratio_one_is_constant_after_warmup():
     assert [f(s) for s in range(9)] == [0.5] + [1.0] * 8
 
 
-def test_the_scheduler_gives_each_part_its_own_peak_times_the_factor():
+def test_the_scheduler_gives_each_part_its_own_peak_times_the_factor(small_model):
     """Through a real LambdaLR over ``param_groups``: every group follows the same factor, each
     from its own peak (lr_merger here), as the training loop builds it."""
     cfg = TrainConfig(train_data="x", method="full", freeze_merger=False, lr=1e-3, lr_merger=4e-3,
                       warmup_steps=2, max_steps=5, min_lr_ratio=0.0)
-    model = adapt.prepare_for_training(load_model("tiny").model, cfg)
+    model = adapt.prepare_for_training(load_model(small_model).model, cfg)
     optimizer = torch.optim.AdamW(adapt.param_groups(model, cfg))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     expected = [0.5, 1.0, 1.0, 0.75, 0.25, 0.0, 0.0]  # warmup 1/2, 2/2, then (1 + cos(pi k/3)) / 2, then flat
@@ -101,8 +109,9 @@ def _weights(model):
 
 
 def test_the_model_is_the_best_evaluated_one_else_the_last(synth_single, tmp_path):
+    # trained weights: the healthy tiny model's answers score (Acc@0.5 > 0), a random model's never do.
     # Only the merger trains, at a negligible lr: what the evals see is what the hook sets.
-    quiet = dict(freeze_vision=True, freeze_merger=False, freeze_llm=True, lr=1e-6)
+    quiet = {"freeze_vision": True, "freeze_merger": False, "freeze_llm": True, "lr": 1e-6}
 
     # 1. no eval_data: the model is the last step's (here: poisoned by the last hook call)
     last = {}
@@ -113,7 +122,7 @@ def test_the_model_is_the_best_evaluated_one_else_the_last(synth_single, tmp_pat
                 _norm(model).zero_()
             last.update(_weights(model))
 
-    poisoned = train(_cfg(synth_single, tmp_path / "poisoned", max_steps=2, **quiet), on_step=poison_at_2)
+    poisoned = train(_cfg(synth_single, tmp_path / "poisoned", "tiny", max_steps=2, **quiet), on_step=poison_at_2)
     assert json.loads((poisoned / "model" / "groundtune.json").read_text())["step"] == 2
     saved = load_model(str(poisoned), device="cpu").model.state_dict()
     assert saved.keys() == last.keys() and all(torch.equal(saved[k], last[k]) for k in saved)
@@ -151,7 +160,7 @@ def test_the_model_is_the_best_evaluated_one_else_the_last(synth_single, tmp_pat
     assert not all(torch.equal(seen[4][k], seen[2][k]) for k in best)  # (the merger trained on)
 
 
-def test_on_an_eval_set_of_no_target_phrases_the_best_is_kept_by_set_acc(synth_single, tmp_path, monkeypatch):
+def test_on_an_eval_set_of_no_target_phrases_the_best_is_kept_by_set_acc(synth_single, tmp_path, monkeypatch, cfg):
     """Acc@0.5 and mIoU count no sample of a set whose phrases all name nothing: they are logged as
     null, never compared; the best model is kept by set_acc@0.5, and the log and the model say so."""
     from groundtune import infer
@@ -165,7 +174,7 @@ def test_on_an_eval_set_of_no_target_phrases_the_best_is_kept_by_set_acc(synth_s
     empty = infer.Prediction(bbox=None, boxes=[], label=None, raw="[]", error=None, no_target=True)
     answers = iter([[box] * 4, [empty] * 4, [empty, box] * 2])
     monkeypatch.setattr(infer, "predict_records", lambda gm, samples, *args, **kwargs: next(answers)[: len(samples)])
-    run = train(_cfg(synth_single, tmp_path / "run", max_steps=3, eval_data=str(none), eval_every=1, eval_samples=4,
+    run = train(cfg(synth_single, tmp_path / "run", max_steps=3, eval_data=str(none), eval_every=1, eval_samples=4,
                      freeze_vision=True, freeze_merger=False, freeze_llm=True, lr=1e-6))
     evals = {r["step"]: r for r in _records(run) if "eval/best_by" in r}
     assert sorted(evals) == [1, 2, 3]
@@ -181,8 +190,8 @@ def test_on_an_eval_set_of_no_target_phrases_the_best_is_kept_by_set_acc(synth_s
 # checkpoints
 
 
-def test_keep_last_prunes_to_the_newest_checkpoints(synth_single, tmp_path):
-    run = train(_cfg(synth_single, tmp_path / "keep", method="lora", lora_r=4, save_every=1, keep_last=2))
+def test_keep_last_prunes_to_the_newest_checkpoints(synth_single, tmp_path, cfg):
+    run = train(cfg(synth_single, tmp_path / "keep", method="lora", lora_r=4, save_every=1, keep_last=2))
     parent = RunFolder(run).checkpoints
     assert sorted(p.name for p in parent.iterdir()) == ["step-000003", "step-000004"]  # no leftovers either
     assert [json.loads((p / "state.json").read_text())["step"] for p in ckpt.list_checkpoints(run)] == [3, 4]
@@ -205,9 +214,9 @@ class _BrokenScheduler:
         return {**self.scheduler.state_dict(), "broken": _Unsaveable()}
 
 
-def _lora_setup():
+def _lora_setup(model_name):
     cfg = TrainConfig(train_data="x", method="lora", lora_r=4, lr=1e-2, max_steps=10)
-    model = adapt.prepare_for_training(load_model("tiny", device="cpu").model, cfg)
+    model = adapt.prepare_for_training(load_model(model_name, device="cpu").model, cfg)
     optimizer = torch.optim.AdamW(adapt.param_groups(model, cfg))
     return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
@@ -220,9 +229,9 @@ def _step(model, optimizer, scheduler):
     optimizer.zero_grad()
 
 
-def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_path):
+def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_path, small_model):
     run = tmp_path / "run"
-    model, optimizer, scheduler = _lora_setup()
+    model, optimizer, scheduler = _lora_setup(small_model)
     _step(model, optimizer, scheduler)
     first = ckpt.save_checkpoint(run, model, optimizer, scheduler, {"step": 1, "samples": 4}, keep_last=2)
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -240,7 +249,7 @@ def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_pa
     assert {p.name: p.read_bytes() for p in first.iterdir()} == files  # byte for byte as written
 
     # the previous checkpoint restores into a fresh model, optimizer and scheduler
-    fresh_model, fresh_optimizer, fresh_scheduler = _lora_setup()
+    fresh_model, fresh_optimizer, fresh_scheduler = _lora_setup(small_model)
     torch.rand(3), random.random(), np.random.rand()  # the generators move on
     assert not all(torch.equal(p, weights[n]) for n, p in fresh_model.named_parameters() if n in weights)
     state = ckpt.load_checkpoint(first, fresh_model, fresh_optimizer, fresh_scheduler)

@@ -6,9 +6,9 @@ import torch
 
 from groundtune.config import TrainConfig
 from groundtune.data import synth
-from groundtune.train.batches import encode_sample
 from groundtune.models import adapt, qwen, speedups
 from groundtune.models.loading import load_model
+from groundtune.train.batches import encode_sample
 from groundtune.train.objective import answer_loss, answer_tokens, weigh_samples
 
 
@@ -73,10 +73,10 @@ def test_packed_batch_gives_the_padded_batch_loss(any_family_model):
     assert not torch.allclose(answer_loss(model, joined).detach(), a)
 
 
-def _three_answers():
-    """The tiny model (our attention, fp32) and three encoded samples of synth's every task whose
+def _three_answers(model):
+    """``model`` (our attention, fp32) and three encoded samples of synth's every task whose
     answers differ in length: one box, none, two boxes."""
-    gm = load_model("tiny", device="cpu", dtype="fp32")
+    gm = load_model(model, device="cpu", dtype="fp32")
     speedups.install(gm.model)
     encoded = []
     for i in (1, 2, 0):  # one box, none, two boxes
@@ -85,10 +85,10 @@ def _three_answers():
     return gm, encoded
 
 
-def test_loss_per_sample_is_the_mean_of_each_answers_own_mean():
+def test_loss_per_sample_is_the_mean_of_each_answers_own_mean(small_model):
     """loss_per=sample: a set of three answers of different lengths (one box, none, two boxes),
     padded or packed, gives the mean of the three answers' own mean NLLs, not the token mean."""
-    gm, encoded = _three_answers()
+    gm, encoded = _three_answers(small_model)
     lengths = [int((e["labels"] != qwen.IGNORE_INDEX).sum()) for e in encoded]
     assert len(set(lengths)) == 3, lengths  # answers of three lengths, or the test proves nothing
     with torch.no_grad():
@@ -103,13 +103,13 @@ def test_loss_per_sample_is_the_mean_of_each_answers_own_mean():
             assert not torch.allclose(own_means.mean(), token_mean)
 
 
-def test_loss_per_first_puts_half_of_each_answers_weight_on_its_first_token():
+def test_loss_per_first_puts_half_of_each_answers_weight_on_its_first_token(small_model):
     """loss_per=first: the token mean, except that each answer's first token (``[`` for none,
     ``[{"`` for boxes) carries half of its answer's weight; checked against each token's NLL from
     the model's own logits, padded and packed alike."""
     import torch.nn.functional as F
 
-    gm, encoded = _three_answers()
+    gm, encoded = _three_answers(small_model)
     expected, total = 0.0, 0
     with torch.no_grad():
         for e in encoded:
@@ -127,13 +127,13 @@ def test_loss_per_first_puts_half_of_each_answers_weight_on_its_first_token():
             assert not torch.allclose(answer_loss(gm.model, batch), expected / total)
 
 
-def test_a_packed_batch_is_refused_where_attention_would_cross_samples():
+def test_a_packed_batch_is_refused_where_attention_would_cross_samples(small_model):
     """Without groundtune's attention (or flash-attention) transformers' SDPA would attend across
     the samples of a packed row and train on a wrong loss without a word (2.68 instead of 0.35 on
     the tiny model): refused instead."""
     from groundtune.errors import TrainingError
 
-    gm = load_model("tiny", device="cpu", dtype="fp32")
+    gm = load_model(small_model, device="cpu", dtype="fp32")
     image, record = synth.make_sample(4, 0)
     packed = qwen.collate_packed([encode_sample(gm.processor, gm.family, gm.resize, gm.prompt, image, record)])
     with pytest.raises(TrainingError, match="packed batch on a model whose attention would cross"):

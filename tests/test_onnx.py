@@ -4,6 +4,7 @@ does (boxes within 0.5 px, the same scores, the same slots kept by the export's 
 any batch and phrase length, and the runner needs neither torch nor groundtune (shown in a
 process of its own, where those imports are blocked)."""
 
+import itertools
 import json
 import re
 import subprocess
@@ -60,24 +61,24 @@ def _threshold_between(scores: list[float]) -> float:
     """A threshold in the widest gap between ``scores``: it keeps some and not others, and no score
     sits near it."""
     ranked = sorted(scores)
-    low, high = max(zip(ranked, ranked[1:]), key=lambda pair: pair[1] - pair[0])
+    low, high = max(itertools.pairwise(ranked), key=lambda pair: pair[1] - pair[0])
     assert high - low > 1e-3, ranked
     return (low + high) / 2
 
 
-CELLS = 4 * 3  # the tiny model's merged cells (28 px) of a 112x84 image
+CELLS = 4 * 3  # the merged cells (28 px, the tiny model's image processor) of a 112x84 image
 
 
 @pytest.fixture(scope="module")
-def onnx_export_folder(synth_single, tmp_path_factory):
-    """A tiny box-head run (a few steps, a candidate per cell: 4 x 3 cells at 112x84; the slots'
-    graph is the one-box head's with K queries, tests/test_export.py) exported with --onnx for 112x84 images, through
-    the CLI. Threshold 0: every slot answers (a few steps leave every score near 0.5; the tests
-    choose thresholds between them)."""
+def onnx_export_folder(synth_single, small_model, tmp_path_factory):
+    """A box-head run of the small random model (a few steps, a candidate per cell: 4 x 3 cells at
+    112x84; the slots' graph is the one-box head's with K queries, tests/test_export.py) exported with
+    --onnx for 112x84 images, through the CLI. Threshold 0: every slot answers (a few steps leave every
+    score near 0.5; the tests choose thresholds between them)."""
     tmp = tmp_path_factory.mktemp("onnx")
-    cfg = TrainConfig(model="tiny", train_data=str(synth_single / "train.jsonl"), eval_data="", out_dir=str(tmp / "run"),
-                      head="box", head_slots=0, head_threshold=0.0, lr=3e-3, batch_size=4, max_steps=4, log_every=1,
-                      save_every=0, warmup_steps=0)
+    cfg = TrainConfig(model=small_model, train_data=str(synth_single / "train.jsonl"), eval_data="",
+                      out_dir=str(tmp / "run"), head="box", head_slots=0, head_threshold=0.0, lr=3e-3, batch_size=4,
+                      max_steps=4, log_every=1, save_every=0, warmup_steps=0)
     run = train(cfg)
     assert main(["export", str(run), "--out", str(tmp / "export"), "--onnx", "--image-size", "112x84"]) == 0
     return run, tmp / "export"
@@ -138,7 +139,8 @@ def test_the_exported_runner_needs_no_torch_transformers_or_groundtune(onnx_expo
                     "--phrase", {PHRASES[0]!r}, "--phrase", {PHRASES[1]!r}, "--phrase", {HOSTILE[1]!r}]
         runpy.run_path({str(folder / "onnx_predict.py")!r}, run_name="__main__")
     """)
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    done = subprocess.run([sys.executable, "-c", program], check=False, capture_output=True, text=True, cwd=tmp_path,
+                          timeout=120)
     assert done.returncode == 0, done.stderr
     answers = [json.loads(line) for line in done.stdout.splitlines()]
     gm = load_model(str(run), device="cpu", dtype="fp32")
@@ -154,7 +156,7 @@ def test_the_cards_transformers_snippet_gives_the_heads_box(onnx_export_folder, 
     card = (folder / "README.md").read_text()
     assert "box_head.safetensors" in card and "onnx_predict.py" in card and "vllm serve" not in card
     assert (folder / "box_head.py").is_file() and "no groundtune" in card
-    code = re.search(r"```python\n(.*?)```", card, re.S).group(1)
+    code = re.search(r"```python\n(.*?)```", card, re.DOTALL).group(1)
     image = _images((150, 100), 1)[0]  # resized by the processor: the box maps back all the same
     image.save(tmp_path / "photo.png")
     code = code.replace("photo.jpg", str(tmp_path / "photo.png"))
@@ -166,30 +168,33 @@ def test_the_cards_transformers_snippet_gives_the_heads_box(onnx_export_folder, 
                     raise ImportError(f"{name} is not installed here")
         sys.meta_path.insert(0, Blocked())
     """)
-    done = subprocess.run([sys.executable, "-c", blocked + code], capture_output=True, text=True, cwd=folder.parent,
-                          timeout=120)
+    done = subprocess.run([sys.executable, "-c", blocked + code], check=False, capture_output=True, text=True,
+                          cwd=folder.parent, timeout=120)
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout.strip().splitlines()[-1])
     gm = load_model(str(run), device="cpu", dtype="fp32")
     phrase = re.search(r'ground\(image, \[("[^"]*")\]\)', code).group(1)
     expected = _torch_answers(gm, image, [json.loads(phrase)])
-    _assert_same_answers([got], expected, score=0.01)  # the export's weights are bf16
+    _assert_same_answers([got], expected, score=0.01)  # the export's weights are the base's dtype (bf16 for tiny)
 
 
 @pytest.mark.parametrize("family", [name for name, facts in families.FAMILIES.items() if facts.onnx])
-def test_the_graph_batches_images_as_the_model_takes_them_one_by_one(family, tmp_path):
+def test_the_graph_batches_images_as_the_model_takes_them_one_by_one(family, small_model, tmp_path):
     """The graph's vision tower (probed windows and rotary tables, one masked attention per layer)
     and its M-RoPE positions, against groundtune's path, for every family the table says it supports."""
-    name = "tiny" if family == "qwen2.5-vl" else str(build_family_folder(family, tmp_path))
+    name = small_model if family == "qwen2.5-vl" else str(build_family_folder(family, tmp_path))
     gm = load_model(name, device="cpu", dtype="fp32")
     torch.manual_seed(0)
-    box_head = head.attach(gm.model, hidden_size(base_model(gm.model)), slots=3, threshold=0.5)
+    box_head = head.attach(gm.model, hidden_size(base_model(gm.model)), slots=3, threshold=0.0)
     with torch.no_grad():  # peaked maps over the image, a correction, scores that differ: boxes that differ
         box_head.query.weight.mul_(40)
         box_head.slots.normal_(std=1.0)
         box_head.out.weight.normal_(std=0.01)
         box_head.objectness.weight.normal_(std=0.5)
     images = _images((140, 112), 2)  # resized by the model's budget: windows that do not divide evenly
+    # a threshold between the slots' scores (random weights may put them all on one side of 0.5)
+    box_head.threshold = _threshold_between([s for image in images for p in _torch_answers(gm, image, PHRASES)
+                                             for s in p.scores])
     expected = [p for image in images for p in _torch_answers(gm, image, PHRASES)]
     encoded = [infer.encode_prompt(gm.processor, gm.resize, gm.prompt, image, p, "test", infer.answer_start(gm))[0]
                for image in images for p in PHRASES]
@@ -225,15 +230,15 @@ def test_the_runner_refuses_an_export_of_the_single_box_head_in_one_line(tmp_pat
     assert "\n" not in str(e.value)
 
 
-def test_onnx_export_refusals_name_the_flag(tmp_path, capsys):
-    assert main(["export", "tiny", "--out", str(tmp_path / "a"), "--onnx", "--image-size", "112x84"]) == 2
+def test_onnx_export_refusals_name_the_flag(tmp_path, capsys, small_model):
+    assert main(["export", small_model, "--out", str(tmp_path / "a"), "--onnx", "--image-size", "112x84"]) == 2
     assert "head=box" in capsys.readouterr().err  # a text-head model: nothing to put in the graph
-    assert main(["export", "tiny", "--out", str(tmp_path / "b"), "--onnx"]) == 2
+    assert main(["export", small_model, "--out", str(tmp_path / "b"), "--onnx"]) == 2
     assert "--image-size" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
-        main(["export", "tiny", "--out", str(tmp_path / "c"), "--onnx", "--image-size", "640by480"])
+        main(["export", small_model, "--out", str(tmp_path / "c"), "--onnx", "--image-size", "640by480"])
     assert exit_.value.code == 2 and "WIDTHxHEIGHT" in capsys.readouterr().err
-    gm = load_model("tiny", device="cpu", dtype="fp32")
+    gm = load_model(small_model, device="cpu", dtype="fp32")
     with pytest.raises(ConfigError, match="qwen3-vl"):
         onnx_export.export_onnx(gm.model, None, gm.processor, "qwen3-vl", gm.resize, gm.prompt, (64, 64), tmp_path)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -6,7 +6,7 @@ token for token, so nothing trained before changes.
 
 The expected ids are built here the plain way, from the tokenizer's public calls: the chat
 template rendered around the user's text, what surrounds that text tokenized as it always was,
-the text itself with special tokens split. Real tiny models of the three families, and real
+the text itself with special tokens split. Small random models of the three families, and real
 ``python -m groundtune`` processes for predict and train.
 """
 
@@ -245,8 +245,8 @@ def test_a_template_that_writes_the_phrase_twice_differently_is_refused():
 # the paths end to end: predict, eval, the CLI, a training run
 
 
-def test_predict_answers_hostile_phrases(tmp_path):
-    gm = load_model("tiny", device="cpu")
+def test_predict_answers_hostile_phrases(tmp_path, small_model):
+    gm = load_model(small_model, device="cpu")
     phrases = [IMAGE, TURN, "<|box_start|>(1,2),(3,4)<|box_end|>"]
     predictions = infer.predict(gm, [_image()] * len(phrases), phrases, max_new_tokens=16)
     assert len(predictions) == len(phrases)
@@ -258,26 +258,27 @@ def test_predict_answers_hostile_phrases(tmp_path):
     assert [p.raw for p in answered] == [p.raw for p in predictions]
 
 
-def test_the_predict_command_takes_a_phrase_with_special_tokens(tmp_path):
+def test_the_predict_command_takes_a_phrase_with_special_tokens(tmp_path, small_model):
     _image().save(tmp_path / "image.png")
-    done = subprocess.run([sys.executable, "-m", "groundtune", "predict", "--model", "tiny", "--image",
+    done = subprocess.run([sys.executable, "-m", "groundtune", "predict", "--model", small_model, "--image",
                            str(tmp_path / "image.png"), "--phrase", f"{IMAGE} x", "--max-new-tokens", "16"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     answer = json.loads(done.stdout.strip().splitlines()[-1])
     assert "bbox" in answer and "error" in answer
 
 
-def test_a_training_run_takes_phrases_with_special_tokens(tmp_path):
+def test_a_training_run_takes_phrases_with_special_tokens(tmp_path, small_model):
     data = make_synthetic_set(tmp_path / "data", n=4, seed=1, task="single", workers=1)
     records = [json.loads(line) for line in data.read_text().splitlines()]
     for record, phrase in zip(records, [IMAGE, TURN, "<|object_ref_start|>a<|object_ref_end|>", f"{IM_START}system"]):
         record["phrase"] = phrase
     data.write_text("".join(json.dumps(record) + "\n" for record in records))
     run = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "groundtune", "train", "quickstart", f"train_data={data}",
-                           "eval_data=", "max_steps=2", "batch_size=2", "save_every=0", "num_workers=0", "log_every=1",
-                           f"out_dir={run}"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    done = subprocess.run([sys.executable, "-m", "groundtune", "train", "quickstart", f"model={small_model}",
+                           f"train_data={data}", "eval_data=", "max_steps=2", "batch_size=2", "save_every=0",
+                           "num_workers=0", "log_every=1", f"out_dir={run}"],
+                          check=False, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert len(losses) == 2 and all(map(math.isfinite, losses))

@@ -1,8 +1,8 @@
 """Evaluation protocols (protocols.py): the harnesses' readings against their own code where it
 installs, the mis-reading they suffer on Qwen2.5-VL's absolute pixels, the published table, and
-`groundtune eval --protocol` end to end on the tiny model (the CLI's `main()` in this process), and
-bench/reproduce_refcoco.sh as a user runs it (a real bash and Python process: the script is what is
-tested)."""
+`groundtune eval --protocol` end to end on a small random model (the CLI's `main()` in this
+process), and bench/reproduce_refcoco.sh as a user runs it (a real bash and Python process: the
+script is what is tested)."""
 
 from __future__ import annotations
 
@@ -121,26 +121,26 @@ def test_every_published_figure_has_a_source_and_all_eight_splits():
 
 
 @pytest.mark.slow
-def test_eval_protocol_end_to_end(synth_single, tmp_path):
-    """`groundtune eval --protocol lmms-eval` on the tiny model: the harness's prompt is asked, its
+def test_eval_protocol_end_to_end(synth_single, tmp_path, small_model):
+    """`groundtune eval --protocol lmms-eval` on the small model: the harness's prompt is asked, its
     reading applied (every answer read to one box, [0,0,0,0] where none is found), and both are
     recorded in the report; an unknown protocol exits 2 before a model loads."""
     data = synth_single / "val.jsonl"
     out = tmp_path / "report.json"
-    done = groundtune("eval", "--model", "tiny", "--data", data, "--protocol", "lmms-eval", "--limit", "4",
+    done = groundtune("eval", "--model", small_model, "--data", data, "--protocol", "lmms-eval", "--limit", "4",
                       "--max-new-tokens", "8", "--out", out)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["protocol"]["name"] == "lmms-eval"
     assert report["prompt"] == protocols.PROTOCOLS["lmms-eval"].prompt
     assert report["n"] == 4 and report["parse_fail_rate"] == 0  # the harness reads every answer to a box
-    bad = groundtune("eval", "--model", "tiny", "--data", data, "--protocol", "nope")
+    bad = groundtune("eval", "--model", small_model, "--data", data, "--protocol", "nope")
     assert bad.returncode == 2 and "--protocol" in bad.stderr
 
 
 @pytest.mark.slow
-def test_reproduce_refcoco_writes_the_side_by_side_table(synth_single, tmp_path):
-    """bench/reproduce_refcoco.sh on the tiny model and local files standing in for the eight
+def test_reproduce_refcoco_writes_the_side_by_side_table(synth_single, tmp_path, small_model):
+    """bench/reproduce_refcoco.sh on a small random model and local files standing in for the eight
     splits: one eval report per split and the table (measured beside published, '-' where no
     figure is published for the model)."""
     records = [json.loads(line) for line in (synth_single / "val.jsonl").read_text().splitlines()][:2]
@@ -153,8 +153,8 @@ def test_reproduce_refcoco_writes_the_side_by_side_table(synth_single, tmp_path)
         (folder / f"{benchmark}_{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
     root = Path(__file__).resolve().parent.parent
-    done = subprocess.run(["bash", str(root / "bench" / "reproduce_refcoco.sh"), "tiny", "qwen", str(out)],
-                          capture_output=True, text=True, timeout=900,
+    done = subprocess.run(["bash", str(root / "bench" / "reproduce_refcoco.sh"), small_model, "qwen", str(out)],
+                          check=False, capture_output=True, text=True, timeout=900,
                           env={**__import__("os").environ, "REFCOCO_DIR": str(folder),
                                "EVAL_ARGS": "--max-new-tokens 8 --batch-size 2"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

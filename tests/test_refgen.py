@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import ast
 import json
-import random
 import re
 import shutil
 from collections import Counter
 from pathlib import Path
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -65,9 +63,9 @@ def test_fixture_every_phrase_picks_exactly_its_box(tmp_path, capsys):
     # --stats: each kind counted, and each reason a box got nothing
     for kind in refgen.KINDS:
         n = sum(r["kind"] == kind for r in records)
-        assert n > 0 and re.search(rf"^  {kind}\s+{n}$", out, re.M), kind
+        assert n > 0 and re.search(rf"^  {kind}\s+{n}$", out, re.MULTILINE), kind
     for reason, boxes in {"crowd": 1, "too_small": 1, "crowd_category": 1, "no_unique_phrase": 2}.items():
-        assert re.search(rf"^  {reason}\s+{boxes}\s", out, re.M), reason
+        assert re.search(rf"^  {reason}\s+{boxes}\s", out, re.MULTILINE), reason
 
     for r in records:
         assert r["source"] == "refgen" and r["split"] == "val" and r["kind"] in refgen.KINDS
@@ -193,7 +191,7 @@ def test_from_jsonl_both_forms_match_coco(tmp_path):
         assert main(["data", "refgen", "--from", "jsonl", "--path", str(source), "--out", str(out), "--per-box", "100"]) == 0
         got = read(out)
         assert refcheck.check_refs(out).failed == 0
-        key = lambda r: (r["image_id"], str(r.get("target", r.get("targets"))), r["kind"], r["phrase"])  # noqa: E731
+        key = lambda r: (r["image_id"], str(r.get("target", r.get("targets"))), r["kind"], r["phrase"])
         # a JSONL has no category list: no none phrases; the rest is the same
         assert sorted(map(key, got)) == sorted(key(r) for r in coco if r["kind"] != "none")
 
@@ -550,7 +548,7 @@ def test_filter_model_flags_and_keeps(tmp_path, capsys):
 
 def test_the_docs_refgen_commands_run(tmp_path, monkeypatch):
     readme = (ROOT / "docs" / "data.md").read_text()
-    blocks = "\n".join(re.findall(r"```bash\n(.*?)```", readme, re.S)).replace("\\\n", " ")
+    blocks = "\n".join(re.findall(r"```bash\n(.*?)```", readme, re.DOTALL)).replace("\\\n", " ")
     commands = [line.split("  #")[0].strip() for line in blocks.splitlines()
                 if line.strip().startswith(("groundtune data refgen", "groundtune data check --refs"))]
     assert len(commands) >= 2

@@ -9,16 +9,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from groundtune import boxes
+from groundtune import boxes, infer
 from groundtune.config import ConfigError, RLConfig, TrainConfig, load_config
 from groundtune.data import synth
-from groundtune import infer
 from groundtune.infer import Decoding, Prediction, encode_prompts, generate, predict
+from groundtune.models import qwen
 from groundtune.models.loading import load_model
 from groundtune.train import checkpoint as ckpt
-from groundtune.train.rewards import RewardWeights, box_reward, format_reward, reward
-from groundtune.models import qwen
 from groundtune.train import rl as rl_module
+from groundtune.train.rewards import RewardWeights, box_reward, format_reward, reward
 from groundtune.train.rl import advantages, mark_finished_groups, next_prompts, policy_loss, rl
 from groundtune.train.sft import train
 
@@ -166,20 +165,21 @@ def test_curriculum_lets_solved_and_hopeless_prompts_sit_out_one_turn():
     assert next_prompts(iter([(5, 0), (6, 1)]), 2, None) == ([5, 6], 2)  # curriculum off: every prompt
 
 
-def test_sampled_generation_gives_group_size_answers_per_prompt():
-    gm = load_model("tiny")
+def test_sampled_generation_gives_group_size_answers_per_prompt(small_model):
+    gm = load_model(small_model)
     pairs = [synth.make_sample(3, i, task="full") for i in range(2)]
     encoded, sizes = encode_prompts(gm, [(image, sample["phrase"]) for image, sample in pairs])
     torch.manual_seed(0)
-    # a temperature high enough that even the trained model's surest answers vary
-    answers = generate(gm, encoded, sizes, Decoding.sampled(40, temperature=4.0), num_samples=3)
+    # a temperature high enough that even a trained model's surest answers vary
+    answers = generate(gm, encoded, sizes, Decoding.sampled(16, temperature=4.0), num_samples=3)
     assert len(answers) == 6
     stop = set(gm.processor.eos_token_ids) | {gm.processor.pad_token_id}
     for ids, _ in answers:
         assert not stop.intersection(ids[:-1])  # cut at the first stop token, which is kept
     assert len({tuple(ids) for ids, _ in answers[:3]}) > 1  # sampling varies the answers
-    greedy = generate(gm, encoded, sizes, Decoding.greedy(40))
-    assert [p.raw for _, p in greedy] == [p.raw for p in predict(gm, [i for i, _ in pairs], [s["phrase"] for _, s in pairs])]
+    greedy = generate(gm, encoded, sizes, Decoding.greedy(16))
+    images, phrases = [i for i, _ in pairs], [s["phrase"] for _, s in pairs]
+    assert [p.raw for _, p in greedy] == [p.raw for p in predict(gm, images, phrases, max_new_tokens=16)]
 
 
 def test_sampled_generation_on_every_family(any_family_model):
@@ -231,17 +231,19 @@ def variant_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sft_run(variant_data, tmp_path_factory):
-    """A short LoRA SFT run of the tiny model on the variant: the starting point of RL."""
+    """A short LoRA SFT run of the tiny model on the variant: the starting point of RL (trained
+    weights, as in the RL tests below: rollouts that parse some of the time, so that a group's
+    rewards differ, its advantages are not all zero and the adapter moves)."""
     return train(TrainConfig(model="tiny", train_data=str(variant_data / "train.jsonl"), method="lora",
                              out_dir=str(tmp_path_factory.mktemp("sft") / "run"), lr=2e-3, batch_size=8,
                              max_steps=4, save_every=0, log_every=1))
 
 
 def _rl_cfg(model, data, out, **kw):
-    base = dict(model=str(model), train_data=str(data / "train.jsonl"), eval_data=str(data / "val.jsonl"),
-                out_dir=str(out), lr=1e-3, max_steps=3, batch_size=2, group_size=4, micro_batch=5,
-                max_new_tokens=40, temperature=1.5, eval_every=0, eval_samples=8, save_every=0, log_every=1,
-                inner_updates=2, kl_coef=0.1)
+    base = {"model": str(model), "train_data": str(data / "train.jsonl"), "eval_data": str(data / "val.jsonl"),
+            "out_dir": str(out), "lr": 1e-3, "max_steps": 3, "batch_size": 2, "group_size": 4, "micro_batch": 5,
+            "max_new_tokens": 40, "temperature": 1.5, "eval_every": 0, "eval_samples": 8, "save_every": 0,
+            "log_every": 1, "inner_updates": 2, "kl_coef": 0.1}
     base.update(kw)
     return RLConfig(**base)
 
@@ -294,10 +296,12 @@ def test_rl_from_an_sft_run_moves_the_adapter_and_keeps_the_reference(sft_run, v
 def test_rl_resumes_exactly(variant_data, tmp_path):
     """From the tiny model alone (a new LoRA; the reference is that adapter switched off), with
     the moving-average baseline and the curriculum, on 3 prompts so that they come back (their
-    baselines and sit-outs are state); stopped at step 2 and resumed = uninterrupted."""
+    baselines and sit-outs are state); stopped at step 2 and resumed = uninterrupted. Trained
+    weights: a random model's rollouts never parse, every reward is 0, nothing moves and the
+    resumed run would equal the straight one whatever resuming restored."""
     few = variant_data / "few.jsonl"
     few.write_text("".join((variant_data / "train.jsonl").read_text().splitlines(keepends=True)[:3]))
-    kw = dict(advantage="ema", curriculum=True, max_steps=3, eval_data="", train_data=str(few))
+    kw = {"advantage": "ema", "curriculum": True, "max_steps": 3, "eval_data": "", "train_data": str(few)}
     straight = rl(_rl_cfg("tiny", variant_data, tmp_path / "straight", **kw))
 
     def stop_at_2(step, run, model):

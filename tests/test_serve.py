@@ -1,13 +1,14 @@
-"""`groundtune serve`: the real server (uvicorn on 127.0.0.1, a free port, the tiny model) answered
-through both APIs, the official openai client included; boxes in the caller's original pixels
-(an EXIF-rotated photo too); every caller mistake a 4xx JSON error, over a corpus of hostile
-requests (bad JSON, wrong types, forged and oversized images, OpenAI parameters it cannot honour,
-lying headers, stalled bodies, clients that leave) with no 500 and the server answering after each;
-a real bug a 500 saying only "internal error" and a request id; the API key; batching; the bounded
-queue; the memory decoding takes, bounded by the decode budget.
+"""`groundtune serve`: the real server (uvicorn on 127.0.0.1, a free port; a small random model, the
+tiny model where a test checks its boxes) answered through both APIs, the official openai client
+included; boxes in the caller's original pixels (an EXIF-rotated photo too); every caller mistake a
+4xx JSON error, over a corpus of hostile requests (bad JSON, wrong types, forged and oversized
+images, OpenAI parameters it cannot honour, lying headers, stalled bodies, clients that leave) with
+no 500 and the server answering after each; a real bug a 500 saying only "internal error" and a
+request id; the API key; batching; the bounded queue; the memory decoding takes, bounded by the
+decode budget.
 
 Servers are real processes (the process is what is served, killed and measured); the tests that
-only send requests share two module servers. Refusals said before a server starts (a bad flag, a
+only send requests share three module servers. Refusals said before a server starts (a bad flag, a
 taken port) run the CLI's `main()` in this process (tests/cli_in_process.py)."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import time
 from collections.abc import Callable
@@ -28,36 +30,70 @@ from typing import NamedTuple
 import httpx
 import numpy as np
 import pytest
+import torch
 from cli_in_process import groundtune
 from PIL import Image, ImageOps
+from safetensors.torch import load_file, save_file
+from serving import launch  # bench/serving.py
 
 from groundtune import infer
 from groundtune.data import synth
-from serving import launch  # bench/serving.py
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def _start(*flags: str):
+# the random model's answers are junk up to the limit: 16 tokens are enough to tell two apart
+NEW_TOKENS = 16
+
+
+def _start(model: str, *flags: str):
     # 90 s: a server with --workers waits for its encoding processes, each importing torch (seconds
     # on a quiet 2-core machine; 30 s was once not enough under the whole suite's load)
-    return launch("tiny", "--device", "cpu", *flags, timeout_s=90, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    return launch(model, "--device", "cpu", *flags, timeout_s=90, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                   text=True)
 
 
 @pytest.fixture(scope="module")
-def server():
-    process, url = _start("--api-key", KEY, "--max-phrases", "3", "--max-phrase-chars", "40", "--max-body-mb", "0.5",
-                          "--max-image-pixels", "300000", "--batch-size", "8", "--max-wait-ms", "20",
-                          "--body-timeout-s", "2")
+def model(small_model, tmp_path_factory) -> str:
+    """The small random model with large weights: answers that differ from one input to the next
+    (its own small weights write the same newlines whatever they see), so an answer equal to
+    predict's shows that the server read the right image and phrase."""
+    out = tmp_path_factory.mktemp("loud_model")
+    shutil.copytree(small_model, out, dirs_exist_ok=True)
+    g = torch.Generator().manual_seed(1)
+    weights = {name: (torch.randn(w.shape, generator=g) / w.shape[-1] ** 0.5).to(w.dtype) if w.dim() >= 2 else w
+               for name, w in load_file(out / "model.safetensors").items()}
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    process, url = _start(model, "--api-key", KEY, "--max-phrases", "3", "--max-phrase-chars", "40",
+                          "--max-body-mb", "0.5", "--max-image-pixels", "300000", "--batch-size", "8",
+                          "--max-wait-ms", "20", "--body-timeout-s", "2", "--max-new-tokens", str(NEW_TOKENS))
     yield url
     process.terminate()
     process.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
-def gm():
+def gm(model):
+    return infer.load(model, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    """The tiny model served: its trained weights answer with boxes, to check them in the caller's pixels."""
+    process, url = _start("tiny", "--api-key", KEY)
+    yield url
+    process.terminate()
+    process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def tiny_gm():
     return infer.load("tiny", device="cpu")
 
 
@@ -76,25 +112,27 @@ def _ground(url: str, body: dict, **kwargs) -> httpx.Response:
     return httpx.post(url + "/v1/ground", json=body, headers=AUTH, timeout=60, **kwargs)
 
 
-def test_ground_answers_as_predict_does(server, gm):
+def test_ground_answers_as_predict_does(tiny_server, tiny_gm):
+    # trained weights: a box to compare (random ones write none)
     png, phrase = _scene(200, 140)
-    ours = infer.predict(gm, [Image.open(io.BytesIO(png))], [phrase])[0]
-    answer = _ground(server, {"image": _b64(png), "phrase": phrase}).json()
+    ours = infer.predict(tiny_gm, [Image.open(io.BytesIO(png))], [phrase])[0]
+    answer = _ground(tiny_server, {"image": _b64(png), "phrase": phrase}).json()
     assert (answer["width"], answer["height"]) == (200, 140)
     (result,) = answer["results"]
     assert result["raw"] == ours.raw and result["bbox"] == ours.to_json()["bbox"] and result["bbox"] is not None
     assert set(answer["timing_ms"]) == {"decode", "model", "total"}
     # a data: URI, a list of phrases, a multipart upload: the same answer
-    two = _ground(server, {"image": "data:image/png;base64," + _b64(png), "phrases": [phrase, "the big blue square"]}).json()
+    two = _ground(tiny_server, {"image": "data:image/png;base64," + _b64(png),
+                                "phrases": [phrase, "the big blue square"]}).json()
     assert two["results"][0]["bbox"] == result["bbox"] and len(two["results"]) == 2
-    multipart = httpx.post(server + "/v1/ground", files={"image": ("a.png", png)}, data={"phrase": phrase},
+    multipart = httpx.post(tiny_server + "/v1/ground", files={"image": ("a.png", png)}, data={"phrase": phrase},
                            headers=AUTH, timeout=60).json()
     assert multipart["results"][0]["bbox"] == result["bbox"]
 
 
-def test_an_exif_rotated_photo_gets_boxes_in_its_shown_pixels(server, gm):
+def test_an_exif_rotated_photo_gets_boxes_in_its_shown_pixels(tiny_server, tiny_gm):
     """A camera JPEG stored 240x160 with EXIF orientation 6 is shown 160x240: the box is in those
-    pixels, as groundtune's own predict gives it on the image a viewer shows."""
+    pixels, as groundtune's own predict gives it on the image a viewer shows (trained weights: a box)."""
     image, record = synth.make_sample(seed=7, index=0, width=240, height=160, task="single")
     exif = Image.Exif()
     exif[0x0112] = 6
@@ -103,24 +141,24 @@ def test_an_exif_rotated_photo_gets_boxes_in_its_shown_pixels(server, gm):
     jpeg = buffer.getvalue()
     shown = ImageOps.exif_transpose(Image.open(io.BytesIO(jpeg)))
     assert shown.size == (160, 240)
-    ours = infer.predict(gm, [shown.convert("RGB")], [record["phrase"]])[0]
-    answer = _ground(server, {"image": _b64(jpeg), "phrase": record["phrase"]}).json()
+    ours = infer.predict(tiny_gm, [shown.convert("RGB")], [record["phrase"]])[0]
+    answer = _ground(tiny_server, {"image": _b64(jpeg), "phrase": record["phrase"]}).json()
     assert (answer["width"], answer["height"]) == (160, 240)
     assert answer["results"][0]["raw"] == ours.raw and answer["results"][0]["bbox"] == ours.to_json()["bbox"]
 
 
-def test_the_openai_client_works_unchanged(server, gm):
+def test_the_openai_client_works_unchanged(server, model, gm):
     openai = pytest.importorskip("openai")
     png, phrase = _scene(index=2)
     client = openai.OpenAI(base_url=server + "/v1", api_key=KEY)
-    response = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [
+    response = client.chat.completions.create(model=model, messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _b64(png)}},
         {"type": "text", "text": phrase}]}])
-    ours = infer.predict(gm, [Image.open(io.BytesIO(png))], [phrase])[0]
+    ours = infer.predict(gm, [Image.open(io.BytesIO(png))], [phrase], max_new_tokens=NEW_TOKENS)[0]
     assert response.choices[0].message.content == ours.raw
     extra = response.model_extra["groundtune"]
     assert extra["bbox"] == ours.to_json()["bbox"] and (extra["width"], extra["height"]) == (168, 168)
-    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert [m.id for m in client.models.list()] == [model]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server + "/v1", api_key="wrong").models.list()
 
@@ -157,7 +195,7 @@ def test_caller_mistakes_are_4xx_json_errors(server, body, status, says):
         assert says in response.json()["error"]["message"]
 
 
-def test_requests_that_are_not_grounding_requests(server):
+def test_requests_that_are_not_grounding_requests(server, model):
     png, _ = _scene()
     def post(path, headers=None, **kwargs):
         return httpx.post(server + path, headers={**AUTH, **(headers or {})}, timeout=30, **kwargs)
@@ -169,11 +207,11 @@ def test_requests_that_are_not_grounding_requests(server):
     chunked = post("/v1/ground", content=iter([b'{"image": "' + b"A" * 300_000, b"A" * 300_000 + b'"}']))
     assert chunked.status_code == 413  # no Content-Length: counted as it arrives
     assert post("/v1/ground", files={"photo": ("a.png", png)}, data={"phrase": "x"}).status_code == 422
-    chat = {"model": "tiny", "messages": [{"role": "user", "content": [
+    chat = {"model": model, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}, {"type": "text", "text": "x"}]}]}
     assert "data: URI" in post("/v1/chat/completions", json=chat).json()["error"]["message"]
-    assert post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]}).status_code == 422
-    assert post("/v1/chat/completions", json={"model": "tiny", "stream": True, "messages": []}).status_code == 422
+    assert post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "x"}]}).status_code == 422
+    assert post("/v1/chat/completions", json={"model": model, "stream": True, "messages": []}).status_code == 422
     missing = httpx.get(server + "/v1/nothing", headers=AUTH)
     assert missing.status_code == 404 and "error" in missing.json()
     assert httpx.post(server + "/v1/ground", json={"image": _b64(png), "phrase": "x"}).status_code == 401
@@ -291,10 +329,16 @@ def _json_case(body) -> Callable:
     return send
 
 
+@functools.cache
+def _served(url: str) -> str:
+    """The id a chat completion names: the served model's (its --model, here a folder's path)."""
+    return httpx.get(url + "/v1/models", headers=AUTH, timeout=30).json()["data"][0]["id"]
+
+
 def _chat_case(**changes) -> Callable:
     """A chat completion with ``changes`` to a good one (a value of DROP leaves the key out)."""
     def send(url):
-        body = {"model": "tiny", "messages": [{"role": "user", "content": [
+        body = {"model": _served(url), "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _b64(_scene()[0])}},
             {"type": "text", "text": "the shape"}]}], **changes}
         body = {k: v for k, v in body.items() if v is not DROP}
@@ -303,7 +347,9 @@ def _chat_case(**changes) -> Callable:
 
 
 def _chat_raw(content: bytes) -> Callable:
-    return lambda url: _post(url, "/v1/chat/completions", content)
+    """A chat completion's body as it is, but for "MODEL": the served model's id."""
+    return lambda url: _post(url, "/v1/chat/completions",
+                             content.replace(b'"MODEL"', json.dumps(_served(url)).encode()))
 
 
 def _multipart_case(files: list, data: dict | None = None) -> Callable:
@@ -338,7 +384,7 @@ class _Raw(NamedTuple):
 
 
 DROP = object()
-GOOD_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": [
+GOOD_CHAT = {"model": "MODEL", "messages": [{"role": "user", "content": [
     {"type": "image_url", "image_url": {"url": "data:image/png;base64,IMAGE"}}, {"type": "text", "text": "x"}]}]}
 HEAD = b"POST /v1/ground HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer KEY\r\nContent-Type: application/json\r\n"
 
@@ -514,11 +560,11 @@ HOSTILE = [
 
 
 @pytest.fixture(scope="module")
-def hostile_process():
+def hostile_process(model):
     """The limits of ``server``, answers of 4 tokens (a valid request after each hostile one is quick)."""
-    process, url = _start("--api-key", KEY, "--max-phrases", "3", "--max-phrase-chars", "40", "--max-body-mb", "0.5",
-                          "--max-image-pixels", "300000", "--max-wait-ms", "0", "--body-timeout-s", "2",
-                          "--max-new-tokens", "4")
+    process, url = _start(model, "--api-key", KEY, "--max-phrases", "3", "--max-phrase-chars", "40",
+                          "--max-body-mb", "0.5", "--max-image-pixels", "300000", "--max-wait-ms", "0",
+                          "--body-timeout-s", "2", "--max-new-tokens", "4")
     yield process, url
     process.terminate()
     process.wait(timeout=10)
@@ -581,9 +627,9 @@ def test_concurrent_requests_are_answered_in_batches(server):
     assert total / count > 1.5  # phrases per model call, over every request this server answered
 
 
-def test_served_with_no_flags_as_the_readme_says():
+def test_served_with_no_flags_as_the_readme_says(model):
     """`groundtune serve --model M` alone: the device and the encoding workers chosen for the machine."""
-    process, url = launch("tiny", timeout_s=30, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process, url = launch(model, timeout_s=30, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         png, phrase = _scene()
         answer = httpx.post(url + "/v1/ground", json={"image": _b64(png), "phrase": phrase}, timeout=60)
@@ -594,16 +640,16 @@ def test_served_with_no_flags_as_the_readme_says():
         process.wait(timeout=20)
 
 
-def test_encoding_processes_answer_as_the_server_does_alone(gm):
+def test_encoding_processes_answer_as_the_server_does_alone(gm, model):
     """--workers N (a GPU machine's default): images decoded and prompts encoded in processes of
-    their own; the same boxes, and a caller's mistake found there is still its 4xx."""
-    process, url = _start("--workers", "2", "--max-image-pixels", "300000")
+    their own; the same answers, and a caller's mistake found there is still its 4xx."""
+    process, url = _start(model, "--workers", "2", "--max-image-pixels", "300000", "--max-new-tokens", str(NEW_TOKENS))
     try:
         png, phrase = _scene(200, 140)
-        ours = infer.predict(gm, [Image.open(io.BytesIO(png))], [phrase])[0]
+        ours = infer.predict(gm, [Image.open(io.BytesIO(png))], [phrase], max_new_tokens=NEW_TOKENS)[0]
         answer = httpx.post(url + "/v1/ground", json={"image": _b64(png), "phrases": [phrase, phrase]}, timeout=60)
         assert answer.status_code == 200, answer.text
-        assert [r["bbox"] for r in answer.json()["results"]] == [ours.to_json()["bbox"]] * 2
+        assert [(r["raw"], r["bbox"]) for r in answer.json()["results"]] == [(ours.raw, ours.to_json()["bbox"])] * 2
         big, thin = io.BytesIO(), io.BytesIO()
         Image.new("RGB", (700, 500)).save(big, format="PNG")
         Image.new("RGB", (1000, 4)).save(thin, format="PNG")
@@ -611,9 +657,10 @@ def test_encoding_processes_answer_as_the_server_does_alone(gm):
                                     (big.getvalue(), 413, "--max-image-pixels"), (thin.getvalue(), 422, "aspect ratio")]:
             refused = httpx.post(url + "/v1/ground", json={"image": _b64(image), "phrase": "x"}, timeout=60)
             assert refused.status_code == status and says in refused.json()["error"]["message"], refused.text
-        chat = httpx.post(url + "/v1/chat/completions", timeout=60, json={"model": "tiny", "messages": [{
+        chat = httpx.post(url + "/v1/chat/completions", timeout=60, json={"model": model, "messages": [{
             "role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + _b64(png)}},
                                         {"type": "text", "text": phrase}]}]})
+        assert chat.json()["choices"][0]["message"]["content"] == ours.raw
         assert chat.json()["groundtune"]["bbox"] == ours.to_json()["bbox"]
         workers = _children(process.pid)
         assert len(workers) >= 3  # the model's process and two encoding workers
@@ -642,8 +689,8 @@ def _children(pid: int) -> list[int]:
     return children
 
 
-def test_a_full_queue_answers_503_with_retry_after():
-    process, url = _start("--queue-size", "2", "--batch-size", "1", "--max-wait-ms", "0")
+def test_a_full_queue_answers_503_with_retry_after(model):
+    process, url = _start(model, "--queue-size", "2", "--batch-size", "1", "--max-wait-ms", "0")
     try:
         png, phrase = _scene()
         body = {"image": _b64(png), "phrase": phrase}
@@ -680,23 +727,23 @@ def test_a_model_that_cannot_load_is_said_with_exit_2(tmp_path):
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     done = subprocess.run([sys.executable, "-m", "groundtune", "serve", "--model", str(tmp_path / "nothing"),
-                           "--port", str(port)], capture_output=True, text=True, timeout=120)
+                           "--port", str(port)], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and str(tmp_path / "nothing") in done.stderr and "Traceback" not in done.stderr
 
 
-def test_the_server_stops_when_its_model_process_dies():
+def test_the_server_stops_when_its_model_process_dies(model):
     """The model answers in a process of its own; killed (out of memory, say), the waiting request
     gets a 500 and the server exits 1 saying why, for a supervisor to restart it."""
     import signal
 
-    process, url = _start()
+    process, url = _start(model)
     try:
-        (model,) = [pid for pid in _children(process.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        (answering,) = [pid for pid in _children(process.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
         png, phrase = _scene()
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(httpx.post, url + "/v1/ground", json={"image": _b64(png), "phrase": phrase},
                                   timeout=60)
-            os.kill(model, signal.SIGKILL)
+            os.kill(answering, signal.SIGKILL)
             answer = waiting.result()
         assert answer.status_code in (200, 500)  # answered before the kill, or failed by it
         assert process.wait(timeout=30) == 1
@@ -705,7 +752,7 @@ def test_the_server_stops_when_its_model_process_dies():
         process.kill()
 
 
-def test_openai_max_tokens_usage_and_refusals(server):
+def test_openai_max_tokens_usage_and_refusals(server, model):
     """max_tokens cuts the answer at its first k tokens (greedy: what a limit of k gives) and says
     "length"; usage counts the prompt's and the answer's tokens; what the server cannot honour is
     the openai client's own 422 and 404 errors."""
@@ -714,9 +761,9 @@ def test_openai_max_tokens_usage_and_refusals(server):
     client = openai.OpenAI(base_url=server + "/v1", api_key=KEY)
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _b64(png)}}
     messages = [{"role": "user", "content": [image, {"type": "text", "text": phrase}]}]
-    whole = client.chat.completions.create(model="tiny", messages=messages)
-    cut = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
-    newer = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=3, temperature=0)
+    whole = client.chat.completions.create(model=model, messages=messages)
+    cut = client.chat.completions.create(model=model, messages=messages, max_tokens=3)
+    newer = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=3, temperature=0)
     assert whole.usage.completion_tokens > 3 and cut.usage.completion_tokens == 3
     assert whole.usage.prompt_tokens == cut.usage.prompt_tokens > 0
     assert cut.usage.total_tokens == cut.usage.prompt_tokens + 3
@@ -725,16 +772,16 @@ def test_openai_max_tokens_usage_and_refusals(server):
     assert first_3 and whole.choices[0].message.content.startswith(first_3)
     assert newer.choices[0].message.content == first_3
     with pytest.raises(openai.UnprocessableEntityError, match="'n' must be 1"):
-        client.chat.completions.create(model="tiny", messages=messages, n=2)
+        client.chat.completions.create(model=model, messages=messages, n=2)
     with pytest.raises(openai.UnprocessableEntityError, match="'tools'"):
-        client.chat.completions.create(model="tiny", messages=messages, tools=[
+        client.chat.completions.create(model=model, messages=messages, tools=[
             {"type": "function", "function": {"name": "box", "parameters": {"type": "object"}}}])
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-4o", messages=messages)
     assert missing.value.code == "model_not_found" and missing.value.param == "model"
 
 
-def test_the_openai_client_streams(server):
+def test_the_openai_client_streams(server, model):
     """stream=True is OpenAI's server-sent events: a role chunk, the text, a chunk with the
     finish_reason and the boxes (``groundtune``), with include_usage a last chunk of usage and no
     choices; the text and boxes are the unstreamed answer's. A mistake found before the answer is
@@ -745,8 +792,8 @@ def test_the_openai_client_streams(server):
     messages = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _b64(png)}},
         {"type": "text", "text": phrase}]}]
-    whole = client.chat.completions.create(model="tiny", messages=messages)
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, stream=True))
+    whole = client.chat.completions.create(model=model, messages=messages)
+    chunks = list(client.chat.completions.create(model=model, messages=messages, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant" and len({c.id for c in chunks}) == 1
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + [whole.choices[0].finish_reason]
@@ -754,7 +801,7 @@ def test_the_openai_client_streams(server):
     assert all(c.object == "chat.completion.chunk" and c.usage is None for c in chunks)
     assert not any("groundtune" in c.model_extra for c in chunks[:-1])
 
-    counted = list(client.chat.completions.create(model="tiny", messages=messages, stream=True, max_tokens=3,
+    counted = list(client.chat.completions.create(model=model, messages=messages, stream=True, max_tokens=3,
                                                   stream_options={"include_usage": True}))
     *answer, usage = counted
     assert usage.choices == [] and usage.usage.completion_tokens == 3
@@ -765,19 +812,19 @@ def test_the_openai_client_streams(server):
     assert whole.choices[0].message.content.startswith("".join(c.choices[0].delta.content or "" for c in answer))
 
     with pytest.raises(openai.UnprocessableEntityError, match="'n' must be 1"):
-        client.chat.completions.create(model="tiny", messages=messages, stream=True, n=2)
+        client.chat.completions.create(model=model, messages=messages, stream=True, n=2)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=messages, stream=True)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server + "/v1", api_key="wrong").chat.completions.create(
-            model="tiny", messages=messages, stream=True)
+            model=model, messages=messages, stream=True)
 
 
-def test_a_stream_on_the_wire(server):
+def test_a_stream_on_the_wire(server, model):
     """What a client without the openai package reads: text/event-stream, one JSON a "data:" line,
     a blank line after each, "data: [DONE]" last."""
     png, phrase = _scene(index=6)
-    body = {"model": "tiny", "stream": True, "messages": [{"role": "user", "content": [
+    body = {"model": model, "stream": True, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _b64(png)}},
         {"type": "text", "text": phrase}]}]}
     answer = httpx.post(server + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
@@ -818,7 +865,7 @@ def test_head_is_answered_wherever_get_is(server, path):
     assert httpx.head(server + "/v1/models").status_code == 401  # the key still asked
 
 
-def test_mime_base64_with_line_breaks_is_taken(server):
+def test_mime_base64_with_line_breaks_is_taken(server, model):
     """Base64 as MIME writes it (76 columns, LF or CRLF line breaks), in the JSON image and in
     data: URIs on both endpoints, is the same image; other characters are still refused."""
     png, phrase = _scene(index=7)
@@ -827,12 +874,13 @@ def test_mime_base64_with_line_breaks_is_taken(server):
     assert "\n" in wrapped[:80]
     for image in (wrapped, wrapped.replace("\n", "\r\n"), "data:image/png;base64," + wrapped.replace("\n", "\r\n")):
         answer = _ground(server, {"image": image, "phrase": phrase})
-        assert answer.status_code == 200 and answer.json()["results"][0]["bbox"] == plain["bbox"], answer.text
-    chat = {"model": "tiny", "messages": [{"role": "user", "content": [
+        assert answer.status_code == 200 and answer.json()["results"][0] == plain, answer.text
+    chat = {"model": model, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64," + wrapped}},
         {"type": "text", "text": phrase}]}]}
     answered = httpx.post(server + "/v1/chat/completions", json=chat, headers=AUTH, timeout=60)
-    assert answered.status_code == 200 and answered.json()["groundtune"]["bbox"] == plain["bbox"]
+    assert answered.status_code == 200 and answered.json()["choices"][0]["message"]["content"] == plain["raw"]
+    assert answered.json()["groundtune"]["bbox"] == plain["bbox"]
     spaced = _ground(server, {"image": wrapped.replace("\n", " "), "phrase": phrase})
     assert spaced.status_code == 422 and "not valid base64" in spaced.json()["error"]["message"]
 
@@ -890,12 +938,12 @@ def _answer_on(sock) -> bytes:
     return head
 
 
-def test_a_request_s_headers_must_arrive_within_the_header_timeout():
+def test_a_request_s_headers_must_arrive_within_the_header_timeout(model):
     """--header-timeout-s 1: connections trickling a header byte every 0.2 s get a 408 after ~1 s
     (one deadline, not restarted by each byte); one that sends nothing is closed silently; headers
     that arrive in time, however slowly, are answered; after an answer the next request has a
     deadline of its own; no log line for any of it."""
-    process, url = _start("--header-timeout-s", "1")
+    process, url = _start(model, "--header-timeout-s", "1")
     try:
         slow = b"GET /health HTTP/1.1\r\nHost: test\r\nX-Slow: " + b"a" * 100
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -921,12 +969,12 @@ def test_a_request_s_headers_must_arrive_within_the_header_timeout():
     assert "Traceback" not in log and "WARNING" not in log and "ERROR" not in log, log
 
 
-def test_a_connection_cap_refuses_cleanly_and_makes_room():
+def test_a_connection_cap_refuses_cleanly_and_makes_room(model):
     """--max-connections 2: with two connections busy with requests (bodies on their way), a third
     is answered 503 with Retry-After at once and closed; one waiting for its headers gives its
     place to a new connection (a real request is answered): closed silently when it had sent
     nothing, with a 503 when it had sent part of a request. Counted in /metrics, no traceback."""
-    process, url = _start("--max-connections", "2", "--body-timeout-s", "30")
+    process, url = _start(model, "--max-connections", "2", "--body-timeout-s", "30")
     try:
         busy = [_connect(url) for _ in range(2)]
         for sock in busy:
@@ -1037,14 +1085,14 @@ def _started_at(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
 
 
-def test_a_bug_is_a_500_saying_internal_error_and_its_request_id():
+def test_a_bug_is_a_500_saying_internal_error_and_its_request_id(model):
     """A real failure of the server's own (its encoding process killed, as the kernel's OOM killer
     would): the request gets 500 with "internal error" and a request id, nothing of the exception;
     the log prints that id with the traceback; /metrics counts the 500 and its latency; the next
     request is answered (a new worker)."""
     import signal
 
-    process, url = _start("--workers", "1", "--max-new-tokens", "4")
+    process, url = _start(model, "--workers", "1", "--max-new-tokens", "4")
     try:
         spawned = [pid for pid in _children(process.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
         worker = max(spawned, key=_started_at)  # the model's process starts first
@@ -1072,12 +1120,12 @@ def test_a_bug_is_a_500_saying_internal_error_and_its_request_id():
 
 
 @pytest.mark.slow
-def test_decoding_memory_is_bounded_by_the_decode_budget():
+def test_decoding_memory_is_bounded_by_the_decode_budget(model):
     """Six 4 MP 16-bit PNGs at once (~28 MB each to decode, 36 reserved) on a server whose decode
     budget is 40 MB: they are decoded one at a time, so the server's peak stays within the budget
     (plus slack), where all six at once took ~170 MB (and the float64 conversion ~750); and the
     memory goes back (within 32 MB of idle)."""
-    process, url = _start("--max-image-pixels", "4000000", "--decode-budget-mb", "40", "--max-new-tokens", "4",
+    process, url = _start(model, "--max-image-pixels", "4000000", "--decode-budget-mb", "40", "--max-new-tokens", "4",
                           "--max-wait-ms", "0")
     status = Path(f"/proc/{process.pid}/status")
 

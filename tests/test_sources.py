@@ -197,9 +197,10 @@ def test_refcoco_pickle_cannot_import_anything(tmp_path, coco):
 
 
 HF_IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])  # datasets' Image feature
+ANSWERS = pa.list_(pa.string())
 
 
-def parquet_table(rows: list[dict], image_type=HF_IMAGE, answer_type=pa.list_(pa.string())) -> pa.Table:
+def parquet_table(rows: list[dict], image_type=HF_IMAGE, answer_type=ANSWERS) -> pa.Table:
     schema = pa.schema([
         ("question_id", pa.string()), ("image", image_type), ("question", pa.string()),
         ("answer", answer_type), ("bbox", pa.list_(pa.float64())), ("file_name", pa.string()),

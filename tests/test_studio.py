@@ -1,5 +1,6 @@
 """`groundtune studio`: each tab driven in a real headless Chromium against a real studio on
-127.0.0.1 with the tiny model, and its refusals checked in this process.
+127.0.0.1 (a run of a small random model; the tiny model where an answer is judged), and its
+refusals checked in this process.
 
 Processes, and why: the studio itself (its start to first page is a target, and a browser needs a
 server to talk to), one Chromium (the page's JavaScript is what is tested), and what the studio
@@ -13,7 +14,6 @@ run, the token and Host guards) go through the app in this process.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -37,10 +37,12 @@ WAIT_S = 120  # for what a process of the studio's does (a model load, a run's f
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
+def workdir(tmp_path_factory, small_model) -> Path:
     """Data of each kind (sets and no target for the grid, single shapes to evaluate), a malformed
-    file, a folder that is not a run, and a link out of the folder."""
+    file, a folder that is not a run, a link out of the folder, and the small model to train (a
+    model's folder is held to the work folder too)."""
     work = tmp_path_factory.mktemp("studio")
+    shutil.copytree(small_model, work / "small_model")
     synth.make_synthetic_set(work / "data", n=12, seed=1, task="every", workers=1)
     # the quickstart's variant (canvases the tiny model has not seen): answers right and wrong to sort
     synth.make_synthetic_set(work / "data", n=6, seed=2, task="full", split="val", width=168, height=168, workers=1)
@@ -66,24 +68,24 @@ def studio(workdir):
     """A real `groundtune studio --workdir W` on 127.0.0.1; (url, seconds from start to first page)."""
     import urllib.request
 
-    port, log = _free_port(), open(workdir.parent / "studio.log", "wb")
-    start = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-m", "groundtune", "studio", "--workdir", str(workdir),
-                                "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as page:
-                assert b"groundtune studio" in page.read()
-            break
-        except OSError:
-            assert process.poll() is None and time.perf_counter() - start < 60, \
-                (workdir.parent / "studio.log").read_text()
-            time.sleep(0.05)
-    yield url, time.perf_counter() - start
-    process.terminate()  # the studio sends SIGTERM to what it started, and waits for it
-    process.wait(timeout=60)
-    log.close()
+    port = _free_port()
+    with open(workdir.parent / "studio.log", "wb") as log:
+        start = time.perf_counter()
+        process = subprocess.Popen([sys.executable, "-m", "groundtune", "studio", "--workdir", str(workdir),
+                                    "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}/"
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=1) as page:
+                    assert b"groundtune studio" in page.read()
+                break
+            except OSError:
+                assert process.poll() is None and time.perf_counter() - start < 60, \
+                    (workdir.parent / "studio.log").read_text()
+                time.sleep(0.05)
+        yield url, time.perf_counter() - start
+        process.terminate()  # the studio sends SIGTERM to what it started, and waits for it
+        process.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +112,10 @@ def page(studio, browser):
 def _wait(driver, condition, what: str, timeout: float = WAIT_S):
     """``condition(driver)`` once it is truthy; the page's message line in the failure. An element
     the page redraws between finding and reading it (Watch redraws as it polls) is looked for again."""
-    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
+    from selenium.common.exceptions import (
+        StaleElementReferenceException,
+        TimeoutException,
+    )
     from selenium.webdriver.support.ui import WebDriverWait
 
     try:
@@ -246,7 +251,7 @@ def test_a_token_is_needed_off_this_machine_and_a_page_of_elsewhere_is_refused(w
 def test_help_imports_neither_the_web_stack_nor_torch():
     code = ("import sys; from groundtune.cli import build_parser; build_parser().format_help(); "
             "print([m for m in ('fastapi', 'uvicorn', 'starlette', 'torch', 'gradio') if m in sys.modules])")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
@@ -360,7 +365,7 @@ def test_a_bad_path_or_file_is_said_in_the_page(page):
         field.clear()
         field.send_keys(given)
         page.find_element("id", "data-open").click()
-        _wait(page, lambda d: said in _message(d), f"the refusal of {given}")
+        _wait(page, lambda d, said=said: said in _message(d), f"the refusal of {given}")
         assert "error" in page.find_element("id", "message").get_attribute("class")
 
 
@@ -377,9 +382,11 @@ def stopped_run(page, workdir, tmp_path_factory):
     _tab(page, "launch")
     _wait(page, lambda d: d.find_elements("css selector", "#launch-form input[data-name='max_steps']"), "the form")
     _js(page, "document.getElementById('launch-card').value = 'cpu'")
-    _set_settings(page, {"train_data": "data/train.jsonl", "eval_data": "data/val.jsonl", "out_dir": "runs/browser",
-                         "max_steps": "2000", "batch_size": "2", "log_every": "1", "eval_every": "4",
-                         "eval_samples": "4", "save_every": "0", "num_workers": "0", "warmup_steps": "2"})
+    # random weights write junk up to eval_max_new_tokens: a few are enough for the answers to show
+    _set_settings(page, {"model": "small_model", "train_data": "data/train.jsonl", "eval_data": "data/val.jsonl",
+                         "out_dir": "runs/browser", "max_steps": "2000", "batch_size": "2", "log_every": "1",
+                         "eval_every": "4", "eval_samples": "4", "eval_max_new_tokens": "8", "save_every": "0",
+                         "num_workers": "0", "warmup_steps": "2"})
     assert not page.find_element("id", "launch-start").is_enabled()  # plan first
     page.find_element("id", "launch-plan").click()
     _wait(page, lambda d: "FITS" in d.find_element("id", "plan-verdict").text, "the plan's verdict")
@@ -416,7 +423,8 @@ def test_the_judge_tab_lists_the_worst_answer_first(page, stopped_run, tmp_path)
     _tab(page, "judge")
     _wait(page, lambda d: _js(d, "return [...document.getElementById('judge-model').options].some("
                                  "o => o.value === 'runs/browser')"), "the run among the models")
-    _js(page, "document.getElementById('judge-model').value = 'runs/browser'")
+    # trained weights: answers right and wrong to sort (the run's random model gets none right)
+    _js(page, "document.getElementById('judge-model').value = 'tiny'")
     page.find_element("id", "judge-data").send_keys("data/val.jsonl")
     page.find_element("id", "judge-run").click()
     # read the list in one script: the page may redraw it between finding a card and reading it
@@ -432,7 +440,7 @@ def test_the_judge_tab_lists_the_worst_answer_first(page, stopped_run, tmp_path)
 
 @needs_chromium
 def test_the_try_tab_returns_boxes(page, workdir, tmp_path):
-    _tab(page, "try")
+    _tab(page, "try")  # the tiny model: trained weights answer with a box
     _wait(page, lambda d: d.find_element("id", "try-model").get_attribute("value") == "tiny", "the models")
     page.find_element("id", "try-image").send_keys(str(workdir / "shape.png"))
     phrase = synth.make_sample(seed=3, index=0, task="single")[1]["phrase"]

@@ -70,7 +70,7 @@ def test_missing_tracker_package_is_one_line_exit_2_before_the_model_loads(synth
     code = (f"import sys; sys.modules[{blocked!r}] = None\n"
             "from groundtune.cli import main\n"
             f"sys.exit(main({_train_args(synth_single, run, f'report_to=tensorboard,{extra}')!r}))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     pip = f'pip install "groundtune[{extra}]"'
     assert done.stderr == f"error: report_to={extra} needs {blocked} (not installed): {pip}\n"
@@ -142,7 +142,8 @@ def offline(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_wandb_and_mlflow_hold_the_log_and_a_resumed_run_goes_on_in_the_same_runs(synth_single, tmp_path, offline):
+def test_wandb_and_mlflow_hold_the_log_and_a_resumed_run_goes_on_in_the_same_runs(synth_single, tmp_path, offline,
+                                                                                    small_model):
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
@@ -150,9 +151,10 @@ def test_wandb_and_mlflow_hold_the_log_and_a_resumed_run_goes_on_in_the_same_run
     from groundtune.train.sft import train
 
     run = tmp_path / "run"
-    overrides = [f"train_data={synth_single / 'train.jsonl'}", f"eval_data={synth_single / 'val.jsonl'}",
-                 f"out_dir={run}", "max_steps=4", "log_every=1", "eval_every=2", "eval_samples=4",
-                 "eval_batch_size=4", "save_every=2", "num_workers=0", "batch_size=2", "report_to=wandb,mlflow"]
+    overrides = [f"model={small_model}", f"train_data={synth_single / 'train.jsonl'}",
+                 f"eval_data={synth_single / 'val.jsonl'}", f"out_dir={run}", "max_steps=4", "log_every=1",
+                 "eval_every=2", "eval_samples=4", "eval_batch_size=4", "eval_max_new_tokens=8", "save_every=2",
+                 "num_workers=0", "batch_size=2", "report_to=wandb,mlflow"]
 
     def stop_at_2(step, run, model):
         if step == 2:

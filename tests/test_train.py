@@ -1,6 +1,8 @@
-"""The SFT loop on the tiny model: label mask, learning, exact resume, STOP file, NaN guard,
-the run folder and loading it back. One real process, for SIGTERM: a signal is sent to a process."""
+"""The SFT loop on a small random model (tests/conftest.py's ``small_model``): label mask, learning,
+exact resume, STOP file, NaN guard, the run folder and loading it back. One real process, for
+SIGTERM: a signal is sent to a process."""
 
+import functools
 import importlib.util
 import json
 import shutil
@@ -18,12 +20,18 @@ from groundtune.train import checkpoint as ckpt
 from groundtune.train.sft import TrainingError, train
 
 
-def _cfg(data, out, **kw):
-    base = dict(model="tiny", train_data=str(data / "train.jsonl"), out_dir=str(out), method="full",
-                freeze_vision=False, freeze_merger=False, lr=1e-3, batch_size=4, max_steps=6, log_every=1,
-                save_every=0, warmup_steps=0)
+def _cfg(data, out, model, **kw):
+    base = {"model": model, "train_data": str(data / "train.jsonl"), "out_dir": str(out), "method": "full",
+            "freeze_vision": False, "freeze_merger": False, "lr": 1e-3, "batch_size": 4, "max_steps": 6,
+            "log_every": 1, "save_every": 0, "warmup_steps": 0}
     base.update(kw)
     return TrainConfig(**base)
+
+
+@pytest.fixture
+def cfg(small_model):
+    """_cfg on the small random model."""
+    return functools.partial(_cfg, model=small_model)
 
 
 def _losses(run):
@@ -31,8 +39,8 @@ def _losses(run):
             and "skipped_nonfinite" not in r]
 
 
-def test_label_mask_is_exactly_the_answer():
-    gm = load_model("tiny")
+def test_label_mask_is_exactly_the_answer(small_model):
+    gm = load_model(small_model)
     from PIL import Image
 
     image = Image.new("RGB", (140, 84), "white")
@@ -57,12 +65,12 @@ def _labelled_text(gm, encoded) -> str:
     return gm.processor.tokenizer.decode(encoded["input_ids"][encoded["labels"] != qwen.IGNORE_INDEX])
 
 
-def test_answer_label_false_leaves_the_phrase_out_of_the_target(synth_single, tmp_path):
+def test_answer_label_false_leaves_the_phrase_out_of_the_target(synth_single, tmp_path, small_model, cfg):
     from groundtune.data.records import sample_boxes
     from groundtune.data.samples import open_samples
     from groundtune.train.batches import GroundingDataset
 
-    gm = load_model("tiny")
+    gm = load_model(small_model)
     samples = open_samples(str(synth_single / "train.jsonl"), 0)
     image, sample = samples[3]
     _, resized = qwen.resize_image(image, gm.resize)
@@ -75,12 +83,12 @@ def test_answer_label_false_leaves_the_phrase_out_of_the_target(synth_single, tm
         question = encoded["input_ids"][encoded["labels"] == qwen.IGNORE_INDEX]
         assert sample["phrase"] in gm.processor.tokenizer.decode(question)  # the question names it either way
     # the setting reaches a run's batches: the same first batch, another target, another loss
-    with_label = _losses(train(_cfg(synth_single, tmp_path / "label", max_steps=1)))
-    without = _losses(train(_cfg(synth_single, tmp_path / "no_label", max_steps=1, answer_label=False)))
+    with_label = _losses(train(cfg(synth_single, tmp_path / "label", max_steps=1)))
+    without = _losses(train(cfg(synth_single, tmp_path / "no_label", max_steps=1, answer_label=False)))
     assert len(with_label) == len(without) == 1 and with_label != without
 
 
-def test_dataset_flips_image_box_and_phrase_together(tmp_path):
+def test_dataset_flips_image_box_and_phrase_together(tmp_path, small_model):
     """hflip_prob=1 inside the dataset: the answer's box is mirrored in the family's coordinates,
     left becomes right in the question and the answer, and the pixels are the mirrored picture."""
     from PIL import Image, ImageDraw
@@ -88,7 +96,7 @@ def test_dataset_flips_image_box_and_phrase_together(tmp_path):
     from groundtune.data.samples import open_samples
     from groundtune.train.batches import GroundingDataset, encode_sample
 
-    width, height = 140, 84  # multiples of 28 inside the tiny model's budget: not resized
+    width, height = 140, 84  # multiples of 28 inside the model's budget (tiny's): not resized
     image = Image.new("RGB", (width, height), "white")
     ImageDraw.Draw(image).rectangle([10, 20, 49, 59], fill="red")
     image.save(tmp_path / "a.png")
@@ -96,7 +104,7 @@ def test_dataset_flips_image_box_and_phrase_together(tmp_path):
               "phrase": "the red square on the left", "bbox": [10.0, 20.0, 50.0, 60.0]}
     other = {**record, "id": "b", "phrase": "the red square"}  # nothing positional: crops apply
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in (record, other)) + "\n")
-    gm = load_model("tiny")
+    gm = load_model(small_model)
     assert qwen.resize_image(image, gm.resize)[1] == (width, height)
     samples = open_samples(str(tmp_path / "d.jsonl"), 0)
     args = (samples, gm.processor, gm.family, gm.resize, gm.prompt)
@@ -132,15 +140,16 @@ def test_dataset_flips_image_box_and_phrase_together(tmp_path):
 @pytest.fixture(scope="module")
 def synth_wide(tmp_path_factory):
     """One-shape scenes on 168 px canvases: coordinates the pre-trained tiny model never wrote,
-    so its loss starts high (on its own 112 px scenes there is little left to fall)."""
+    so its loss starts high (on its own 112 px scenes there is little left to fall): QLoRA's."""
     out = tmp_path_factory.mktemp("synth_wide")
     synth.make_synthetic_set(out, n=64, seed=1, task="single", width=168, height=168, workers=1)
     return out
 
 
-def test_loss_falls(synth_wide, tmp_path, monkeypatch, capsys):
+def test_loss_falls(synth_single, tmp_path, monkeypatch, capsys, cfg):
     monkeypatch.setenv("GROUNDTUNE_PROGRESS_EVERY", "1e-9")  # a plain progress line every step
-    run = train(_cfg(synth_wide, tmp_path / "run", max_steps=25, batch_size=8))
+    # random weights at a higher lr: 6.2 -> 2.3 (at 1e-3 the loss falls by a quarter only)
+    run = train(cfg(synth_single, tmp_path / "run", max_steps=25, batch_size=8, lr=5e-3))
     losses = _losses(run)
     assert len(losses) == 25
     # stderr is no terminal here (as in `train ... > log 2>&1`): the log says where the run is
@@ -158,14 +167,14 @@ def test_loss_falls(synth_wide, tmp_path, monkeypatch, capsys):
     assert gm.resize == boxes.ResizeSpec(28, 3136, 224 * 224)
 
 
-def test_stop_file_then_resume_equals_uninterrupted(synth_single, tmp_path):
-    straight = train(_cfg(synth_single, tmp_path / "straight"))
+def test_stop_file_then_resume_equals_uninterrupted(synth_single, tmp_path, cfg):
+    straight = train(cfg(synth_single, tmp_path / "straight"))
 
     def stop_at_3(step, run, model):
         if step == 3:
             (run / "STOP").touch()
 
-    interrupted = train(_cfg(synth_single, tmp_path / "interrupted"), on_step=stop_at_3)
+    interrupted = train(cfg(synth_single, tmp_path / "interrupted"), on_step=stop_at_3)
     assert [p.name for p in ckpt.list_checkpoints(interrupted)] == ["step-000003"]
     assert len(_losses(interrupted)) == 3  # it really stopped at the STOP file
     resumed = train(resume=interrupted)
@@ -176,13 +185,13 @@ def test_stop_file_then_resume_equals_uninterrupted(synth_single, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_synthetic_stream_is_the_synthetic_set_drawn_on_the_fly(synth_single):
+def test_synthetic_stream_is_the_synthetic_set_drawn_on_the_fly(synth_single, small_model):
     """train_data=synth:TASK gives sample i of the run's seed: the same pixels and target as the
     file `groundtune data synth --seed SEED` writes, in index order, never repeating."""
     from groundtune.data.samples import open_samples
     from groundtune.train.batches import GroundingDataset, make_loader
 
-    gm = load_model("tiny")
+    gm = load_model(small_model)
     stream = open_samples("synth:single", 1)
     files = open_samples(str(synth_single / "train.jsonl"), 1)  # made with seed 1, task single
     args = (gm.processor, gm.family, gm.resize, gm.prompt)
@@ -213,27 +222,27 @@ def test_synthetic_stream_is_the_synthetic_set_drawn_on_the_fly(synth_single):
     assert (a, b) == tuple(synth.make_sample(1, i, task="contrast")[1] for i in (4, 5))  # pair 2
 
 
-def test_training_on_the_stream_resumes_exactly(tmp_path):
-    cfg = dict(train_data="synth:single", max_steps=4, num_workers=2)
-    straight = train(_cfg(tmp_path, tmp_path / "straight", **cfg))
+def test_training_on_the_stream_resumes_exactly(tmp_path, cfg):
+    kw = {"train_data": "synth:single", "max_steps": 4, "num_workers": 2}
+    straight = train(cfg(tmp_path, tmp_path / "straight", **kw))
 
     def stop_at_2(step, run, model):
         if step == 2:
             (run / "STOP").touch()
 
-    interrupted = train(_cfg(tmp_path, tmp_path / "interrupted", **cfg), on_step=stop_at_2)
+    interrupted = train(cfg(tmp_path, tmp_path / "interrupted", **kw), on_step=stop_at_2)
     resumed = train(resume=interrupted)
     assert len(_losses(straight)) == 4 and _losses(resumed) == _losses(straight)
 
 
-def test_lora_init_is_a_function_of_the_seed():
+def test_lora_init_is_a_function_of_the_seed(small_model):
     """The adapters start the same for the same seed whatever drew random numbers before (so a
     benchmark's baseline and groundtune's run start from identical weights)."""
     from groundtune.models import adapt
 
     def lora_a(seed, noise):
         torch.rand(noise)  # some earlier use of the global generator
-        model = adapt.prepare_for_training(load_model("tiny").model, TrainConfig(train_data="x", seed=seed))
+        model = adapt.prepare_for_training(load_model(small_model).model, TrainConfig(train_data="x", seed=seed))
         return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n}
 
     a, b, c = lora_a(0, 3), lora_a(0, 100), lora_a(1, 3)
@@ -241,62 +250,62 @@ def test_lora_init_is_a_function_of_the_seed():
     assert not all(torch.equal(a[n], c[n]) for n in a)
 
 
-def test_packed_training_follows_the_padded_run(synth_single, tmp_path):
+def test_packed_training_follows_the_padded_run(synth_single, tmp_path, cfg):
     # fp32 on the CPU, where packing must be exact (the GPU's bf16 kernels: test_attention.py)
-    padded = train(_cfg(synth_single, tmp_path / "padded", max_steps=3, method="lora", lr=5e-3, device="cpu"))
-    packed = train(_cfg(synth_single, tmp_path / "packed", max_steps=3, method="lora", lr=5e-3, packing=True,
+    padded = train(cfg(synth_single, tmp_path / "padded", max_steps=3, method="lora", lr=5e-3, device="cpu"))
+    packed = train(cfg(synth_single, tmp_path / "packed", max_steps=3, method="lora", lr=5e-3, packing=True,
                         device="cpu"))
     assert _losses(packed) == pytest.approx(_losses(padded), rel=1e-4)
     rows = [json.loads(line) for line in (packed / "metrics.jsonl").read_text().splitlines()]
     assert [r["samples"] for r in rows if "samples" in r] == [4, 8, 12]  # samples, not rows, are counted
 
 
-def test_gradient_accumulation_weights_every_answer_token_alike(synth_single, tmp_path):
+def test_gradient_accumulation_weights_every_answer_token_alike(synth_single, tmp_path, cfg):
     """Two micro-batches of 2 make the update one batch of 4 makes: the loss is the mean over the
     step's answer tokens, not the mean of each micro-batch's mean (answers differ in length, so
     those would weigh a short answer's tokens more)."""
-    whole = train(_cfg(synth_single, tmp_path / "whole", max_steps=3, method="lora", lr=5e-3, device="cpu"))
-    halves = train(_cfg(synth_single, tmp_path / "halves", max_steps=3, method="lora", lr=5e-3, device="cpu",
+    whole = train(cfg(synth_single, tmp_path / "whole", max_steps=3, method="lora", lr=5e-3, device="cpu"))
+    halves = train(cfg(synth_single, tmp_path / "halves", max_steps=3, method="lora", lr=5e-3, device="cpu",
                         batch_size=2, grad_accum=2))
     assert _losses(halves) == pytest.approx(_losses(whole), rel=1e-5)
 
 
-def test_existing_run_is_not_overwritten(synth_single, tmp_path):
-    stopped = train(_cfg(synth_single, tmp_path / "stopped", max_steps=3),
+def test_existing_run_is_not_overwritten(synth_single, tmp_path, cfg):
+    stopped = train(cfg(synth_single, tmp_path / "stopped", max_steps=3),
                     on_step=lambda step, run, model: (run / "STOP").touch())
     with pytest.raises(FileExistsError, match=f"resume it with `groundtune train --resume {stopped}`"):
-        train(_cfg(synth_single, stopped, max_steps=3))
-    finished = train(_cfg(synth_single, tmp_path / "finished", max_steps=1))
+        train(cfg(synth_single, stopped, max_steps=3))
+    finished = train(cfg(synth_single, tmp_path / "finished", max_steps=1))
     model = (finished / "model" / "model.safetensors").read_bytes()
     with pytest.raises(FileExistsError, match=r"already holds a run \(model/, checkpoints\); choose another out_dir, "
                                               "or set overwrite=true"):
-        train(_cfg(synth_single, finished, max_steps=1, lr=5e-3))
+        train(cfg(synth_single, finished, max_steps=1, lr=5e-3))
     assert (finished / "model" / "model.safetensors").read_bytes() == model
     shutil.rmtree(finished / "checkpoints")  # deleted to save disk: the model alone is still a finished run
     with pytest.raises(FileExistsError, match=r"already holds a run \(model/\)"):
-        train(_cfg(synth_single, finished, max_steps=1, lr=5e-3))
+        train(cfg(synth_single, finished, max_steps=1, lr=5e-3))
     assert (finished / "model" / "model.safetensors").read_bytes() == model
     assert (finished / "metrics.jsonl").exists()
-    train(_cfg(synth_single, finished, max_steps=1, lr=5e-3, overwrite=True))  # asked for: replaced
+    train(cfg(synth_single, finished, max_steps=1, lr=5e-3, overwrite=True))  # asked for: replaced
     assert (finished / "model" / "model.safetensors").read_bytes() != model
 
 
-def test_nan_guard_skips_then_stops(synth_single, tmp_path):
+def test_nan_guard_skips_then_stops(synth_single, tmp_path, cfg):
     def poison(step, run, model):
         if step == 2:  # from here on every loss is NaN
             with torch.no_grad():
                 next(p for p in model.parameters() if p.requires_grad).fill_(float("nan"))
 
     with pytest.raises(TrainingError, match="3 non-finite"):
-        train(_cfg(synth_single, tmp_path / "nan", max_steps=10, max_bad_steps=3), on_step=poison)
+        train(cfg(synth_single, tmp_path / "nan", max_steps=10, max_bad_steps=3), on_step=poison)
     records = [json.loads(line) for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
     skipped = [r for r in records if r.get("skipped_nonfinite")]
     assert len(skipped) == 3 and all(r["step"] == 2 for r in skipped)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "nan")] == ["step-000002"]
 
 
-def test_lora_run_saves_an_adapter_that_loads(synth_single, tmp_path):
-    run = train(_cfg(synth_single, tmp_path / "lora", method="lora", lora_r=4, max_steps=3, lr=1e-2))
+def test_lora_run_saves_an_adapter_that_loads(synth_single, tmp_path, cfg):
+    run = train(cfg(synth_single, tmp_path / "lora", method="lora", lora_r=4, max_steps=3, lr=1e-2))
     assert (run / "model" / "adapter_config.json").exists()
     assert not (run / "model" / "model.safetensors").exists()
     gm = load_model(str(run), device="cpu")  # fp32: the two decoding paths agree exactly
@@ -309,14 +318,15 @@ def test_lora_run_saves_an_adapter_that_loads(synth_single, tmp_path):
 
     s = samples[0]
     image = load_image(synth_single / s["image"])
-    preds = infer.predict(gm, [image], [s["phrase"]], max_new_tokens=40)
+    preds = infer.predict(gm, [image], [s["phrase"]], max_new_tokens=12)
     assert len(preds) == 1
     # predict's answer is the adapter model's greedy answer, decoded by a second path: a plain
-    # forward per token (no KV cache, the model's own M-RoPE positions), argmax until <|im_end|>
+    # forward per token (no KV cache, the model's own M-RoPE positions), argmax until a stop token
+    # (random weights: 12 tokens of junk, unless a stop token comes first)
     resized, _ = qwen.resize_image(image, gm.resize)
     enc = qwen.encode(gm.processor, resized, qwen.prompt_text(gm.processor, s["phrase"], gm.prompt))
     vision = {"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"]}
-    ids, end = enc["input_ids"], gm.processor.token_id("<|im_end|>")
+    ids, stop = enc["input_ids"], set(gm.processor.eos_token_ids) | {gm.processor.pad_token_id}
 
     def logits(ids):
         return gm.model(input_ids=ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
@@ -326,15 +336,13 @@ def test_lora_run_saves_an_adapter_that_loads(synth_single, tmp_path):
         with gm.model.disable_adapter():  # the adapter is in the loaded model's computation
             base_logits = logits(ids)
         assert not torch.allclose(logits(ids), base_logits)
-        while len(ids) - len(enc["input_ids"]) < 40 and ids[-1] != end:
+        while len(ids) - len(enc["input_ids"]) < 12 and int(ids[-1]) not in stop:
             ids = torch.cat([ids, logits(ids).argmax()[None]])
-    answer = ids[len(enc["input_ids"]):]
-    assert answer[-1] == end  # a whole answer, then the stop token
-    assert preds[0].raw == gm.processor.tokenizer.decode(answer[:-1])
-    assert preds[0].error is None and boxes.iou(preds[0].bbox, s["bbox"]) >= 0.5
+    answer = ids[len(enc["input_ids"]):].tolist()
+    assert preds[0].raw == gm.processor.tokenizer.decode(answer[:-1] if answer[-1] in stop else answer)
 
 
-def test_gradient_checkpointing_changes_memory_not_results(synth_single, tmp_path):
+def test_gradient_checkpointing_changes_memory_not_results(synth_single, tmp_path, cfg):
     from groundtune.models import adapt
 
     def counting(entered):
@@ -352,24 +360,24 @@ def test_gradient_checkpointing_changes_memory_not_results(synth_single, tmp_pat
         return on_step
 
     once, twice = {}, {}
-    plain = train(_cfg(synth_single, tmp_path / "plain", method="lora", max_steps=3, lr=1e-2), on_step=counting(once))
-    recomputed = train(_cfg(synth_single, tmp_path / "ckpt", method="lora", max_steps=3, lr=1e-2,
+    plain = train(cfg(synth_single, tmp_path / "plain", method="lora", max_steps=3, lr=1e-2), on_step=counting(once))
+    recomputed = train(cfg(synth_single, tmp_path / "ckpt", method="lora", max_steps=3, lr=1e-2,
                             gradient_checkpointing=-1), on_step=counting(twice))
     assert _losses(recomputed) == pytest.approx(_losses(plain), rel=1e-5)
     # steps 2 and 3: one forward each, and with checkpointing one recomputation in backward each
     assert set(once.values()) == {2} and set(twice.values()) == {4} and len(twice) == 4
 
 
-def test_frozen_vision_tower_is_never_back_propagated():
+def test_frozen_vision_tower_is_never_back_propagated(small_model):
     """LoRA on the language model with the vision tower and merger frozen: their outputs carry no
     autograd graph, so backward stops at the image embeddings and checkpointing never recomputes
     the tower (what the plain PEFT recipe's enable_input_require_grads does)."""
     from groundtune.data.samples import open_samples
-    from groundtune.train.batches import GroundingDataset, to_device
     from groundtune.models import adapt
+    from groundtune.train.batches import GroundingDataset, to_device
     from groundtune.train.objective import answer_loss
 
-    gm = load_model("tiny")
+    gm = load_model(small_model)
     model = adapt.prepare_for_training(gm.model, TrainConfig(train_data="x", method="lora", gradient_checkpointing=-1))
     model.train()
     seen = []
@@ -384,7 +392,7 @@ def test_frozen_vision_tower_is_never_back_propagated():
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_exits_cleanly(synth_single, tmp_path):
+def test_sigterm_saves_and_exits_cleanly(synth_single, tmp_path, small_model):
     """A real `groundtune train` process, sent SIGTERM mid-run: it saves a checkpoint, exits 0 and
     prints the resume command whole (a log line users copy)."""
     import signal
@@ -393,9 +401,9 @@ def test_sigterm_saves_and_exits_cleanly(synth_single, tmp_path):
     import time
 
     run = tmp_path / "sig"
-    cmd = [sys.executable, "-m", "groundtune", "train", "quickstart", f"train_data={synth_single / 'train.jsonl'}",
-           "eval_data=", f"out_dir={run}", "max_steps=100000", "log_every=1", "save_every=0", "num_workers=0",
-           "batch_size=2"]
+    cmd = [sys.executable, "-m", "groundtune", "train", "quickstart", f"model={small_model}",
+           f"train_data={synth_single / 'train.jsonl'}", "eval_data=", f"out_dir={run}", "max_steps=100000",
+           "log_every=1", "save_every=0", "num_workers=0", "batch_size=2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
     # mid-run: a training step is logged (step 0's line, written during setup, comes before the
@@ -413,17 +421,17 @@ def test_sigterm_saves_and_exits_cleanly(synth_single, tmp_path):
     assert 1 <= step < 100000
 
 
-def test_lora_on_a_full_fine_tuning_run_applies_to_that_run(synth_single, tmp_path):
+def test_lora_on_a_full_fine_tuning_run_applies_to_that_run(synth_single, tmp_path, small_model, cfg):
     """The adapter's base is the full run's weights, not the model the full run started from."""
-    full = train(_cfg(synth_single, tmp_path / "full", max_steps=2, lr=1e-2))
-    lora = train(_cfg(synth_single, tmp_path / "lora", model=str(full), method="lora", max_steps=2))
+    full = train(cfg(synth_single, tmp_path / "full", max_steps=2, lr=1e-2))
+    lora = train(cfg(synth_single, tmp_path / "lora", model=str(full), method="lora", max_steps=2))
     meta = json.loads((lora / "model" / "groundtune.json").read_text())
     assert meta["base_model"] == str(full.resolve())
     loaded = load_model(str(lora)).model.get_base_model().state_dict()
     trained = load_model(str(full)).model.state_dict()
-    shipped = load_model("tiny").model.state_dict()
+    started = load_model(small_model).model.state_dict()
     name = next(k for k in trained if k.endswith("language_model.norm.weight"))  # no adapter on it
-    assert torch.equal(loaded[name], trained[name]) and not torch.equal(trained[name], shipped[name])
+    assert torch.equal(loaded[name], trained[name]) and not torch.equal(trained[name], started[name])
 
 
 def test_a_random_architecture_is_not_silently_trained_unquantized_by_qlora():
@@ -450,8 +458,9 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_the_run_loads_back(synth_wide,
             seen["decoder_linears"] = 7 * len(adapt.decoder_layers(model))  # q k v o gate up down
             seen["trainable"] = [n for n, p in model.named_parameters() if p.requires_grad]
 
-    run = train(_cfg(synth_wide, tmp_path / "qlora", method="qlora", lr=5e-3, max_steps=12, batch_size=8),
-                on_step=on_step)
+    # the tiny model's 4-bit base: its loss figures below (GPU only, no CPU time spent)
+    run = train(_cfg(synth_wide, tmp_path / "qlora", model="tiny", method="qlora", lr=5e-3, max_steps=12,
+                    batch_size=8), on_step=on_step)
     assert seen["4bit"] == seen["decoder_linears"]  # every LLM linear in 4-bit, the vision tower and LM head not
     assert seen["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in seen["trainable"])
     losses = _losses(run)
