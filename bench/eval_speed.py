@@ -262,7 +262,7 @@ def bench_model(key: str, samples, data, args) -> list[dict]:
         rows.append({"model": key, **row, **extra})
         return answers
 
-    gm = load_model(MODELS[key], dtype=args.dtype)  # transformers' own attention, nothing installed
+    gm = load_model(MODELS.get(key, key), dtype=args.dtype)  # transformers' own attention, nothing installed
     try:  # warms the GPU up
         loop_in_process(gm, samples[: args.batch], data, args.batch, args.new_tokens)
     except torch.OutOfMemoryError:
@@ -331,7 +331,7 @@ def in_fresh_process(spec: str, data: Path, args) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="3b,7b:32",
-                        help="comma-separated: 3b, 7b, tiny; MODEL:N times MODEL at batch N instead of --batch "
+                        help="comma-separated: 3b, 7b, tiny or a model folder; MODEL:N times MODEL at batch N instead of --batch "
                              "(the 7B's plain generate runs out of 24 GiB at 64)")
     parser.add_argument("--data", type=earlier_samples,
                         help="samples made by an earlier run (train.jsonl) instead of new ones")

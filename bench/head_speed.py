@@ -96,7 +96,7 @@ def profile_box_batch(gm, records: list[dict], data: Path, batch: int, repeats: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="3b", help="comma-separated: 3b, 7b, tiny")
+    parser.add_argument("--models", default="3b", help="comma-separated: 3b, 7b, tiny or a model folder")
     parser.add_argument("--samples", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -117,7 +117,7 @@ def main() -> None:
     records = read_samples(data)[: args.samples]
     results = []
     for key in args.models.split(","):
-        gm = infer.load(MODELS[key], device="cuda" if torch.cuda.is_available() else "cpu")
+        gm = infer.load(MODELS.get(key, key), device="cuda" if torch.cuda.is_available() else "cpu")
         # the box head first: after text generation its engine's KV cache and graphs would still
         # hold memory under the cap, which a box-head model's own eval never has
         torch.manual_seed(0)

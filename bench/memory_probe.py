@@ -84,12 +84,12 @@ def probe(model_name: str, batch_size: int, cap_gib: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="7b", help="3b, 7b or tiny")
+    parser.add_argument("--model", default="7b", help="3b, 7b, tiny or a model folder")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--cap-gib", type=float, default=24.0, help="GPU memory cap (a 24 GB card)")
     parser.add_argument("--out")
     args = parser.parse_args()
-    result = probe(MODELS[args.model], args.batch, args.cap_gib)
+    result = probe(MODELS.get(args.model, args.model), args.batch, args.cap_gib)
     if args.out:
         Path(args.out).write_text(json.dumps(stamped(result), indent=1) + "\n")
 

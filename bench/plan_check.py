@@ -106,6 +106,9 @@ GRID = {
     ],
 }
 TINY_CHECK = range(9, 14)  # GRID["tiny"]'s rows the CPU fit does not see: its check
+# measure_tiny.json's rows were measured on the first tiny model (shipped up to commit 90c2649),
+# before rows carried the configuration of the model they measured
+FIRST_TINY_CONFIG = Path(__file__).resolve().parent / "results" / "history" / "tiny_first_config.json"
 # configurations off the grid, measured with `measure --held-out` and never fitted: the check of
 # what the fit predicts for settings it did not see (another LoRA target set, ranks, pixel budgets,
 # odd batches, part of the layers recomputed: the kinds of runs users reported it wrong on)
@@ -257,6 +260,8 @@ def data_stats(data: Path, max_pixels: int, n: int = 256) -> dict:
 
 
 def measure(args) -> None:
+    from groundtune import plan
+
     rows: list[dict] = []
     context = cuda_context_gib()
     weights: dict = {}
@@ -267,7 +272,10 @@ def measure(args) -> None:
             grid = HELD_OUT.get(key, []) if args.held_out else GRID[key]
             for i, (settings, steps) in enumerate(grid[:args.limit]):
                 held_out = args.held_out or (key == "tiny" and i in TINY_CHECK)
-                rows.append(dict(run_config(key, settings, steps, data, weights), role="check" if held_out else "fit"))
+                row = dict(run_config(key, settings, steps, data, weights), role="check" if held_out else "fit")
+                if key == "tiny":  # "tiny" names whichever model is shipped: keep the one measured
+                    row["model_config"] = json.loads(plan.TINY_CONFIG.read_text())
+                rows.append(row)
                 _save({"cuda_context_gib": context, "data": stats, "rows": rows}, args.out)
     _table(rows)
 
@@ -302,7 +310,12 @@ def row_counts(row: dict, model_file: dict, sizes) -> tuple:
     from groundtune import plan
     from groundtune.config import TrainConfig
 
-    shape = plan.shape_of(MODELS[row["model"]])
+    if "model_config" in row:  # what was measured (rows of the tiny model carry it)
+        shape = plan.shape_from_config(row["model_config"])
+    elif row["model"] == "tiny":  # measured before rows carried it: the first tiny model
+        shape = plan.shape_from_config(json.loads(FIRST_TINY_CONFIG.read_text()))
+    else:
+        shape = plan.shape_of(MODELS[row["model"]])
     cfg = TrainConfig(**{k: v for k, v in row["settings"].items() if k != "precision"}, train_data="synth:full")
     device = "cpu" if row["model"] == "tiny" else "cuda"
     setting = dataclasses.replace(plan.Setting.of(cfg, shape.family, device=device),

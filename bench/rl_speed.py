@@ -134,7 +134,7 @@ def plain_step(gm, model, pairs, cfg) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="3b", help="3b, 7b or tiny")
+    parser.add_argument("--model", default="3b", help="3b, 7b, tiny or a model folder")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -184,7 +184,7 @@ def measure(impl: str, args, cfg: RLConfig) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         data = make_refcoco_like(Path(tmp), args.prompts * (args.steps + 1))
         samples = open_samples(str(data), 0)
-        gm = load_model(MODELS[args.model])  # no speed-up installed: transformers' own attention
+        gm = load_model(MODELS.get(args.model, args.model))  # no speed-up installed: transformers' own attention
         model = adapt.add_lora(gm.model, cfg)
         if impl == "plain":
             model.gradient_checkpointing_enable()

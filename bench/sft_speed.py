@@ -559,14 +559,14 @@ def measure(key: str, variant: str, data: Path, steps: int, profile_steps: int =
     print(f"== {key} {variant}", flush=True)
     try:
         if variant == "naive":
-            r = naive(MODELS[key], data, steps)
+            r = naive(MODELS.get(key, key), data, steps)
         elif variant.startswith("trl"):  # trl or trl:BATCH
-            r = dict(trl_sft(MODELS[key], data, steps, int(variant.partition(":")[2] or 32)), variant=variant)
+            r = dict(trl_sft(MODELS.get(key, key), data, steps, int(variant.partition(":")[2] or 32)), variant=variant)
         elif variant.startswith("swift"):  # swift or swift:BATCH
-            r = dict(swift_sft(MODELS[key], data, steps, int(variant.partition(":")[2] or 32), peer_site, cap_gib),
+            r = dict(swift_sft(MODELS.get(key, key), data, steps, int(variant.partition(":")[2] or 32), peer_site, cap_gib),
                      variant=variant)
         else:
-            r = groundtune_step(variant, MODELS[key], data, steps, variant_settings(variant), profile_steps)
+            r = groundtune_step(variant, MODELS.get(key, key), data, steps, variant_settings(variant), profile_steps)
     except torch.OutOfMemoryError:
         # where it ran out: a load-time shortage and an activation peak look the same from outside
         r = {"variant": variant, "settings": variant_settings(variant), "oom": True,
@@ -603,7 +603,7 @@ def measure_in_fresh_process(key: str, variant: str, data: Path, args) -> list[d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="3b,7b", help="comma-separated: 3b, 7b, tiny")
+    parser.add_argument("--models", default="3b,7b", help="comma-separated: 3b, 7b, tiny or a model folder")
     parser.add_argument("--variants", default="naive," + ",".join(GT_VARIANTS))
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--samples", type=int, default=256, help="RefCOCO-like samples to make")
@@ -642,7 +642,7 @@ def main() -> None:
                 elif variant:
                     rows = [measure(key, variant, data, args.steps, args.profile, args.peer_site, args.cap_gib)]
                 else:
-                    rows = [dict(r, model=key) for r in step_ladder(MODELS[key], data)]
+                    rows = [dict(r, model=key) for r in step_ladder(MODELS.get(key, key), data)]
                 results += rows
                 print("\n".join(json.dumps(r) for r in rows), flush=True)
                 _save(results, args.out)  # as it goes: a run cut short keeps what it measured

@@ -1,4 +1,4 @@
-"""How the built-in tiny model was made: the real Qwen2.5-VL architecture at 2.7 M parameters, with
+"""How the built-in tiny model was made: the real Qwen2.5-VL architecture at 10.1 M parameters, with
 an offline tokenizer and image processor, PRE-TRAINED by groundtune itself on the synthetic shapes
 task and shipped in src/groundtune/assets/tiny (weights in bf16, its training log and the commands
 that made it in TRAINING.md there). A demonstration model for coloured shapes, not a general
@@ -13,12 +13,16 @@ lowest. With Qwen's stock theta of 1e6 those are too low for a tiny model to lea
 position. With theta 20 and head_dim 32 every frequency is high: position is read well, but no
 dimension stays nearly unrotated across the image, and a phrase's colour or kind word cannot find
 its shape by content (the model stalled at 0.83, picking at chance among shapes named by colour).
-The shipped setting, head_dim 64, theta 300 and mrope_section [2, 10, 20], keeps width frequencies
-from 0.12 down to 0.004 radians per position: the high ones read position, the low ones match
-content (docs/benchmarks-history.md, "groundtune-tiny"). Colour, though, no model of that layout has
-learnt to match; mrope_section [10, 10, 12] at theta 20 (head_dim 64) has, from random weights,
-likely because ten temporal pairs, on which every image token shares one position, let a word meet
-every image token at one phase ("groundtune-tiny 2: positions that let colour match").
+The first tiny model's setting, head_dim 64, theta 300 and mrope_section [2, 10, 20], keeps width
+frequencies from 0.12 down to 0.004 radians per position: the high ones read position, the low
+ones match content (docs/benchmarks-history.md, "groundtune-tiny"). Colour, though, no model of that
+layout has learnt to match; mrope_section [10, 10, 12] at theta 20 (head_dim 64) has, from random
+weights, likely because ten temporal pairs, on which every image token shares one position, let a
+word meet every image token at one phase ("groundtune-tiny 2: positions that let colour match").
+groundtune-tiny 2 (shipped) has that layout, a language model twice as wide (384, six heads, each
+with its own key/value head: a 192-wide one did not learn to pick by colour on the stream of sets),
+and its vision tower was pre-trained at a tenth of the language model's rate with the merger left at
+its random draw (assets/tiny/TRAINING.md).
 
     python scripts/tiny_model.py --out DIR [--hidden 256 ...]    # another tiny architecture (config only)
     python scripts/tiny_model.py --install-weights RUN/model     # ship a pre-trained model as `tiny`
@@ -35,6 +39,9 @@ from groundtune.models import qwen
 from groundtune.models.loading import TINY_DIR
 
 FAMILY = qwen.family("qwen2.5-vl")
+# This checkout's tiny folder, where this script writes by default (TINY_DIR is the installed
+# package's: from a second clone it would be another checkout's)
+SHIPPED = Path(__file__).resolve().parents[1] / "src" / "groundtune" / "assets" / "tiny"
 SPECIAL_TOKENS = list(qwen.TOKENS.all)
 
 # The Qwen2-VL chat layout, without the default system message (it would only lengthen every
@@ -59,14 +66,14 @@ _WORDS = (
     "one two three first second third other"
 ).split()
 TEXT_CONFIG = dict(
-    hidden_size=192,
-    intermediate_size=768,
+    hidden_size=384,
+    intermediate_size=1536,
     num_hidden_layers=4,
-    num_attention_heads=3,  # head_dim 64 (Qwen2.5-VL's rotary needs head_dim = hidden / heads)
-    num_key_value_heads=1,
+    num_attention_heads=6,  # head_dim 64 (Qwen2.5-VL's rotary needs head_dim = hidden / heads)
+    num_key_value_heads=6,
     max_position_embeddings=2048,
     rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 300.0, "mrope_section": [2, 10, 20]},
+    rope_parameters={"rope_type": "default", "rope_theta": 20.0, "mrope_section": [10, 10, 12]},
     tie_word_embeddings=True,
 )
 VISION_CONFIG = dict(
@@ -74,7 +81,7 @@ VISION_CONFIG = dict(
     hidden_size=64,
     intermediate_size=256,
     num_heads=2,
-    out_hidden_size=192,
+    out_hidden_size=384,  # the language model's width
     patch_size=14,
     spatial_merge_size=2,
     temporal_patch_size=2,
@@ -143,12 +150,12 @@ def build_image_processor():
         min_pixels=FAMILY.min_pixels, max_pixels=TINY_MAX_PIXELS)
 
 
-def build_assets(out_dir: str | Path = TINY_DIR, text: dict | None = None, vision: dict | None = None) -> Path:
+def build_assets(out_dir: str | Path = SHIPPED, text: dict | None = None, vision: dict | None = None) -> Path:
     """Write config.json, the tokenizer files and preprocessor_config.json of the tiny model (or,
     with size overrides, of another tiny architecture sharing its tokenizer)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if out_dir.resolve() == TINY_DIR.resolve():
+    if out_dir.resolve() in (SHIPPED, TINY_DIR.resolve()):
         tokenizer = build_tokenizer()
     else:
         from transformers import AutoTokenizer
@@ -166,7 +173,7 @@ def build_assets(out_dir: str | Path = TINY_DIR, text: dict | None = None, visio
     return out_dir
 
 
-def install_weights(model_folder: str | Path, out_dir: str | Path = TINY_DIR) -> Path:
+def install_weights(model_folder: str | Path, out_dir: str | Path = SHIPPED) -> Path:
     """Ship a trained model of the tiny architecture as `tiny`: its weights in bf16 (half the
     size; the tiny model trains and serves in fp32 on CPU, bf16 on GPU) next to the tokenizer,
     image processor and metadata already in ``out_dir``; and the pixel budget it was trained with
@@ -177,6 +184,7 @@ def install_weights(model_folder: str | Path, out_dir: str | Path = TINY_DIR) ->
 
     gm = load_model(str(model_folder), device="cpu", dtype="fp32")
     gm.model.to(torch.bfloat16).save_pretrained(out_dir)
+    (Path(out_dir) / "model.safetensors").chmod(0o644)  # written 0600; a package file is everyone's to read
     shipped = read_metadata(Path(out_dir))
     if shipped.get("resize") != gm.resize.to_dict():
         write_metadata(out_dir, {**shipped, "resize": gm.resize.to_dict()})
@@ -230,7 +238,7 @@ if __name__ == "__main__":
     from groundtune.cli.flags import positive_int
 
     parser = argparse.ArgumentParser(description="Write the tiny model's assets (or another tiny architecture's).")
-    parser.add_argument("--out", default=str(TINY_DIR))
+    parser.add_argument("--out", default=str(SHIPPED), help="default: this checkout's src/groundtune/assets/tiny")
     parser.add_argument("--hidden", type=int, help="text hidden size")
     parser.add_argument("--layers", type=int, help="text layers")
     parser.add_argument("--head-dim", type=int, default=64, help="text attention head size")
@@ -251,7 +259,7 @@ if __name__ == "__main__":
                             "drawn anew (random)")
     a = parser.parse_args()
     source, flag = (a.fresh_merger, "--fresh-merger") if a.fresh_merger else (a.fresh_vision, "--fresh-vision")
-    if source and Path(a.out).resolve() in (TINY_DIR.resolve(), Path(source).resolve()):
+    if source and Path(a.out).resolve() in (SHIPPED, TINY_DIR.resolve(), Path(source).resolve()):
         parser.error(f"{flag} writes a new model folder: give --out a folder other than the "
                      "shipped tiny model's and the model read")
     if source:

@@ -18,7 +18,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
                           str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 import pytest  # noqa: E402
-from family_models import FAMILIES, build_family_folder, build_small_model  # noqa: E402
+from family_models import FAMILIES, build_family_folder, build_loud_model, build_small_model  # noqa: E402
 
 from groundtune.data import synth  # noqa: E402
 
@@ -47,6 +47,13 @@ def small_model(tmp_path_factory) -> str:
     for every test whose assertions hold whatever the weights (plumbing, refusals, files, equal
     answers of two code paths). Tests of what a trained model answers load ``tiny``."""
     return str(build_small_model(tmp_path_factory.mktemp("small_model")))
+
+
+@pytest.fixture(scope="session")
+def loud_model(small_model, tmp_path_factory) -> str:
+    """The small model with large random weights (family_models.build_loud_model): its answers differ
+    from one input to the next, for tests that compare two code paths' answers or a batch's rows."""
+    return str(build_loud_model(Path(small_model), tmp_path_factory.mktemp("loud_model")))
 
 
 @pytest.fixture(scope="session", params=FAMILIES)

@@ -73,3 +73,19 @@ def build_small_model(out):
     # the tiny model's prompt and pixel budget; it is no fine-tune of the tiny model, so no base_model
     write_metadata(out, {key: value for key, value in read_metadata(TINY_DIR).items() if key != "base_model"})
     return out
+
+
+def build_loud_model(small, out):
+    """``small`` (a build_small_model folder) copied to ``out`` with large random weights (each
+    matrix ~N(0, 1/fan_in)): answers that differ from one input to the next, where the small
+    model's own small random weights write the same newlines whatever they see. An answer equal
+    to another code path's then shows that the right image and phrase were read, and a mix-up
+    between the rows of a batch shows."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(small, out, dirs_exist_ok=True)
+    g = torch.Generator().manual_seed(1)
+    weights = {name: (torch.randn(w.shape, generator=g) / w.shape[-1] ** 0.5).to(w.dtype) if w.dim() >= 2 else w
+               for name, w in load_file(out / "model.safetensors").items()}
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out

@@ -25,18 +25,18 @@ STAMP = {"command", "commit", "date", "device", "versions"}
 MODEL = "<small model>"  # replaced by the small random model's folder
 # script -> (its smoke arguments, the rows it must write: variants, or keys of its result)
 SMOKE = {
-    "sft_speed": (["--models", "tiny", "--steps", "2", "--samples", "16", "--loader-seconds", "0.5",
+    "sft_speed": (["--models", MODEL, "--steps", "2", "--samples", "16", "--loader-seconds", "0.5",
                    "--variants", "naive,gt-b4-no-ckpt,preset:quickstart,preset:quickstart+loss=unfused"],
                   {"naive", "gt-b4-no-ckpt", "preset:quickstart", "preset:quickstart+loss=unfused"}),
-    "eval_speed": (["--models", "tiny", "--samples", "24", "--plain-samples", "16", "--batch", "8"],
+    "eval_speed": (["--models", MODEL, "--samples", "24", "--plain-samples", "16", "--batch", "8"],
                    {"plain", "predict-before", "engine", "engine-one-token", "engine-rotary-unfused", "engine-row-inline",
                     "engine-eager", "breakdown", "before-natural", "engine-natural", "engine-natural-full-width",
                     "mean_answer_tokens"}),
-    "head_speed": (["--models", "tiny", "--samples", "16", "--batch", "8", "--compile"],
+    "head_speed": (["--models", MODEL, "--samples", "16", "--batch", "8", "--compile"],
                    {"text", "box", "box_vs_text", "box_compiled", "box_compiled_vs_box"}),
-    "rl_speed": (["--model", "tiny", "--steps", "2", "--prompts", "2", "--group", "4", "--new-tokens", "16"],
+    "rl_speed": (["--model", MODEL, "--steps", "2", "--prompts", "2", "--group", "4", "--new-tokens", "16"],
                  {"impl", "rollouts_per_s"}),
-    "memory_probe": (["--model", "tiny", "--batch", "2"], {"stages"}),
+    "memory_probe": (["--model", MODEL, "--batch", "2"], {"stages"}),
     "tiny_breakdown": ([MODEL, "--n", "20"], {MODEL}),
     "tiny_swap": ([MODEL, "--n", "4"], {MODEL}),
     "tiny_offset": ([MODEL, "--n", "2", "--answer-label"], {MODEL}),

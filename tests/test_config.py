@@ -121,6 +121,18 @@ def test_the_engine_is_checked_and_qlora_is_not_sharded():
     assert RLConfig(train_data="x", distributed="fsdp2").distributed == "fsdp2"
 
 
+def test_deepspeed_does_not_take_a_trained_vision_tower():
+    """Measured: under zero2/zero3 a trained vision tower or merger has no optimizer state to
+    checkpoint, and the run failed after its steps; it is refused before them instead."""
+    for settings in (dict(lora_targets=["llm_attn", "vision"]), dict(lora_targets=["merger"]),
+                     dict(method="full", freeze_vision=False), dict(method="full", freeze_merger=False)):
+        for engine in ("zero2", "zero3"):
+            with pytest.raises(ConfigError, match=f"distributed={engine} cannot train the vision tower"):
+                TrainConfig(train_data="x", distributed=engine, **settings)
+        assert TrainConfig(train_data="x", distributed="fsdp2", **settings).distributed == "fsdp2"
+    assert TrainConfig(train_data="x", distributed="zero3", method="full").distributed == "zero3"
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "deepspeed").glob("*.json")), ids=lambda p: p.name)
 def test_shipped_deepspeed_configs_name_real_options(path):
     """Each file merged over groundtune's settings is a config DeepSpeed accepts: its ZeRO options

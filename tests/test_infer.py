@@ -30,18 +30,11 @@ def _image(size: tuple[int, int], colour: str) -> Image.Image:
 
 
 @pytest.fixture(scope="module")
-def gm(small_model):
-    """The small model with large random weights: answers that differ wildly from one input to the
-    next, so any mix-up between the rows of a batch shows. (Its own small random weights write the
-    same newlines whatever they see; the trained tiny model answers these plain pictures with
-    near-identical boxes; tests/test_tiny_model.py checks its answers against the truth.)"""
-    gm = load_model(small_model, device="cpu")
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in gm.model.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    return gm
+def gm(loud_model):
+    """The small model with large random weights (conftest's loud_model): any mix-up between the
+    rows of a batch shows. (The trained tiny model answers these plain pictures with near-identical
+    boxes; tests/test_tiny_model.py checks its answers against the truth.)"""
+    return load_model(loud_model, device="cpu")
 
 
 @pytest.fixture(scope="module")

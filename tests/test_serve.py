@@ -20,7 +20,6 @@ import io
 import json
 import os
 import re
-import shutil
 import subprocess
 import time
 from collections.abc import Callable
@@ -30,10 +29,8 @@ from typing import NamedTuple
 import httpx
 import numpy as np
 import pytest
-import torch
 from cli_in_process import groundtune
 from PIL import Image, ImageOps
-from safetensors.torch import load_file, save_file
 from serving import launch  # bench/serving.py
 
 from groundtune import infer
@@ -55,17 +52,10 @@ def _start(model: str, *flags: str):
 
 
 @pytest.fixture(scope="module")
-def model(small_model, tmp_path_factory) -> str:
-    """The small random model with large weights: answers that differ from one input to the next
-    (its own small weights write the same newlines whatever they see), so an answer equal to
+def model(loud_model) -> str:
+    """The small model with large random weights (conftest's loud_model): an answer equal to
     predict's shows that the server read the right image and phrase."""
-    out = tmp_path_factory.mktemp("loud_model")
-    shutil.copytree(small_model, out, dirs_exist_ok=True)
-    g = torch.Generator().manual_seed(1)
-    weights = {name: (torch.randn(w.shape, generator=g) / w.shape[-1] ** 0.5).to(w.dtype) if w.dim() >= 2 else w
-               for name, w in load_file(out / "model.safetensors").items()}
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    return str(out)
+    return loud_model
 
 
 @pytest.fixture(scope="module")

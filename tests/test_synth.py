@@ -256,6 +256,32 @@ def test_the_unseen_palette_is_a_flag_and_shares_no_colour_or_shape_with_the_def
     assert words & {*unseen.colours, *unseen.shapes} and not words & {*default.colours, *default.shapes}
 
 
+def test_the_dark_palette_changes_the_background_alone(tmp_path):
+    """`--palette dark` (the quickstart's variant): the default scene, sample for sample, on a dark
+    grey; each shape's pixels are its colour, as on the light background."""
+    from cli_in_process import groundtune
+
+    dark = synth.PALETTES["dark"]
+    assert (dark.colours, dark.shapes) == (synth.DEFAULT_PALETTE.colours, synth.DEFAULT_PALETTE.shapes)
+    for i in range(20):
+        image, record = synth.make_sample(4, i, task="full", palette=dark)
+        light_image, light = synth.make_sample(4, i, task="full")
+        assert record == light
+        pixels = np.asarray(image)
+        background = np.ones(pixels.shape[:2], bool)
+        for s in synth.make_scene(4, i, task="full", palette=dark).shapes:
+            _check_tight(pixels, s, dark.colours[s.colour])
+            x1, y1, x2, y2 = s.box
+            background[y1:y2, x1:x2] = False
+        assert 30 <= pixels[background].min() and pixels[background].max() <= 70
+        assert np.asarray(light_image)[background].min() >= 200
+    assert groundtune("data", "synth", "--out", str(tmp_path), "--n", "8", "--palette", "dark").returncode == 0
+    with pytest.raises(ValueError, match="too close to the background"):
+        synth.Palette(colours={"charcoal": (60, 60, 60)}, background=45)
+    with pytest.raises(ValueError, match="background 5"):
+        synth.Palette(background=5)
+
+
 def test_varied_canvases_are_drawn_per_sample_and_reproducible(tmp_path):
     """canvas=(MIN, MAX): each sample's sides drawn from the range (non-square too), the same
     files whatever the workers, and a sample's layout on a drawn canvas is its layout on that

@@ -17,12 +17,12 @@ from groundtune.models.loading import TINY_DIR
 
 def test_shipped_weights_log_and_commands():
     weights = TINY_DIR / "model.safetensors"
-    assert weights.stat().st_size <= 10 * 2**20
+    assert weights.stat().st_size <= 30 * 10**6  # the package's budget for it
     log = [json.loads(line) for line in (TINY_DIR / "training_log.jsonl").read_text().splitlines()]
     assert any("eval/acc@0.5" in r for r in log) and any("loss" in r for r in log)
     assert "groundtune train" in (TINY_DIR / "TRAINING.md").read_text()
     gm = load_model("tiny", device="cpu")
-    assert 2_000_000 < sum(p.numel() for p in gm.model.parameters()) < 5_000_000
+    assert 8_000_000 < sum(p.numel() for p in gm.model.parameters()) < 12_000_000
 
 
 def test_predict_cli_finds_the_named_shape(tmp_path, capsys):
@@ -98,10 +98,11 @@ def test_a_fresh_merger_or_tower_changes_that_alone(tmp_path, whole_tower):
     before, after = load_file(TINY_DIR / "model.safetensors"), load_file(written)
     assert before.keys() == after.keys()
     redrawn = {k for k in before if not torch.equal(before[k].float(), after[k].float())}
-    if whole_tower:  # every tensor of the tower, and nothing of the language model
-        assert redrawn == {k for k in before if k.startswith("visual.")}
-    else:
-        assert redrawn == {k for k in before if k.startswith("visual.merger.")}
-        assert len(redrawn) == 5  # the norm and the MLP's two layers, weights and biases
+    part = {k for k in before if k.startswith("visual." if whole_tower else "visual.merger.")}
+    # nothing outside the part; every weight matrix in it drawn anew (its norms and biases start
+    # at constants: a part never trained, as tiny 2's merger, has them at those constants still)
+    assert redrawn <= part and {k for k in part if before[k].dim() >= 2} <= redrawn
+    if not whole_tower:
+        assert sum(before[k].dim() >= 2 for k in part) == 2  # the MLP's two layers
     answers = predict(load_model(str(tmp_path / "fresh"), device="cpu"), [synth.make_sample(1, 0)[0]], ["the red circle"])
     assert len(answers) == 1  # the folder loads as a model and answers

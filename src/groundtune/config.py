@@ -146,6 +146,15 @@ class _Method(_Settings):
         if self.method == "qlora" and getattr(self, "distributed", "ddp") in ("fsdp2", "zero3"):
             raise ConfigError(f"method=qlora with distributed={self.distributed}: bitsandbytes' 4-bit weights cannot "
                               "be sharded; use distributed=ddp or zero2 (the 4-bit base is small enough to copy)")
+        trains_vision = ({"vision", "merger"} & set(self.lora_targets) if self.method in ("lora", "qlora")
+                         else not (self.freeze_vision and self.freeze_merger))
+        if trains_vision and getattr(self, "distributed", "ddp") in ("zero2", "zero3"):
+            # measured: DeepSpeed keeps no optimizer state for the vision tower's weights here, and
+            # the run fails at its first checkpoint, after its steps are spent
+            raise ConfigError(f"distributed={self.distributed} cannot train the vision tower or merger yet (lora_targets "
+                              "vision/merger, or method=full with freeze_vision/freeze_merger false): DeepSpeed keeps "
+                              "no optimizer state for them to checkpoint; use distributed=ddp or fsdp2, or leave "
+                              "them frozen")
         if self.method in ("lora", "qlora") and not self.lora_targets:
             raise ConfigError(f"lora_targets is empty: method={self.method} would train nothing")
         if self.method == "full" and self.freeze_vision and self.freeze_merger and self.freeze_llm and self.head != "box":

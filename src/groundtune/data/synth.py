@@ -71,7 +71,9 @@ SHAPE_KINDS = ("circle", "square", "triangle", "diamond", "cross")
 
 @dataclass(frozen=True)
 class Palette:
-    """What a scene is made of: colour name -> RGB, and shape names (from SHAPE_KINDS)."""
+    """What a scene is made of: colour name -> RGB, shape names (from SHAPE_KINDS), and the
+    background's brightness: each channel of a scene's tint is drawn from background to
+    background + 25, minus per-pixel grey noise of 0-15 (the default: a light grey, 200-240)."""
 
     colours: dict[str, tuple[int, int, int]] = field(
         default_factory=lambda: {
@@ -82,6 +84,7 @@ class Palette:
         }
     )
     shapes: tuple[str, ...] = ("circle", "square", "triangle")
+    background: int = 215
 
     def __post_init__(self) -> None:
         if not self.colours or not self.shapes:
@@ -91,24 +94,31 @@ class Palette:
             raise ValueError(f"cannot draw shape(s) {unknown}; known shapes: {', '.join(SHAPE_KINDS)}")
         if len(set(self.shapes)) != len(self.shapes):
             raise ValueError(f"shape names repeat: {self.shapes}")
+        if not 15 <= self.background <= 230:
+            raise ValueError(f"background {self.background}: expected 15-230 (channels background-15 to background+25)")
+        darkest, lightest = self.background - 15, self.background + 25
         for name, rgb in self.colours.items():
             if not name or " " in name or name in self.shapes or name == "shape":
                 raise ValueError(f"colour name {name!r} must be one word and not a shape name")
             if len(rgb) != 3 or not all(isinstance(v, int) and 0 <= v <= 255 for v in rgb):
                 raise ValueError(f"colour {name!r}: need three ints 0-255, got {rgb}")
-            # The background is light grey (channels 200-240); a colour must differ clearly from
-            # it in some channel, or the shape is invisible and its box a lie.
-            if min(rgb) > 170:
-                raise ValueError(f"colour {name!r} {rgb} is too close to the light background")
+            # A colour must differ clearly from the background in some channel, or the shape is
+            # invisible and its box a lie.
+            if all(darkest - 30 < v < lightest + 30 for v in rgb):
+                raise ValueError(f"colour {name!r} {rgb} is too close to the background "
+                                 f"(channels {darkest}-{lightest})")
 
 
 DEFAULT_PALETTE = Palette()
-# Colours and shapes no built-in model was pre-trained on (new words, hues and outlines): the
-# quickstart's variant, which LoRA must teach. Each colour differs from the default colours and the
-# background by at least ~60 in some channel.
+# Colours and shapes no built-in model was pre-trained on (new words, hues and outlines), a variant
+# for LoRA to teach. Each colour differs from the default colours and the background by at least ~60
+# in some channel.
 UNSEEN_PALETTE = Palette(colours={"purple": (130, 50, 180), "orange": (240, 120, 10), "pink": (240, 100, 180),
                                   "brown": (120, 70, 30)}, shapes=("diamond", "cross"))
-PALETTES = {"default": DEFAULT_PALETTE, "unseen": UNSEEN_PALETTE}
+# The default shapes and colours on a dark grey (channels 30-70): no built-in model has seen a dark
+# background; the quickstart's variant
+DARK_PALETTE = Palette(background=45)
+PALETTES = {"default": DEFAULT_PALETTE, "unseen": UNSEEN_PALETTE, "dark": DARK_PALETTE}
 
 SET_TASK = "every"
 CONTRAST_TASK = "contrast"
@@ -465,12 +475,12 @@ def _scene(rng: np.random.Generator, width: int, height: int, task: str, palette
 
 
 def _render(rng: np.random.Generator, scene: Scene, palette: Palette) -> Image.Image:
-    # Light background: a random grey-ish tint minus per-pixel grey noise (channels 200-240).
-    tint = rng.integers(215, 241, size=3, dtype=np.uint8)
+    # The background: a random grey-ish tint minus per-pixel grey noise (light: channels 200-240).
+    tint = rng.integers(palette.background, palette.background + 26, size=3, dtype=np.uint8)
     noise = rng.integers(0, 16, size=(scene.height, scene.width), dtype=np.uint8)
     pixels = np.empty((scene.height, scene.width, 3), np.uint8)
     for c in range(3):  # one plane at a time: ~6x faster than broadcasting (H, W, 1) against (3,)
-        np.subtract(tint[c], noise, out=pixels[..., c])  # no underflow: 215 > 15
+        np.subtract(tint[c], noise, out=pixels[..., c])  # no underflow: background >= 15
     image = Image.fromarray(pixels, "RGB")
     for shape, (x0, y0, size) in zip(scene.shapes, scene.placements):
         mask, _ = _shape_mask(shape.kind, size)
