@@ -165,9 +165,9 @@ def add_quickstart(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "quickstart",
         help="the first run: the pre-trained tiny model, LoRA-tuned to a new task variant (CPU, minutes)",
-        description="Make a synthetic set of a variant the built-in tiny model was not trained on (168 px\n"
-        "canvases), evaluate the tiny model on it, fine-tune it with LoRA (preset `quickstart`), evaluate\n"
-        "again and print both, with a gallery. Re-running resumes an unfinished run.\n\n"
+        description="Make a synthetic set of a variant the built-in tiny model was not trained on (its shapes\n"
+        "on a dark background), evaluate the tiny model on it, fine-tune it with LoRA (preset `quickstart`),\n"
+        "evaluate again and print both, with a gallery. Re-running resumes an unfinished run.\n\n"
         "examples:\n  groundtune quickstart\n  groundtune quickstart --out /tmp/qs max_steps=300",
         formatter_class=Formatter,
     )
