@@ -146,8 +146,9 @@ class _Method(_Settings):
         if self.method == "qlora" and getattr(self, "distributed", "ddp") in ("fsdp2", "zero3"):
             raise ConfigError(f"method=qlora with distributed={self.distributed}: bitsandbytes' 4-bit weights cannot "
                               "be sharded; use distributed=ddp or zero2 (the 4-bit base is small enough to copy)")
-        trains_vision = ({"vision", "merger"} & set(self.lora_targets) if self.method in ("lora", "qlora")
-                         else not (self.freeze_vision and self.freeze_merger))
+        # (lora_targets' items are checked after this: any may still be other than a name)
+        trains_vision = (any(t in ("vision", "merger") for t in self.lora_targets if isinstance(t, str))
+                         if self.method in ("lora", "qlora") else not (self.freeze_vision and self.freeze_merger))
         if trains_vision and getattr(self, "distributed", "ddp") in ("zero2", "zero3"):
             # measured: DeepSpeed keeps no optimizer state for the vision tower's weights here, and
             # the run fails at its first checkpoint, after its steps are spent
