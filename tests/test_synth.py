@@ -31,10 +31,10 @@ def _grammar(palette: synth.Palette) -> dict[str, re.Pattern]:
     k = "|".join(palette.shapes)
     head = rf"(?:(?P<c>{c}) )?(?P<k>{k}|shape)"
     return {
-        "attribute": re.compile(rf"the {head}"),
-        "relation": re.compile(rf"the {head} (?P<rel>left of|right of|above|below) the (?P<ac>{c}) (?P<ak>{k})"),
-        "extreme_pre": re.compile(rf"the (?P<ext>leftmost|rightmost|top|bottom) {head}"),
-        "extreme_post": re.compile(rf"the {head} (?P<ext>on the left|on the right|at the top|at the bottom)"),
+        "attribute": re.compile(rf"(?:the )?{head}"),  # the article is optional (synth.BARE_SHARE)
+        "relation": re.compile(rf"(?:the )?{head} (?P<rel>left of|right of|above|below) the (?P<ac>{c}) (?P<ak>{k})"),
+        "extreme_pre": re.compile(rf"(?:the )?(?P<ext>leftmost|rightmost|top|bottom) {head}"),
+        "extreme_post": re.compile(rf"(?:the )?{head} (?P<ext>on the left|on the right|at the top|at the bottom)"),
     }
 
 
@@ -197,12 +197,23 @@ def test_every_phrase_names_exactly_its_target():
     assert forms["relation"] >= 60 and forms["extreme"] >= 60
 
 
+def test_one_object_phrases_are_said_with_and_without_their_article():
+    """A share of one-object phrases drop their leading "the" ("red circle", "circle left of the
+    blue square"); a set's phrase never does."""
+    bare = {task: sum(not synth.make_scene(4, i, task=task).phrase.startswith("the ") for i in range(600))
+            for task in ("full", "single", "colour")}
+    for task, count in bare.items():
+        assert abs(count / 600 - synth.BARE_SHARE) < 0.06, (task, count)
+    sets = [synth.make_scene(4, i, task="every").phrase for i in range(300)]
+    assert all(p.split()[0] in ("every", "all", "the") for p in sets)
+
+
 def test_single_task_is_one_shape_named_by_colour_and_shape():
     for i in range(200):
         scene = synth.make_scene(0, i, task="single")
         assert len(scene.shapes) == 1 and scene.targets == [0]
         s = scene.shapes[0]
-        assert scene.phrase == f"the {s.colour} {s.kind}"
+        assert scene.phrase in (f"the {s.colour} {s.kind}", f"{s.colour} {s.kind}")
     _, record = synth.make_sample(0, 0, task="single")
     assert record["task"] == "single"
 
@@ -230,7 +241,7 @@ def test_colour_task_leaves_the_colour_word_the_only_cue():
         assert len(scene.shapes) in (2, 3) and len(kinds) == 1 and len(set(colours)) == len(colours)
         assert independent_resolve(scene.phrase, scene.shapes) == scene.targets, (i, scene.phrase)
         # without its colour word the phrase ("the circle", "the shape") names every shape alike
-        without_colour = scene.phrase.replace(f" {colours[scene.targets[0]]} ", " ")
+        without_colour = f" {scene.phrase}".replace(f" {colours[scene.targets[0]]} ", " ").strip()
         assert independent_resolve(without_colour, scene.shapes) == list(range(len(scene.shapes))), scene.phrase
 
 
