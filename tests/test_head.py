@@ -513,3 +513,41 @@ def test_phrases_asked_of_one_image_share_its_vision_pass_and_get_the_same_boxes
         hook.remove()
     for p, q in zip(together, alone):
         assert np.array(p.boxes) == pytest.approx(np.array(q.boxes), abs=1e-3) and p.scores == pytest.approx(q.scores)
+
+
+def test_a_box_head_run_starts_from_the_head_its_model_brings(tmp_path, small_model, capsys):
+    """A text model may bring a box head pre-trained with it (``box_head_pretrained.safetensors``, as
+    tiny does): its answers stay text, and a ``head=box`` run on it starts from that head where the
+    layout is the one asked for (a new head otherwise, said); a box-head model's own head is where a
+    run on it starts."""
+    import shutil
+
+    from groundtune.models import loading
+    from groundtune.models.box_head import save_head
+    from groundtune.train.sft import _setup_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(small_model, folder)
+    gm = load_model(str(folder), device="cpu")
+    brought = head.attach(gm.model, adapt.hidden_size(adapt.base_model(gm.model)), slots=0, threshold=0.3)
+    with torch.no_grad():  # weights no new head would draw
+        for p in brought.parameters():
+            p.add_(torch.randn_like(p))
+    save_head(brought, folder / head.PRETRAINED_FILE)
+    assert loading.box_head_start(str(folder)) == folder / head.PRETRAINED_FILE
+    assert head.head_of(infer.load(str(folder)).model) is None  # not used for answers
+
+    _, model = _setup_model(TrainConfig(model=str(folder), train_data="synth:every", head="box", head_slots=0,
+                                             head_threshold=0.6))
+    started = head.head_of(model)
+    assert "starting from" in capsys.readouterr().out and started.threshold == 0.6  # the run's own threshold
+    for (name, p), q in zip(started.state_dict().items(), brought.state_dict().values()):
+        assert torch.equal(p, q.float()), name
+    assert all(p.requires_grad and p.dtype == torch.float32 for p in started.parameters())
+
+    _, model = _setup_model(TrainConfig(model=str(folder), train_data="synth:every", head="box", head_slots=3))
+    assert head.head_of(model).slots.shape[0] == 3 and "another layout" in capsys.readouterr().out
+    # a box-head model (groundtune.json: head box): a run on it goes on from its own head
+    (folder / head.PRETRAINED_FILE).rename(folder / head.HEAD_FILE)
+    assert head.start_file(folder, {"head": "box"}) == folder / head.HEAD_FILE
+    assert head.start_file(folder, {}) is None

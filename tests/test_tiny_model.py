@@ -11,18 +11,22 @@ from groundtune.boxes import iou
 from groundtune.cli import main
 from groundtune.data import synth
 from groundtune.infer import predict
-from groundtune.models.loading import load_model
-from groundtune.models.loading import TINY_DIR
+from groundtune.models import head
+from groundtune.models.loading import TINY_DIR, box_head_start, load_model
 
 
 def test_shipped_weights_log_and_commands():
-    weights = TINY_DIR / "model.safetensors"
-    assert weights.stat().st_size <= 30 * 10**6  # the package's budget for it
+    weights, box_head = TINY_DIR / "model.safetensors", TINY_DIR / head.PRETRAINED_FILE
+    assert weights.stat().st_size + box_head.stat().st_size <= 30 * 10**6  # the package's budget for them
     log = [json.loads(line) for line in (TINY_DIR / "training_log.jsonl").read_text().splitlines()]
     assert any("eval/acc@0.5" in r for r in log) and any("loss" in r for r in log)
     assert "groundtune train" in (TINY_DIR / "TRAINING.md").read_text()
     gm = load_model("tiny", device="cpu")
     assert 8_000_000 < sum(p.numel() for p in gm.model.parameters()) < 12_000_000
+    # it answers in text; the box head pre-trained with it (a candidate per image cell, as
+    # quickstart-every's head=box) is where a head=box run on it starts
+    assert head.head_of(gm.model) is None and box_head_start("tiny") == box_head
+    assert head.attach_from(gm.model, box_head, gm.model.config.text_config.hidden_size, 0, 0.5) is not None
 
 
 def test_predict_cli_finds_the_named_shape(tmp_path, capsys):

@@ -212,7 +212,9 @@ def average_precision(rows: list[dict]) -> dict:
         return {"ap@0.5:0.95": 0.0, "ap@0.5": 0.0}
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress and summary
         truth = COCO()
-        truth.dataset = {"images": images, "annotations": truths, "categories": [{"id": 1, "name": "target"}]}
+        # "info" as the COCO format has it: pycocotools 2.0.10's loadRes copies it (KeyError without)
+        truth.dataset = {"info": {}, "images": images, "annotations": truths,
+                         "categories": [{"id": 1, "name": "target"}]}
         truth.createIndex()
         run = COCOeval(truth, truth.loadRes(detections), "bbox")
         run.evaluate()

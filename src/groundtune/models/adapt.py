@@ -9,6 +9,7 @@ else (language model and LM head).
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -165,16 +166,25 @@ def param_groups(model, cfg) -> list[dict]:
     ]
 
 
-def attach_box_head(model, text_loss: bool, slots: int, threshold: float) -> None:
-    """``head: box``: a new box head of ``slots`` slots answering at ``threshold`` on ``model``
-    (models/head.py), trained fully. Without the text loss (``text_loss``) the LM head computes
+def attach_box_head(model, text_loss: bool, slots: int, threshold: float, start: Path | None = None) -> str:
+    """``head: box``: a box head of ``slots`` slots answering at ``threshold`` on ``model``
+    (models/head.py), trained fully: the one saved in ``start`` where it has that layout, else a
+    new one. Returns which, in words. Without the text loss (``text_loss``) the LM head computes
     nothing, so a trainable, untied one is frozen (an unused trainable weight would also stall
     DDP, which waits for its gradient)."""
     core = base_model(model)
-    head.attach(model, hidden_size(core), slots, threshold)
+    started = start is not None and head.attach_from(model, start, hidden_size(core), slots, threshold) is not None
+    if not started:
+        head.attach(model, hidden_size(core), slots, threshold)
     lm_head = core.get_output_embeddings().weight
     if not text_loss and lm_head is not core.get_input_embeddings().weight:
         lm_head.requires_grad_(False)
+    layout = f"{slots} slots" if slots else "a candidate per image cell"
+    if started:
+        return f"box head: starting from {start} ({layout})"
+    if start is not None:
+        return f"box head: a new one ({layout}; the one in {start} has another layout)"
+    return f"box head: a new one ({layout})"
 
 
 def hidden_size(core) -> int:

@@ -80,6 +80,10 @@ from groundtune.models.box_head import HEAD_FILE, BoxHead, ImageTokens, cells, l
 from groundtune.models.qwen import IGNORE_INDEX
 
 ATTRIBUTE = "box_head"  # the head's name on the model it reads (and the prefix of its weights' names)
+# A box head pre-trained with a model that answers in text (tiny's): not used for its answers (its
+# groundtune.json says no head), only the weights a head=box run on that model starts from
+# (``start_file``); a head drawn anew needs far more than a CPU's minutes (docs/box-head.md)
+PRETRAINED_FILE = "box_head_pretrained.safetensors"
 SCRIPT_FILE = "box_head.py"  # the head's own module, copied into a box-head export: it runs the export
 # The weight of a slot's "no object" loss against "object" (DETR's eos_coef, 0.1 for its 100
 # slots). 1: with K = 8 slots and 0-3 true boxes the unmatched outnumber the matched a few to one,
@@ -136,6 +140,28 @@ def attach(model, hidden_size: int, slots: int = TrainConfig.head_slots,
     device; its answers keep the slots whose score is at least ``threshold``."""
     device = next(model.parameters()).device
     head = BoxHead(hidden_size, slots, threshold).to(device)
+    setattr(model, ATTRIBUTE, head)
+    return head
+
+
+def start_file(folder: Path, meta: dict) -> Path | None:
+    """The head a ``head=box`` run on the model in ``folder`` starts from: a box-head model's own
+    (``meta``, its groundtune.json, says ``head: box``), else one pre-trained with it
+    (``PRETRAINED_FILE``), else None (a new head)."""
+    own, pretrained = folder / HEAD_FILE, folder / PRETRAINED_FILE
+    if meta.get("head") == "box" and own.exists():
+        return own
+    return pretrained if pretrained.exists() else None
+
+
+def attach_from(model, file: Path, hidden_size: int, slots: int, threshold: float) -> BoxHead | None:
+    """The head saved in ``file`` on ``model`` (fp32, trainable), answering at ``threshold``; None
+    where its layout is not ``slots`` (another layout is a different head: the caller draws one)."""
+    head = load_head(file, hidden_size)
+    if len(head.slots) != slots:
+        return None
+    head.threshold = threshold
+    head = head.float().to(next(model.parameters()).device)
     setattr(model, ATTRIBUTE, head)
     return head
 

@@ -332,6 +332,21 @@ def _random_architecture(arch: str, processor: qwen.Processor, torch_dtype: torc
         return family.transformers_class()._from_config(config, dtype=torch_dtype)
 
 
+def box_head_start(name: str) -> Path | None:
+    """The box head a ``head=box`` run on model ``name`` starts from (``head.start_file``): its
+    folder's (a run's model), a LoRA adapter's base model's where the adapter has none; None: a
+    new head (a hub id, a random architecture, a model without one)."""
+    kind, path = resolve(name)
+    if path is None or kind == "random":
+        return None
+    folder = RunFolder(path).model if kind == "run" else path
+    meta = read_metadata(folder)
+    found = head.start_file(folder, meta)
+    if found is None and (folder / "adapter_config.json").exists():
+        return box_head_start(meta.get("base_model") or _adapter_base(folder))
+    return found
+
+
 def _adapter_base(folder: Path) -> str:
     config = json.loads((folder / "adapter_config.json").read_text())
     base = config.get("base_model_name_or_path")

@@ -26,7 +26,7 @@ import torch
 from groundtune.config import TrainConfig
 from groundtune.data.samples import SyntheticStream
 from groundtune.models import adapt, speedups
-from groundtune.models.loading import GroundingModel, load_model, pick_device, with_resize
+from groundtune.models.loading import GroundingModel, box_head_start, load_model, pick_device, with_resize
 from groundtune.progress import progress_bar
 from groundtune.train import distributed
 from groundtune.train.batches import GroundingDataset, make_loader, to_device
@@ -228,7 +228,8 @@ def _setup_model(cfg: TrainConfig, device_setting: str | None = None) -> tuple[G
     gm = dataclasses.replace(gm, prompt=cfg.prompt or gm.prompt)
     model = adapt.prepare_for_training(gm.model, cfg)
     if cfg.head == "box":
-        adapt.attach_box_head(model, cfg.head_text_loss_weight > 0, cfg.head_slots, cfg.head_threshold)
+        print(adapt.attach_box_head(model, cfg.head_text_loss_weight > 0, cfg.head_slots, cfg.head_threshold,
+                                    box_head_start(cfg.model)))
     adapt.keep_trainable_fp32(model)
     speedups.install(model, cfg.kernels, cfg.compile, say=print, fp8=cfg.fp8)
     gm = dataclasses.replace(gm, model=model)
