@@ -194,6 +194,25 @@ def install_weights(model_folder: str | Path, out_dir: str | Path = SHIPPED) -> 
     return Path(out_dir) / "model.safetensors"
 
 
+def install_head(model_folder: str | Path, out_dir: str | Path = SHIPPED) -> Path:
+    """Ship the box head of a box-head run on the tiny model (its model folder) as the head pre-trained
+    with it, in bf16 (``models/head.py``'s PRETRAINED_FILE): its answers stay text; a head=box run
+    on it starts from this head."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from groundtune.models.box_head import HEAD_FILE
+    from groundtune.models.head import PRETRAINED_FILE
+
+    with safe_open(str(Path(model_folder) / HEAD_FILE), "pt") as f:
+        state, metadata = {k: f.get_tensor(k).to(torch.bfloat16).contiguous() for k in f.keys()}, f.metadata()
+    out = Path(out_dir) / PRETRAINED_FILE
+    save_file(state, str(out), metadata=metadata)  # the threshold it was last evaluated at
+    out.chmod(0o644)
+    return out
+
+
 def fresh_vision(model_folder: str | Path, out_dir: str | Path, whole_tower: bool = False) -> Path:
     """``model_folder``'s model (``tiny``, a run or a model folder) written to ``out_dir`` with its
     vision->LLM merger (``whole_tower``: the whole vision tower, merger included) drawn anew, as a
@@ -251,6 +270,9 @@ if __name__ == "__main__":
                         "else 1); as many as the query heads: plain multi-head attention")
     parser.add_argument("--install-weights", metavar="MODEL_FOLDER",
                         help="write this trained model's weights (bf16) into --out as the tiny model's")
+    parser.add_argument("--install-head", metavar="MODEL_FOLDER",
+                        help="write this box-head model's head (bf16) into --out as the head pre-trained with the tiny "
+                             "model (head=box runs on it start from it)")
     fresh = parser.add_mutually_exclusive_group()
     fresh.add_argument("--fresh-merger", metavar="MODEL_FOLDER",
                        help="write this trained model into --out with its merger drawn anew (random)")
@@ -272,6 +294,9 @@ if __name__ == "__main__":
         raise SystemExit(0)
     if a.install_weights:
         print(install_weights(a.install_weights, a.out))
+        raise SystemExit(0)
+    if a.install_head:
+        print(install_head(a.install_head, a.out))
         raise SystemExit(0)
     text = {}
     if a.hidden:
