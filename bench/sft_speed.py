@@ -557,16 +557,17 @@ def measure(key: str, variant: str, data: Path, steps: int, profile_steps: int =
     import traceback
 
     print(f"== {key} {variant}", flush=True)
+    model = MODELS.get(key, key)  # a key of MODELS, or a model folder
     try:
         if variant == "naive":
-            r = naive(MODELS.get(key, key), data, steps)
+            r = naive(model, data, steps)
         elif variant.startswith("trl"):  # trl or trl:BATCH
-            r = dict(trl_sft(MODELS.get(key, key), data, steps, int(variant.partition(":")[2] or 32)), variant=variant)
+            r = dict(trl_sft(model, data, steps, int(variant.partition(":")[2] or 32)), variant=variant)
         elif variant.startswith("swift"):  # swift or swift:BATCH
-            r = dict(swift_sft(MODELS.get(key, key), data, steps, int(variant.partition(":")[2] or 32), peer_site, cap_gib),
+            r = dict(swift_sft(model, data, steps, int(variant.partition(":")[2] or 32), peer_site, cap_gib),
                      variant=variant)
         else:
-            r = groundtune_step(variant, MODELS.get(key, key), data, steps, variant_settings(variant), profile_steps)
+            r = groundtune_step(variant, model, data, steps, variant_settings(variant), profile_steps)
     except torch.OutOfMemoryError:
         # where it ran out: a load-time shortage and an activation peak look the same from outside
         r = {"variant": variant, "settings": variant_settings(variant), "oom": True,

@@ -155,14 +155,14 @@ def start_file(folder: Path, meta: dict) -> Path | None:
 
 
 def attach_from(model, file: Path, hidden_size: int, slots: int, threshold: float) -> BoxHead | None:
-    """The head saved in ``file`` on ``model`` (fp32, trainable), answering at ``threshold``; None
-    where its layout is not ``slots`` (another layout is a different head: the caller draws one)."""
+    """The head saved in ``file`` on ``model`` (fp32, as load_head builds it, whatever the file's
+    dtype; trainable), answering at ``threshold``; None where its layout is not ``slots`` (another
+    layout is a different head: the caller draws one)."""
     head = load_head(file, hidden_size)
     if len(head.slots) != slots:
         return None
     head.threshold = threshold
-    head = head.float().to(next(model.parameters()).device)
-    setattr(model, ATTRIBUTE, head)
+    setattr(model, ATTRIBUTE, head.to(next(model.parameters()).device))
     return head
 
 
