@@ -292,11 +292,13 @@ if __name__ == "__main__":
         except GroundtuneError as e:  # a folder that is not a model: one line, exit 2
             parser.error(str(e))
         raise SystemExit(0)
-    if a.install_weights:
-        print(install_weights(a.install_weights, a.out))
-        raise SystemExit(0)
-    if a.install_head:
-        print(install_head(a.install_head, a.out))
+    if a.install_weights or a.install_head:
+        from groundtune.errors import GroundtuneError
+
+        try:
+            print(install_weights(a.install_weights, a.out) if a.install_weights else install_head(a.install_head, a.out))
+        except (GroundtuneError, FileNotFoundError) as e:  # not a model, or no head in it: one line, exit 2
+            parser.error(str(e))
         raise SystemExit(0)
     text = {}
     if a.hidden:

@@ -16,7 +16,7 @@ from PIL import Image
 from groundtune import boxes, infer
 from groundtune.config import RLConfig, TrainConfig
 from groundtune.data import synth
-from groundtune.errors import ConfigError, TrainingError
+from groundtune.errors import ConfigError, ModelError, TrainingError
 from groundtune.models import adapt, head, qwen
 from groundtune.models.box_head import BoxHead, ImageTokens, fourier, map_box
 from groundtune.models.loading import load_model
@@ -220,8 +220,6 @@ def test_a_single_box_head_file_of_before_sets_loads_as_one_slot_that_always_ans
 
 def test_a_head_file_of_the_former_design_is_refused_by_name(tmp_path):
     from safetensors.torch import save_file
-
-    from groundtune.errors import ModelError
 
     save_file({"mlp.0.weight": torch.zeros(512, 64), "mlp.0.bias": torch.zeros(512)}, tmp_path / head.HEAD_FILE)
     with pytest.raises(ModelError, match="box_head.safetensors: a box head of an earlier groundtune"):
@@ -551,3 +549,7 @@ def test_a_box_head_run_starts_from_the_head_its_model_brings(tmp_path, small_mo
     (folder / head.PRETRAINED_FILE).rename(folder / head.HEAD_FILE)
     assert head.start_file(folder, {"head": "box"}) == folder / head.HEAD_FILE
     assert head.start_file(folder, {}) is None
+    # a head file cut short: one error naming it, before any step
+    (folder / head.PRETRAINED_FILE).write_bytes((folder / head.HEAD_FILE).read_bytes()[:100])
+    with pytest.raises(ModelError, match=f"{head.PRETRAINED_FILE}: not a box head"):
+        _setup_model(TrainConfig(model=str(folder), train_data="synth:every", head="box", head_slots=0))

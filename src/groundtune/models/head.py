@@ -158,7 +158,7 @@ def attach_from(model, file: Path, hidden_size: int, slots: int, threshold: floa
     """The head saved in ``file`` on ``model`` (fp32, as load_head builds it, whatever the file's
     dtype; trainable), answering at ``threshold``; None where its layout is not ``slots`` (another
     layout is a different head: the caller draws one)."""
-    head = load_head(file, hidden_size)
+    head = read_file(file, hidden_size)
     if len(head.slots) != slots:
         return None
     head.threshold = threshold
@@ -182,14 +182,26 @@ def save(head: BoxHead, folder: Path, weights: dict[str, torch.Tensor] | None = 
 def load(model, folder: Path, hidden_size: int) -> BoxHead:
     """The head saved in ``folder``, attached to ``model`` on its device. A single-box head of
     before sets loads as one slot that always answers (``box_head.load_head``)."""
-    file = Path(folder) / HEAD_FILE
-    with safe_open(str(file), "pt") as f:
-        if "mlp.0.weight" in f.keys():
-            raise ModelError(f"{file}: a box head of an earlier groundtune (one MLP on the query state), which "
-                             "this version's head (models/head.py) replaced; train the run again")
-    head = load_head(file, hidden_size).to(next(model.parameters()).device)
+    head = read_file(Path(folder) / HEAD_FILE, hidden_size).to(next(model.parameters()).device)
     setattr(model, ATTRIBUTE, head)
     return head
+
+
+def read_file(file: Path, hidden_size: int) -> BoxHead:
+    """The head in ``file`` (``box_head.load_head``), in fp32; a file that is none this version
+    reads (cut short, not safetensors, the head of an earlier design, weights of another shape) is
+    a ModelError naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        with safe_open(str(file), "pt") as f:
+            former = "mlp.0.weight" in f.keys()
+        if not former:
+            return load_head(file, hidden_size)
+    except (OSError, SafetensorError, ValueError, KeyError, RuntimeError) as e:
+        raise ModelError(f"{file}: not a box head this groundtune can read ({str(e).splitlines()[0][:200]})") from None
+    raise ModelError(f"{file}: a box head of an earlier groundtune (one MLP on the query state), which "
+                     "this version's head (models/head.py) replaced; train the run again")
 
 
 def query_positions(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
