@@ -177,13 +177,16 @@ def install_weights(model_folder: str | Path, out_dir: str | Path = SHIPPED) -> 
     """Ship a trained model of the tiny architecture as `tiny`: its weights in bf16 (half the
     size; the tiny model trains and serves in fp32 on CPU, bf16 on GPU) next to the tokenizer,
     image processor and metadata already in ``out_dir``; and the pixel budget it was trained with
-    (a run with min_pixels/max_pixels of its own), in groundtune.json and the image processor."""
+    (a run with min_pixels/max_pixels of its own), in groundtune.json and the image processor. The
+    model of a box-head run ships without its head (``--install-head`` ships that)."""
     import torch
 
+    from groundtune.models import head
     from groundtune.models.loading import load_model, read_metadata, write_metadata
 
     gm = load_model(str(model_folder), device="cpu", dtype="fp32")
-    gm.model.to(torch.bfloat16).save_pretrained(out_dir)
+    model = gm.model.to(torch.bfloat16)
+    model.save_pretrained(out_dir, state_dict=head.model_weights(model.state_dict()))
     (Path(out_dir) / "model.safetensors").chmod(0o644)  # written 0600; a package file is everyone's to read
     shipped = read_metadata(Path(out_dir))
     if shipped.get("resize") != gm.resize.to_dict():

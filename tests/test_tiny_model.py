@@ -84,19 +84,51 @@ def test_lora_merge_keeps_predictions_identical(tmp_path):
     assert [a.bbox for a in merged] == [a.bbox for a in tuned]
 
 
-@pytest.mark.parametrize("whole_tower", [False, True])
-def test_a_fresh_merger_or_tower_changes_that_alone(tmp_path, whole_tower):
-    # scripts/tiny_model.py --fresh-merger / --fresh-vision start the next pre-training cycle
-    # (bench/plans/tiny2_merger.txt, tiny2_colour.txt): a slip that redrew more, or kept it, would go unseen there
+def _script():
     import importlib.util
     from pathlib import Path
-
-    import torch
-    from safetensors.torch import load_file
 
     spec = importlib.util.spec_from_file_location("tiny_model", Path(__file__).parents[1] / "scripts" / "tiny_model.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_a_box_head_run_ships_as_a_text_model_and_its_head(tmp_path, small_model):
+    # scripts/tiny_model.py --install-weights / --install-head from a box-head run's model (a joint
+    # pre-training cycle): the head goes in its own file; in the model's weights it would load as
+    # weights of no module, and the model would be the head's size bigger than it is
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from groundtune.models.loading import read_metadata, write_metadata
+
+    run_model, shipped = tmp_path / "run_model", tmp_path / "shipped"
+    shutil.copytree(small_model, run_model)
+    shutil.copytree(small_model, shipped)
+    gm = load_model(str(run_model), device="cpu")
+    trained = head.attach(gm.model, gm.model.config.text_config.hidden_size, slots=0, threshold=0.4)
+    head.save(trained, run_model)
+    write_metadata(run_model, {**read_metadata(run_model), "head": "box"})
+    script = _script()
+    weights = load_file(script.install_weights(run_model, shipped))
+    assert weights.keys() == load_file(f"{small_model}/model.safetensors").keys()
+    assert all(v.dtype == torch.bfloat16 for v in weights.values())
+    brought = head.read_file(script.install_head(run_model, shipped), gm.model.config.text_config.hidden_size)
+    assert len(brought.slots) == 0 and brought.threshold == pytest.approx(0.4)
+    assert head.head_of(load_model(str(shipped), device="cpu").model) is None  # it answers in text
+
+
+@pytest.mark.parametrize("whole_tower", [False, True])
+def test_a_fresh_merger_or_tower_changes_that_alone(tmp_path, whole_tower):
+    # scripts/tiny_model.py --fresh-merger / --fresh-vision start the next pre-training cycle
+    # (bench/plans/tiny2_merger.txt, tiny2_colour.txt): a slip that redrew more, or kept it, would go unseen there
+    import torch
+    from safetensors.torch import load_file
+
+    script = _script()
     # the built-in model by its name, as the CLI names it, or by its folder
     written = script.fresh_vision("tiny" if whole_tower else TINY_DIR, tmp_path / "fresh", whole_tower=whole_tower)
     before, after = load_file(TINY_DIR / "model.safetensors"), load_file(written)

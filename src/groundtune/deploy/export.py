@@ -106,8 +106,7 @@ def export(name: str, out: str | Path, dtype: str = EXPORT_DTYPE, overwrite: boo
             (tmp / onnx_export.SCRIPT_FILE).write_text(onnx_export.script_source())
         model = model.to(target_dtype)
         if box_head is not None:
-            model.save_pretrained(tmp, state_dict={k: v for k, v in model.state_dict().items()
-                                                   if not k.startswith(f"{head.ATTRIBUTE}.")})
+            model.save_pretrained(tmp, state_dict=head.model_weights(model.state_dict()))
             head.save(box_head, tmp)
             (tmp / head.SCRIPT_FILE).write_text(head.script_source())  # the head's code, which runs the export
         else:

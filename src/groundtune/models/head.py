@@ -170,6 +170,12 @@ def head_of(model) -> BoxHead | None:
     return getattr(model, ATTRIBUTE, None)
 
 
+def model_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A model's weights by full name without its box head's: the head is saved in a file of its
+    own (``save``), never in the model's, which then loads as the text model it was built as."""
+    return {k: v for k, v in weights.items() if not k.startswith(f"{ATTRIBUTE}.")}
+
+
 def save(head: BoxHead, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
     """The head's weights and threshold into ``folder`` (``weights``: the model's, gathered whole,
     by full name)."""

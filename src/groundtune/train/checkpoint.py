@@ -276,7 +276,7 @@ def save_model(run: Path, gm: GroundingModel, model, extra: dict | None = None,
     box_head = head.head_of(model)
     if box_head is not None and not adapter:  # the head goes in a file of its own, not in the model's
         everything = weights if weights is not None else model.state_dict()
-        weights = {k: v for k, v in everything.items() if not k.startswith(f"{head.ATTRIBUTE}.")}
+        weights = head.model_weights(everything)
     whole = {"state_dict": weights} if weights is not None else {}
     try:
         with _refused_writes_named(final, sum(p.numel() * p.element_size() for p in saved), run):
