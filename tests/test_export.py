@@ -242,12 +242,15 @@ def test_the_card_leads_with_the_metric_the_step_was_chosen_by():
                  "set_acc@0.5": 0.75, "n_acc": 0.75, "n": 4, "best_by": "set_acc@0.5"}
     card = model_card({**meta, "eval": no_target}, "none")
     assert "set accuracy@0.5 **0.750**, no-target accuracy 0.750, parse failures 0.000 on 4 held-out samples" in card
-    assert "the run's best by set accuracy@0.5. Acc@0.5 counts no sample of this eval set" in card
+    assert "the run's best by set accuracy@0.5. Not Acc@0.5: the eval set's phrases name nothing" in card
     assert "Acc@0.5 **" not in card and "None" not in card
     old = {"acc@0.5": 0.5, "acc@0.75": 0.25, "miou": 0.5, "parse_fail_rate": 0.0, "n": 8}
     card = model_card({**meta, "eval": old}, "old")
     assert "Acc@0.5 **0.500**, Acc@0.75 0.250, mIoU 0.500, parse failures 0.000 on 8" in card
-    assert "the run's best by Acc@0.5." in card and "counts no sample" not in card
+    assert "the run's best by Acc@0.5." in card and "Not Acc@0.5" not in card
+    sets = {**old, "f1@0.5": 0.4, "set_acc@0.5": 0.3, "best_by": "f1@0.5"}  # a run on sets: the set measure
+    card = model_card({**meta, "eval": sets}, "sets")
+    assert "F1@0.5 **0.400**" in card and "Not Acc@0.5: the eval set asks for sets" in card
     assert "No evaluation was recorded" in model_card(meta, "never")
 
 

@@ -186,6 +186,30 @@ def test_on_an_eval_set_of_no_target_phrases_the_best_is_kept_by_set_acc(synth_s
     assert meta["eval"]["n_acc"] == 1.0
 
 
+def test_on_an_eval_set_of_sets_the_best_is_kept_by_f1(synth_single, tmp_path, monkeypatch, cfg):
+    """On phrases naming several objects, Acc@0.5 reads the first box alone: an answer that finds the
+    first and misses the rest scores as one that finds all. The best is kept by F1@0.5, which tells
+    them apart (kept by Acc@0.5, a run on sets kept its first eval's model: RL's starting one)."""
+    from groundtune import infer
+
+    val = [json.loads(line) for line in (synth_single / "val.jsonl").read_text().splitlines()][:4]
+    two = [[1.0, 1.0, 9.0, 9.0], [20.0, 20.0, 30.0, 30.0]]
+    sets = tmp_path / "sets.jsonl"
+    sets.write_text("".join(json.dumps({**{k: v for k, v in r.items() if k != "bbox"}, "bboxes": two,
+                                        "image": str(synth_single / r["image"])}) + "\n" for r in val))
+    first = infer.Prediction(bbox=two[0], boxes=two[:1], label=None, raw="first", error=None)
+    both = infer.Prediction(bbox=two[0], boxes=two, label=None, raw="both", error=None)
+    answers = iter([[first] * 4, [both] * 4, [first] * 4])
+    monkeypatch.setattr(infer, "predict_records", lambda gm, samples, *args, **kwargs: next(answers)[: len(samples)])
+    run = train(cfg(synth_single, tmp_path / "run", max_steps=3, eval_data=str(sets), eval_every=1, eval_samples=4,
+                     freeze_vision=True, freeze_merger=False, freeze_llm=True, lr=1e-6))
+    evals = {r["step"]: r for r in _records(run) if "eval/best_by" in r}
+    assert [evals[s]["eval/acc@0.5"] for s in (1, 2, 3)] == [1.0, 1.0, 1.0]
+    assert [evals[s]["eval/f1@0.5"] for s in (1, 2, 3)] == [pytest.approx(2 / 3), 1.0, pytest.approx(2 / 3)]
+    meta = json.loads((run / "model" / "groundtune.json").read_text())
+    assert meta["step"] == 2 and meta["eval"]["best_by"] == "f1@0.5"
+
+
 # --------------------------------------------------------------------------------------------
 # checkpoints
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from groundtune import families
+from groundtune import evaluate, families
 
 EXAMPLE_PHRASE = "the red mug"
 
@@ -134,7 +134,7 @@ def _eval_line(evaluated: dict | None) -> str:
     best_by = evaluated.get("best_by", "acc@0.5")
     shown = [f"{label} **{evaluated[key]:.3f}**" if key == best_by else f"{label} {evaluated[key]:.3f}"
              for key, label in CARD_METRICS.items() if evaluated.get(key) is not None]
-    why = "" if best_by == "acc@0.5" else " Acc@0.5 counts no sample of this eval set, so it is not the measure here."
+    why = "" if best_by == "acc@0.5" else f" Not Acc@0.5: {evaluate.HEADLINE_REASONS[best_by]}."
     return (f"{', '.join(shown)} on {evaluated['n']} held-out samples (greedy decoding), at the saved step: the "
             f"run's best by {CARD_METRICS[best_by]}.{why}")
 

@@ -391,7 +391,7 @@ class Loop:
             self.log.log(step, {**{f"eval/{k}": v for k, v in metrics.items()}, "eval/best_by": best_by, **chosen})
             self.log.report(step, report, rows)
             shown = " ".join(f"{label} {metrics[k]:.3f}" for k, label in EVAL_SHOWN.items() if metrics[k] is not None)
-            why = "" if best_by == "acc@0.5" else f" (Acc@0.5 counts no sample here: the best is kept by {best_by})"
+            why = "" if best_by == "acc@0.5" else f" (the best is kept by {best_by})"
             say(f"step {step}: eval {shown}{why}")
             if value is not None and value > self.state["best_acc"]:
                 self.state["best_acc"] = value
