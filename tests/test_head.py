@@ -456,6 +456,33 @@ def test_the_threshold_chosen_is_the_one_of_best_f1_on_the_eval_set():
     assert evaluate.best_threshold(predictions, samples) == 0.15
 
 
+def test_a_box_head_run_that_trains_no_text_answer_encodes_none(synth_single, small_model):
+    """Without the joint mode nothing reads the answer's tokens (a causal model's states at the
+    prompt and the image do not see them): a sample carries only the closing tokens, which mark
+    where the prompt ends, and the head's loss is the same as with the whole answer."""
+    from groundtune.data.records import read_samples
+    from groundtune.data.samples import FileSamples
+    from groundtune.train.objective import BoxObjective, box_head_loss
+
+    gm = load_model(small_model)
+    records = read_samples(synth_single / "train.jsonl")[:4]
+    records[0] = {k: v for k, v in records[0].items() if k != "bbox"} | {"bboxes": []}
+    samples = FileSamples(records, str(synth_single / "train.jsonl"))
+    batches = {}
+    for text in (True, False):
+        data = GroundingDataset(samples, gm.processor, gm.family, gm.resize, gm.prompt, box_target=True, answer_text=text)
+        batch = Collate(gm.processor.pad_token_id)([data[(i, i)] for i in range(4)])
+        batches[text] = {k: v for k, v in batch.items() if k not in ("drawn", "failed")}
+    labelled = (batches[False]["labels"] != qwen.IGNORE_INDEX).sum(dim=1)
+    assert labelled.tolist() == [2] * 4  # <|im_end|> and the newline
+    assert batches[False]["input_ids"].shape[1] < batches[True]["input_ids"].shape[1] - 10
+    head.attach(gm.model, gm.model.config.text_config.hidden_size, slots=0, threshold=0.5)
+    gm.model.eval()
+    with torch.no_grad():
+        losses = [float(box_head_loss(BoxObjective(gm.model), batches[text], 4, 1, 2.0, 0.0)) for text in (True, False)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
 def test_a_batch_holds_every_true_box_of_each_phrase_and_none_for_a_no_target_one(synth_single, small_model):
     gm = load_model(small_model)
     from groundtune.data.records import read_samples

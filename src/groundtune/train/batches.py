@@ -28,7 +28,7 @@ class GroundingDataset(torch.utils.data.Dataset):
 
     def __init__(self, samples: FileSamples | SyntheticStream, processor: qwen.Processor, family: str,
                  resize: boxes.ResizeSpec, prompt: str, hflip_prob: float = 0.0, scale_crop_prob: float = 0.0,
-                 seed: int = 0, answer_label: bool = True, box_target: bool = False):
+                 seed: int = 0, answer_label: bool = True, box_target: bool = False, answer_text: bool = True):
         self.samples = samples
         self.processor = processor
         self.family = family
@@ -39,6 +39,7 @@ class GroundingDataset(torch.utils.data.Dataset):
         self.seed = seed
         self.answer_label = answer_label
         self.box_target = box_target  # head=box: each sample's boxes as fractions of the image too
+        self.answer_text = answer_text  # head=box: False where nothing trains the text answer (encode_sample)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -60,7 +61,7 @@ class GroundingDataset(torch.utils.data.Dataset):
             image, sample = augment.scale_crop(image, sample, rng)
         try:
             encoded = encode_sample(self.processor, self.family, self.resize, self.prompt, image, sample,
-                                    self.answer_label, self.box_target)
+                                    self.answer_label, self.box_target, self.answer_text)
         except boxes.ResizeError as e:
             raise DataError(f"{self.samples.where(index)}: {e}") from None
         if self.box_target:  # every box, none for a no-target phrase: the head's slots match them (models/head.py)
@@ -70,11 +71,15 @@ class GroundingDataset(torch.utils.data.Dataset):
 
 
 def encode_sample(processor, family, resize, prompt, image, sample, answer_label: bool = True,
-                  box_head: bool = False) -> dict:
+                  box_head: bool = False, answer_text: bool = True) -> dict:
     """Resize the image as the model sees it and write the target in the family's convention.
     ``box_head``: the prompt ends with the answer's opening (``head.prompt_end``), where the head
-    reads; the answer (which only the joint mode trains) is the rest, without a label. The phrase,
-    in the prompt and as the answer's label, is text (``qwen.PhraseText``)."""
+    reads; the answer (which only the joint mode trains) is the rest, without a label; with
+    ``answer_text`` False, none of it: a causal model's states at the prompt and the image, all the
+    head reads, are the same without it, and a run that trains no text answer would pay the
+    forward and backward pass of its ~30 tokens for nothing (the closing tokens stay, labelled:
+    they mark where the prompt ends, ``head.query_positions``). The phrase, in the prompt and as
+    the answer's label, is text (``qwen.PhraseText``)."""
     resized, resized_size = qwen.resize_image(image, resize)
 
     def target(label: str | None) -> str:
@@ -84,7 +89,7 @@ def encode_sample(processor, family, resize, prompt, image, sample, answer_label
     if answer_label and not box_head:
         answer = qwen.PhraseText.written(target, sample["phrase"])
     else:
-        answer = target(None)[len(opening):]
+        answer = target(None)[len(opening):] if answer_text or not box_head else ""
     text = qwen.prompt_text(processor, sample["phrase"], prompt, answer_start=opening)
     return qwen.encode(processor, resized, text, answer)
 

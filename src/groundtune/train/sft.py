@@ -61,7 +61,8 @@ def _train(run: Path, cfg: TrainConfig, resume_from: Path | None, data: RunData,
     loop = Loop.start(run, cfg, gm, resume_from, data, on_step, parallel)
     optimizer, scheduler, state = loop.optimizer, loop.scheduler, loop.state
     dataset = GroundingDataset(samples, gm.processor, gm.family, gm.resize, gm.prompt,
-                               cfg.hflip_prob, cfg.scale_crop_prob, cfg.seed, cfg.answer_label, box_target=box_head)
+                               cfg.hflip_prob, cfg.scale_crop_prob, cfg.seed, cfg.answer_label, box_target=box_head,
+                               answer_text=not box_head or cfg.head_text_loss_weight > 0)
     batches = iter(make_loader(dataset, cfg.batch_size, cfg.seed, state["samples"], cfg.num_workers,
                                gm.processor.pad_token_id, pin_memory=device.type == "cuda", packing=cfg.packing,
                                rank=ranks.rank, world=ranks.world))
