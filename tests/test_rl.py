@@ -17,7 +17,7 @@ from groundtune.models import qwen
 from groundtune.models.loading import load_model
 from groundtune.train import checkpoint as ckpt
 from groundtune.train import rl as rl_module
-from groundtune.train.rewards import RewardWeights, box_reward, format_reward, reward
+from groundtune.train.rewards import RewardWeights, box_reward, format_reward, missed_share, reward
 from groundtune.train.rl import advantages, mark_finished_groups, next_prompts, policy_loss, rl
 from groundtune.train.sft import train
 
@@ -97,6 +97,20 @@ def test_no_target_reward_and_format():
     assert box_reward([], [], use_giou=True) == 1 and box_reward([a], [], use_giou=True) == -1
     # format: read (boxes, or []), and every box inside the image
     assert format_reward([a, [90, 90, 130, 130]], (100, 100)) == 0 and format_reward([a, a], (100, 100)) == 1
+
+
+def test_a_missed_box_costs_more_than_an_extra_one_only_when_asked():
+    a, b, far = [0, 0, 10, 10], [20, 0, 30, 10], [60, 60, 70, 70]
+    assert missed_share([a], [a, b]) == 0.5 and missed_share([a, b, far], [a, b]) == 0
+    assert missed_share([[0, 0, 10, 4]], [a]) == 1  # IoU 0.4: not found at eval's 0.5
+    assert missed_share(None, [a]) == 1 and missed_share([a], []) == 0 and missed_share([], []) == 0
+    alike, missing_first = RewardWeights(format=0.0), RewardWeights(format=0.0, missed=0.5)
+    one_missed, one_extra = [a], [a, b, far]  # against the truth [a, b]
+    assert reward(one_missed, [a, b], (100, 100), alike)["reward"] == pytest.approx(1 / 2)
+    assert reward(one_extra, [a, b], (100, 100), alike)["reward"] == pytest.approx(2 / 3)
+    assert reward(one_missed, [a, b], (100, 100), missing_first)["reward"] == pytest.approx(1 / 2 - 0.25)
+    assert reward(one_extra, [a, b], (100, 100), missing_first)["reward"] == pytest.approx(2 / 3)
+    assert reward([], [], (100, 100), missing_first)["reward"] == 1  # the right "none" loses nothing
 
 
 def test_grpo_advantages_normalise_each_group_and_ignore_equal_groups():

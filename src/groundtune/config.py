@@ -350,9 +350,12 @@ class _Reward(_Settings):
     reward_format: float = setting(0.1, 'weight of "the answer was read: boxes that lie inside the image, or []"')
     reward_giou: bool = setting(False, "GIoU instead of IoU (a box missed or extra then scores -1): disjoint boxes "
                                 "still get a signal")
+    reward_missed: float = setting(0.0, "subtracted x the share of the true boxes the answer does not find at IoU >= "
+                                   "0.5: above 0, a missed box costs more than an extra one (a model that lists "
+                                   "too few)")
 
     def check(self) -> None:
-        _at_least_zero(self, "reward_box", "reward_format")
+        _at_least_zero(self, "reward_box", "reward_format", "reward_missed")
 
 
 @dataclass

@@ -19,6 +19,10 @@ a bad score and the result stays in [0, 1] (IoU) or [-1, 1] (GIoU). Two cases ha
 an empty answer (``[]``) to a no-target phrase earns 1, the best there is; an answer that was not
 read earns the floor. One predicted box against one true box gives that pair's IoU (or GIoU):
 the single-box reward as it always was.
+
+A missed box and an extra one cost alike in the box term. ``RewardWeights.missed`` (0 by default)
+subtracts, on top, that weight times the share of the true boxes the answer does not find at IoU >=
+0.5 (eval's recall, from 1): a model that lists too few boxes is pushed to list them all.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from groundtune import boxes
+from groundtune.evaluate import MATCH_IOU
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,7 @@ class RewardWeights:
     box: float = 1.0  # weight of the box term: matched IoU (or GIoU) of the answer's set of boxes
     format: float = 0.1  # weight of the format term: the answer was read (boxes inside the image, or [])
     giou: bool = False  # GIoU in [-1, 1] instead of IoU in [0, 1]: disjoint boxes still get a signal
+    missed: float = 0.0  # subtracted x the share of the true boxes not found at IoU >= 0.5
 
 
 def format_reward(pred_boxes: Sequence[boxes.Box] | None, image_size: boxes.Size) -> float:
@@ -60,11 +66,22 @@ def box_reward(pred_boxes: Sequence[boxes.Box] | None, true_boxes: Sequence[boxe
     return (sum(value for _, _, value in pairs) + floor * (n - len(pairs))) / n
 
 
+def missed_share(pred_boxes: Sequence[boxes.Box] | None, true_boxes: Sequence[boxes.Box]) -> float:
+    """The share of the true boxes that no answered box finds at IoU >= 0.5, matched one to one as
+    eval matches them (1 - recall@0.5); 0 for a phrase naming nothing, 1 for an unread answer."""
+    if not true_boxes:
+        return 0.0
+    found = len(boxes.match_boxes(pred_boxes or [], true_boxes, boxes.iou, MATCH_IOU))
+    return 1.0 - found / len(true_boxes)
+
+
 def reward(pred_boxes: Sequence[boxes.Box] | None, true_boxes: Sequence[boxes.Box], image_size: boxes.Size,
            weights: RewardWeights) -> dict[str, float]:
     """The weighted reward of one answer, with its parts (``iou`` is always the plain-IoU box
     term, for logs and the curriculum: a single box's IoU, 1 for ``[]`` to a no-target phrase)."""
     fmt = format_reward(pred_boxes, image_size)
     box = box_reward(pred_boxes, true_boxes, weights.giou)
-    return {"reward": weights.box * box + weights.format * fmt, "iou": box_reward(pred_boxes, true_boxes),
-            "format": fmt}
+    total = weights.box * box + weights.format * fmt
+    if weights.missed:
+        total -= weights.missed * missed_share(pred_boxes, true_boxes)
+    return {"reward": total, "iou": box_reward(pred_boxes, true_boxes), "format": fmt}

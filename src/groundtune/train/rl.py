@@ -110,7 +110,8 @@ def _rl(run: Path, cfg: RLConfig, resume_from: Path | None, data: RunData, on_st
     # a synthetic stream never repeats a prompt: no baseline per prompt to keep
     baselines = state["baselines"] if isinstance(samples, FileSamples) else None
     autocast = loop.autocast()
-    weights = RewardWeights(box=cfg.reward_box, format=cfg.reward_format, giou=cfg.reward_giou)
+    weights = RewardWeights(box=cfg.reward_box, format=cfg.reward_format, giou=cfg.reward_giou,
+                            missed=cfg.reward_missed)
     if ranks.main:
         on = f" on each of {ranks.world} ranks" if ranks.many else ""
         print(f"rl on {gm.source} ({trainable:,} trainable parameters): "
