@@ -245,6 +245,9 @@ def best_iou(pred_box: Sequence[float] | None, true_boxes: Sequence[Sequence[flo
     return max(overlap(pred_box, t) for t in true_boxes)
 
 
+MATCH_IOU = 0.5  # a predicted box counts for a true box at IoU >= 0.5, as in RefCOCO and gRefCOCO
+
+
 def match_boxes(pred_boxes: Sequence[Sequence[float]], true_boxes: Sequence[Sequence[float]], overlap=iou,
                 min_overlap: float | None = None) -> list[tuple[int, int, float]]:
     """The optimal one-to-one matching of predicted to true boxes: ``(pred index, true index,

@@ -42,7 +42,6 @@ from groundtune.data.images import drawn_by, load_image, png_info
 from groundtune.data.records import atomic_write, image_path, read_samples, sample_boxes
 from groundtune.data.refgen import MODEL_FILTER_IOU
 
-MATCH_IOU = 0.5  # a predicted box counts for a true box at IoU >= 0.5, as in RefCOCO and gRefCOCO
 THRESHOLDS = [round(0.5 + 0.05 * i, 2) for i in range(10)]  # 0.5, 0.55, ..., 0.95 (COCO's)
 THRESHOLD_CHOICES = [round(0.05 * i, 2) for i in range(1, 20)]  # a box head's objectness threshold: 0.05 ... 0.95
 METRICS = ["acc@0.5", "acc@0.75", "acc@0.5:0.95", "miou", "parse_fail_rate"]
@@ -115,7 +114,7 @@ def score_answer(pred: infer.Prediction, true_boxes: list[list[float]]) -> dict:
     on a no-target sample) and its set score: ``matched`` [pred index, true index, IoU] pairs at IoU
     >= 0.5, the ``missed`` true and ``extra`` predicted boxes' indices, and ``set_hit`` (exact)."""
     read = bool(pred.boxes) or pred.no_target
-    matched = boxes.match_boxes(pred.boxes, true_boxes, boxes.iou, MATCH_IOU)
+    matched = boxes.match_boxes(pred.boxes, true_boxes, boxes.iou, boxes.MATCH_IOU)
     single = score(pred.bbox, true_boxes) if true_boxes else {"iou": None, "hit@0.5": False, "hit@0.75": False}
     return {
         "pred_bbox": pred.bbox,
@@ -143,7 +142,7 @@ def best_threshold(predictions: list[infer.Prediction], samples: list[dict]) -> 
         matched = predicted = 0
         for pred, boxes_ in zip(predictions, true):
             kept = pred.above(threshold).boxes
-            matched += len(boxes.match_boxes(kept, boxes_, boxes.iou, MATCH_IOU))
+            matched += len(boxes.match_boxes(kept, boxes_, boxes.iou, boxes.MATCH_IOU))
             predicted += len(kept)
         f1 = 2 * matched / max(predicted + sum(map(len, true)), 1)
         if f1 >= best_f1:

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from groundtune import boxes
-from groundtune.evaluate import MATCH_IOU
 
 
 @dataclass(frozen=True)
@@ -71,7 +70,7 @@ def missed_share(pred_boxes: Sequence[boxes.Box] | None, true_boxes: Sequence[bo
     eval matches them (1 - recall@0.5); 0 for a phrase naming nothing, 1 for an unread answer."""
     if not true_boxes:
         return 0.0
-    found = len(boxes.match_boxes(pred_boxes or [], true_boxes, boxes.iou, MATCH_IOU))
+    found = len(boxes.match_boxes(pred_boxes or [], true_boxes, boxes.iou, boxes.MATCH_IOU))
     return 1.0 - found / len(true_boxes)
 
 
